@@ -1,0 +1,1 @@
+"""Pretraining pipeline for Eco-RNA, ProtLingo and RecursiveGPT."""

@@ -1,0 +1,290 @@
+"""Typed run configuration: dataclasses per component, YAML loading, ``--set`` overrides, validation.
+
+Every section is a dataclass that validates itself in ``__post_init__`` with a ValueError naming the field. YAML
+goes through :func:`from_dict`, which refuses unknown keys and wrong types with the dotted key path (and the file
+name), so a typo never silently falls back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration: one line that names the key (and file)."""
+
+
+def _check(cond: bool, name: str, msg: str):
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class MaskingConfig:
+    """BERT-style corruption of non-special positions (span corruption arrives with the recurrent objective)."""
+
+    select_prob: float = 0.15  # fraction of eligible positions supervised, at least one per non-empty row
+    mask_prob: float = 0.8  # of selected: replaced by <mask>
+    random_prob: float = 0.1  # of selected: replaced by a random canonical base; the rest keep their token
+
+    def __post_init__(self):
+        _check(0 < self.select_prob <= 1, "masking.select_prob", f"must be in (0, 1], got {self.select_prob}")
+        _check(self.mask_prob >= 0 and self.random_prob >= 0 and self.mask_prob + self.random_prob <= 1,
+               "masking.mask_prob", "mask_prob and random_prob must be >= 0 and sum to <= 1")
+
+
+@dataclass
+class DataConfig:
+    train_shards: str = "data/shards/rfam_demo"  # directory with manifest.json (relative to the repo root or cwd)
+    molecule: str = "rna"  # 'rna' | 'dna': which canonical bases random replacement draws from
+    context_length: int = 128  # tokens including <cls> and <eos>; longer records are randomly cropped
+    num_workers: int = 0  # DataLoader worker processes per rank
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+
+    def __post_init__(self):
+        _check(self.molecule in ("rna", "dna"), "data.molecule", f"must be 'rna' or 'dna', got {self.molecule!r}")
+        _check(self.context_length >= 8, "data.context_length", f"must be >= 8, got {self.context_length}")
+        _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
+
+
+@dataclass
+class ObjectiveConfig:
+    train_depth: int = 4  # fixed number of core applications K during training
+
+    def __post_init__(self):
+        _check(self.train_depth >= 1, "objective.train_depth", f"must be >= 1, got {self.train_depth}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    schedule_steps: int | None = None  # length of the cosine; defaults to train.max_steps
+    weight_decay: float = 0.1
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # written into the ds_config as gradient_clipping; 0 disables
+
+    def __post_init__(self):
+        _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas",
+               f"must be two numbers in [0, 1), got {self.betas}")
+        _check(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {self.grad_clip}")
+        _check(self.schedule_steps is None or self.schedule_steps >= 1, "optim.schedule_steps", "must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100  # optimizer steps
+    micro_batch_size: int = 8  # sequences per rank per microbatch
+    grad_accum_steps: int = 1
+    global_batch_size: int | None = None  # if set, must equal micro_batch_size * grad_accum_steps * world_size
+    precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    log_every: int = 10
+    log_samples: bool = False  # write the sample ids of every step to RUN_DIR/samples-rankN.jsonl
+
+    def __post_init__(self):
+        _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
+        _check(self.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
+        _check(self.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}")
+        _check(self.precision in ("auto", "fp32", "bf16"), "train.precision",
+               f"must be auto, fp32 or bf16, got {self.precision!r}")
+        _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 50  # also saved at the end of training
+    keep_last: int = 3  # older step checkpoints are deleted; 0 keeps all
+
+    def __post_init__(self):
+        _check(self.every_steps >= 1, "checkpoint.every_steps", f"must be >= 1, got {self.every_steps}")
+        _check(self.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0, got {self.keep_last}")
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    experiment: str = "eco-rna"
+    run_name: str | None = None
+    tracking_uri: str | None = None  # default sqlite:///RUN_DIR/mlflow.db; MLFLOW_TRACKING_URI overrides both
+
+
+SECTIONS = {
+    "data": DataConfig,
+    "objective": ObjectiveConfig,
+    "optim": OptimConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "tracking": TrackingConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    family: str
+    model: Any  # the family's model config dataclass
+    run_dir: str = "runs/eco_rna_demo"
+    seed: int = 1234
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check_world_size(self, world_size: int):
+        """Batch arithmetic: global = micro x accumulation x world size."""
+        t = self.train
+        if t.global_batch_size is not None:
+            got = t.micro_batch_size * t.grad_accum_steps * world_size
+            _check(got == t.global_batch_size, "train.global_batch_size",
+                   f"{t.global_batch_size} != micro_batch_size {t.micro_batch_size} x grad_accum_steps "
+                   f"{t.grad_accum_steps} x world size {world_size} = {got}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Generic dict -> dataclass conversion with key paths in every error
+# --------------------------------------------------------------------------------------------------------------------
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: cannot be null")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+        return from_dict(tp, value, prefix=key + ".")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if tp is list or origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ConfigError naming the key."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown config key (known: {', '.join(sorted(names))})")
+    kwargs = {k: _convert(v, hints[k], prefix + k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except TypeError as e:  # a required field missing
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Files and overrides
+# --------------------------------------------------------------------------------------------------------------------
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """``a.b=c`` sets raw['a']['b'] to YAML-parsed 'c' (so numbers, booleans, lists and null work)."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {p} is not a section")
+        node[parts[-1]] = yaml.safe_load(text)
+    return raw
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return raw
+
+
+def build_config(raw: dict) -> RunConfig:
+    from pipeline.families import get_family  # families import models; keep config importable on its own
+
+    raw = dict(raw)
+    family_name = raw.get("family", "eco_rna")
+    if not isinstance(family_name, str):
+        raise ConfigError(f"family: expected a string, got {family_name!r}")
+    family = get_family(family_name)
+    model = from_dict(family.config_cls, raw.pop("model", {}) or {}, prefix="model.")
+    raw["family"] = family_name
+    hints = typing.get_type_hints(RunConfig)
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown config key (known: {', '.join(sorted(names))})")
+    kwargs = {k: _convert(v, hints[k], k) for k, v in raw.items() if k != "family"}
+    return RunConfig(family=family_name, model=model, **kwargs)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """YAML file (or the defaults when ``path`` is None) plus overrides -> validated RunConfig.
+
+    Errors carry the file name so the user knows where to look.
+    """
+    raw = load_yaml(path) if path is not None else {}
+    raw = apply_overrides(raw, list(overrides))
+    try:
+        return build_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,201 @@
+"""Shard format shared by every data_prep job and the training loader.
+
+A shard directory holds WebDataset tar files and one ``manifest.json``::
+
+    DIR/manifest.json
+    DIR/<prefix>-000000.tar   members: <key>.tokens.npy  (uint8 token ids, no <cls>/<eos>)
+                                       <key>.meta.json   ({"id": record id, "source": ..., ...})
+
+The manifest is the contract the loader relies on: per shard its sample and token counts and sha256, so a reader can
+jump to any (epoch, position) without opening the tars it skips, and can tell a truncated shard from a short one.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from webdataset.tariterators import group_by_keys, tar_file_iterator
+from webdataset.writer import TarWriter
+
+FORMAT = "bioseq-wds/1"
+
+
+class ShardError(ValueError):
+    """A shard directory or shard that cannot be read as promised; the message names the file."""
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class ShardInfo:
+    path: str  # relative to the manifest's directory
+    samples: int
+    tokens: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    source: str
+    tokenizer: dict  # {"name": ..., "vocab": [...], "alphabet": ...}
+    shards: list[ShardInfo]
+    filtered: dict = field(default_factory=dict)  # reason -> count, for every record not written
+    inputs: list = field(default_factory=list)  # [{"path", "records"}]
+    format: str = FORMAT
+
+    @property
+    def total_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.tokens for s in self.shards)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["total_samples"], d["total_tokens"] = self.total_samples, self.total_tokens
+        return d
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
+    """Write ``manifest.json`` atomically (temp file + rename), so a reader never sees half of it."""
+    path = Path(directory) / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_manifest(directory: str | Path) -> Manifest:
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise FileNotFoundError(f"shard directory {directory} does not exist (run data_prep first)")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no manifest.json in the shard directory (run data_prep first)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{path}: not valid JSON ({e})") from None
+    if raw.get("format") != FORMAT:
+        raise ShardError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
+    shards = [ShardInfo(**s) for s in raw["shards"]]
+    for s in shards:
+        p = directory / s.path
+        if Path(s.path).is_absolute() or ".." in Path(s.path).parts:
+            raise ShardError(f"{path}: shard path {s.path!r} escapes the shard directory")
+        if not p.is_file():
+            raise FileNotFoundError(f"{path}: lists shard {s.path} which is missing")
+    if not shards:
+        raise ShardError(f"{path}: lists no shards")
+    return Manifest(source=raw["source"], tokenizer=raw["tokenizer"], shards=shards,
+                    filtered=raw.get("filtered", {}), inputs=raw.get("inputs", []))
+
+
+class ShardWriter:
+    """Writes samples into numbered tar shards of at most ``max_samples`` samples each.
+
+    Shards are written as ``.tar.tmp`` and renamed when closed; ``abort()`` removes everything written.
+    """
+
+    def __init__(self, directory: str | Path, prefix: str = "shard", max_samples: int = 10_000):
+        if max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+        self.directory = Path(directory)
+        self.prefix, self.max_samples = prefix, max_samples
+        self.shards: list[ShardInfo] = []
+        self._writer = None
+        self._tmp = None
+        self._count = self._tokens = 0
+
+    def _open(self):
+        name = f"{self.prefix}-{len(self.shards):06d}.tar"
+        self._tmp = self.directory / (name + ".tmp")
+        self._file = open(self._tmp, "wb")
+        # mtime fixed so that the same input gives byte-identical shards (and sha256); an int, because a float
+        # mtime makes tarfile write an extra PAX header (1 KiB) before every member.
+        self._writer = TarWriter(self._file, encoder=False, mtime=0)
+        self._count = self._tokens = 0
+
+    def write(self, key: str, tokens: np.ndarray, meta: dict):
+        if "/" in key or key.startswith(".") or "." in key:
+            raise ValueError(f"sample key {key!r} may not contain '/' or '.'")
+        if self._writer is None:
+            self._open()
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(tokens, dtype=np.uint8), allow_pickle=False)
+        self._writer.write({"__key__": key, "tokens.npy": buf.getvalue(),
+                            "meta.json": json.dumps(meta, separators=(",", ":")).encode()})
+        self._count += 1
+        self._tokens += len(tokens)
+        if self._count >= self.max_samples:
+            self._close_current()
+
+    def _close_current(self):
+        if self._writer is None:
+            return
+        self._writer.close()
+        self._file.close()
+        final = self._tmp.with_suffix("")  # drop .tmp
+        os.replace(self._tmp, final)
+        self.shards.append(ShardInfo(final.name, self._count, self._tokens, sha256_file(final)))
+        self._writer = None
+
+    def close(self) -> list[ShardInfo]:
+        self._close_current()
+        return self.shards
+
+    def abort(self):
+        if self._writer is not None:
+            self._writer.close()
+            self._file.close()
+            self._tmp.unlink(missing_ok=True)
+            self._writer = None
+        for s in self.shards:
+            (self.directory / s.path).unlink(missing_ok=True)
+        self.shards = []
+
+
+def read_shard(path: str | Path, expected_samples: int | None = None) -> list[tuple[str, np.ndarray, dict]]:
+    """All samples of one shard as (key, uint8 tokens, meta), in file order.
+
+    A truncated or corrupt tar, a member name that escapes the shard, or fewer samples than the manifest promises is
+    one ShardError naming the file.
+    """
+    path = Path(path)
+    out = []
+    try:
+        with open(path, "rb") as f:
+            members = tar_file_iterator(f)
+            for sample in group_by_keys(({**m, "__url__": str(path)} for m in members)):
+                key = sample["__key__"]
+                if key.startswith("/") or ".." in key.split("/"):
+                    raise ValueError(f"member {key!r} escapes the shard")
+                if "tokens.npy" not in sample or "meta.json" not in sample:
+                    raise ValueError(f"sample {key!r} lacks tokens.npy or meta.json")
+                tokens = np.load(io.BytesIO(sample["tokens.npy"]), allow_pickle=False)
+                out.append((key, tokens, json.loads(sample["meta.json"])))
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise ShardError(f"{path}: truncated or corrupt shard ({e})") from None
+    except ShardError:
+        raise
+    except ValueError as e:
+        raise ShardError(f"{path}: {e}") from None
+    if expected_samples is not None and len(out) != expected_samples:
+        raise ShardError(f"{path}: holds {len(out)} samples but the manifest says {expected_samples} "
+                         "(truncated shard?)")
+    return out

@@ -1,0 +1,316 @@
+"""Training engine: DeepSpeed ZeRO, exact token-normalized steps, checkpoint/resume, MLflow.
+
+One optimizer step:
+  1. draw all ``grad_accum_steps`` microbatches of the step (the loader position advances by that many);
+  2. all-reduce the supervised-token count n_global over ranks and microbatches (skip the update if it is 0);
+  3. per microbatch: ``engine.backward(sum_token_loss * world / n_global, scale_wrt_gas=False)`` and ``engine.step()``.
+     ``scale_wrt_gas=False`` turns off DeepSpeed's division by gradient_accumulation_steps (runtime/engine.py
+     ``backward``); the factor ``world`` cancels its average over data-parallel ranks (zero/stage_1_and_2.py,
+     comm/coalesced_collectives.py for stage 3). The update is then the gradient of the global token mean.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipeline.config import ConfigError, RunConfig, dump_yaml
+from pipeline.data.loader import ShardStream, make_loader
+from pipeline.data.shards import load_manifest
+from pipeline.families import get_family
+from pipeline.tracking import Tracker
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+LATEST = "latest"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Set-up that can fail fast, before any process group or compute
+# --------------------------------------------------------------------------------------------------------------------
+def resolve_ds_config(raw: dict, cfg: RunConfig, world_size: int, path: str, cuda: bool) -> dict:
+    """Fill batch sizes, clipping and precision from the run config; a value the file sets must agree."""
+    ds = json.loads(json.dumps(raw))  # deep copy
+    t = cfg.train
+    want = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum_steps,
+        "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
+        "gradient_clipping": cfg.optim.grad_clip,
+    }
+    for key, value in want.items():
+        if key in ds and ds[key] != value:
+            detail = (f"train.micro_batch_size {t.micro_batch_size} x train.grad_accum_steps {t.grad_accum_steps} "
+                      f"x world size {world_size} = {want['train_batch_size']}" if key in BATCH_KEYS
+                      else f"optim.grad_clip = {value}")
+            raise ConfigError(f"{path}: {key} is {ds[key]} but the run config gives {value} ({detail})")
+        ds[key] = value
+    precision = t.precision if t.precision != "auto" else ("bf16" if cuda else "fp32")
+    for name in ("fp16", "bf16"):
+        enabled = ds.get(name, {}).get("enabled", False)
+        if enabled and enabled != "auto" and name != precision:
+            raise ConfigError(f"{path}: {name}.enabled is true but train.precision resolves to {precision}")
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision == "bf16"}
+    ds.pop("fp16", None)
+    ds.setdefault("steps_per_print", 10**9)  # our own log line replaces DeepSpeed's
+    return ds
+
+
+def load_ds_config(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{path}: ds_config file not found")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be an object")
+    stage = raw.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{path}: zero_optimization.stage must be 0-3, got {stage!r}")
+    return raw
+
+
+def lr_lambda(cfg: RunConfig):
+    """Linear warmup to optim.lr, then cosine to optim.lr * min_lr_ratio at schedule_steps (default max_steps)."""
+    warmup, total, floor = cfg.optim.warmup_steps, cfg.optim.schedule_steps or cfg.train.max_steps, cfg.optim.min_lr_ratio
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float):
+    """Decay matrices; leave gains, biases and the injection vectors a, b undecayed."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _ensure_dist_env():
+    """Let ``python launchers/pretrain.py`` run as a single process without a launcher."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------------------------------
+def latest_tag(ckpt_dir: Path) -> str | None:
+    f = ckpt_dir / LATEST
+    return f.read_text().strip() if f.is_file() else None
+
+
+def _write_atomic(path: Path, text: str):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, ds_config_path: str, resume: str = "auto"):
+        self.cfg = cfg
+        self.family = get_family(cfg.family)
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.resume = resume
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        # Everything that can be wrong with the inputs fails here, before DeepSpeed starts.
+        cfg.check_world_size(world_size)
+        self.ds_config = resolve_ds_config(load_ds_config(ds_config_path), cfg, world_size, ds_config_path,
+                                           torch.cuda.is_available())
+        self.ds_config_path = ds_config_path
+        self.manifest = load_manifest(cfg.data.train_shards)
+        n_streams = max(1, cfg.data.num_workers)
+        if len(self.manifest.shards) < world_size * n_streams:
+            raise ConfigError(f"data.train_shards: {cfg.data.train_shards} has {len(self.manifest.shards)} shards, "
+                              f"fewer than {world_size} ranks x {n_streams} loader streams")
+        self.resume_tag = self._find_resume_tag()
+
+    def _find_resume_tag(self) -> str | None:
+        if self.resume == "never":
+            if latest_tag(self.ckpt_dir):
+                raise ConfigError(f"--resume never: {self.ckpt_dir} already holds checkpoints; "
+                                  "use --resume auto or another run_dir")
+            return None
+        if self.resume == "auto":
+            return latest_tag(self.ckpt_dir)
+        tag_dir = Path(self.resume)
+        if not tag_dir.is_dir():
+            raise ConfigError(f"--resume {self.resume}: no such checkpoint directory")
+        self.ckpt_dir = tag_dir.parent
+        return tag_dir.name
+
+    # ---------------------------------------------------------------------------------------------------------------
+    def setup(self):
+        import deepspeed  # imported here so config errors surface without DeepSpeed's start-up cost
+
+        _ensure_dist_env()
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+            if "OMP_NUM_THREADS" not in os.environ:  # ranks on one host share its cores; oversubscribing halves speed
+                local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or self.world)
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+        torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
+        model = self.family.build_model(self.cfg.model)
+        optimizer = torch.optim.AdamW(param_groups(model, self.cfg.optim.weight_decay), lr=self.cfg.optim.lr,
+                                      betas=tuple(self.cfg.optim.betas), eps=self.cfg.optim.eps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
+
+        self.step, self.batches_consumed, run_id = 0, 0, None
+        if self.resume_tag:
+            run_id = self._load(self.resume_tag)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _write_atomic(self.run_dir / "config.yaml", dump_yaml(self.cfg))
+            _write_atomic(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=1))
+            self._truncate_logs()
+        dist.barrier()
+        self.tracker = Tracker(self.cfg, self.run_dir, self.rank, run_id, self.step if self.resume_tag else None)
+        if not self.resume_tag:
+            self.tracker.log_artifact(self.run_dir / "config.yaml")
+            self.tracker.log_artifact(self.run_dir / "ds_config.json")
+            self.tracker.log_artifact(Path(self.cfg.data.train_shards) / "manifest.json", "data")
+
+        self.dataset = ShardStream(self.cfg.data.train_shards, rank=self.rank, world_size=self.world,
+                                   num_workers=self.cfg.data.num_workers,
+                                   micro_batch_size=self.cfg.train.micro_batch_size, seed=self.cfg.seed,
+                                   transform=self.family.make_transform(self.cfg), pad_id=self.family.pad_id,
+                                   batches_consumed=self.batches_consumed)
+
+    def _load(self, tag: str) -> str | None:
+        ckpt_cfg_path = self.ckpt_dir / tag / "client_state.json"
+        saved = json.loads(ckpt_cfg_path.read_text())
+        if saved["config"]["family"] != self.cfg.family or saved["config"]["model"] != self.cfg.to_dict()["model"]:
+            diff = [k for k in self.cfg.to_dict()["model"]
+                    if saved["config"]["model"].get(k) != self.cfg.to_dict()["model"][k]]
+            raise ConfigError(f"model.{diff[0] if diff else 'family'}: differs from checkpoint {self.ckpt_dir / tag}")
+        if saved["world_size"] != self.world:
+            raise ConfigError(f"checkpoint {self.ckpt_dir / tag} was written by {saved['world_size']} ranks, "
+                              f"this run has {self.world}; convert it with tools/convert_checkpoint.py first")
+        path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {self.ckpt_dir / tag}")
+        self.step, self.batches_consumed = client["step"], client["batches_consumed"]
+        if self.rank == 0:
+            print(f"resumed from {self.ckpt_dir / tag} at step {self.step}", flush=True)
+        return client.get("mlflow_run_id")
+
+    def _truncate_logs(self):
+        """Drop log lines of steps after the resume point (a killed run may have logged past its last checkpoint)."""
+        for f in [self.run_dir / "metrics.jsonl", *self.run_dir.glob("samples-rank*.jsonl")]:
+            if f.is_file():
+                keep = [ln for ln in f.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
+                _write_atomic(f, "".join(ln + "\n" for ln in keep))
+
+    def save(self):
+        tag = f"step{self.step:08d}"
+        client = {"step": self.step, "batches_consumed": self.batches_consumed, "world_size": self.world,
+                  "mlflow_run_id": self.tracker.run_id, "config": self.cfg.to_dict()}
+        # save_latest=False: DeepSpeed writes 'latest' on rank 0 before the other ranks finish their shards; we write
+        # it ourselves after save_checkpoint's closing barrier, atomically, so 'latest' only ever names a whole one.
+        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        dist.barrier()
+        if self.rank == 0:
+            _write_atomic(self.ckpt_dir / tag / "client_state.json", json.dumps(client, indent=1))
+            _write_atomic(self.ckpt_dir / tag / "config.yaml", dump_yaml(self.cfg))
+            _write_atomic(self.ckpt_dir / LATEST, tag)
+            keep = self.cfg.checkpoint.keep_last
+            tags = sorted(p.name for p in self.ckpt_dir.glob("step*") if p.is_dir())
+            for old in tags[:-keep] if keep else []:
+                shutil.rmtree(self.ckpt_dir / old, ignore_errors=True)
+        dist.barrier()
+
+    # ---------------------------------------------------------------------------------------------------------------
+    def train(self):
+        cfg, engine = self.cfg, self.engine
+        gas, log_every = cfg.train.grad_accum_steps, cfg.train.log_every
+        data = make_loader(self.dataset, cfg.data.num_workers)
+        metrics_file = open(self.run_dir / "metrics.jsonl", "a") if self.rank == 0 else None
+        samples_file = (open(self.run_dir / f"samples-rank{self.rank}.jsonl", "a") if cfg.train.log_samples else None)
+        status = "FAILED"
+        try:
+            while self.step < cfg.train.max_steps:
+                t0 = time.perf_counter()
+                micro = [next(data) for _ in range(gas)]
+                self.batches_consumed += gas
+                counts = torch.tensor([sum(b.num_supervised for b in micro),
+                                       sum(int(b.attention_mask.sum()) for b in micro)], dtype=torch.float64)
+                dist.all_reduce(counts)
+                n_global, tokens_global = int(counts[0]), int(counts[1])
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss_sum = torch.zeros((), dtype=torch.float64)
+                if n_global > 0:
+                    for i, batch in enumerate(micro):
+                        out = self.family.loss(engine, batch.to(self.device), cfg, step=self.step, micro=i,
+                                               rank=self.rank)
+                        engine.backward(out.sum_loss * (self.world / n_global), scale_wrt_gas=False)
+                        engine.step()
+                        loss_sum += out.sum_loss.detach().double().cpu()
+                    dist.all_reduce(loss_sum)
+                self.step += 1
+                dt = time.perf_counter() - t0
+                rec = {"step": self.step, "loss": float(loss_sum) / n_global if n_global else float("nan"),
+                       "lr": lr, "grad_norm": _grad_norm(engine) if n_global else 0.0,
+                       "supervised_tokens": n_global, "tokens": tokens_global, "step_time": dt,
+                       "tokens_per_s": tokens_global / dt, "skipped": int(n_global == 0)}
+                if samples_file:
+                    samples_file.write(json.dumps({"step": self.step, "ids": [s for b in micro for s in b.sample_ids]})
+                                       + "\n")
+                if metrics_file:
+                    metrics_file.write(json.dumps(rec) + "\n")
+                    metrics_file.flush()
+                if self.step % log_every == 0 or self.step == cfg.train.max_steps:
+                    self.tracker.log_metrics({k: v for k, v in rec.items() if k != "step"}, self.step)
+                    if self.rank == 0:
+                        print(f"step {self.step}/{cfg.train.max_steps} | loss {rec['loss']:.4f} | lr {lr:.3e} | "
+                              f"grad_norm {rec['grad_norm']:.3f} | tok/s {rec['tokens_per_s']:.0f} | "
+                              f"step {dt * 1000:.0f} ms", flush=True)
+                if self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps:
+                    if samples_file:
+                        samples_file.flush()
+                    self.save()
+            status = "FINISHED"
+        finally:
+            for f in (metrics_file, samples_file):
+                if f:
+                    f.close()
+            if status == "FINISHED" and self.rank == 0:
+                self.tracker.log_artifact(self.run_dir / "metrics.jsonl")
+            self.tracker.finish(status)
+
+
+def _grad_norm(engine) -> float:
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")
+
+
+def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto"):
+    trainer = Trainer(cfg, ds_config_path, resume)
+    trainer.setup()
+    trainer.train()
+    return trainer

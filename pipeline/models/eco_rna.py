@@ -1,0 +1,219 @@
+"""Eco-RNA: recurrent-depth RNA masked language model (paper 000, Sec. 2.2 and A.1).
+
+    e      = N_p(P(E x~))                                         prelude, once        [B, L, d]
+    s_0    ~ N(0, sigma_init^2), zero at padding                                        [B, L, d]
+    s_k    = N_r(R(alpha * s_{k-1} + delta * B e)),  k = 1..K      shared core, K times
+    logits = N_o(C(W_o s_K)) E^T                                   coda + tied head     [B, L, V]
+
+with delta = softplus(b), alpha = a_min + (a_max - a_min) * exp(-delta * exp(min(a, a_cap))) per channel.
+
+Every computation runs inside a submodule's ``forward`` (the tied head included), so ZeRO-3's per-module parameter
+gathering sees every use of every parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pipeline.models.layers import ATTN_BACKENDS, RMSNorm, SandwichBlock, init_linear_, residual_std, rope_cache
+
+
+@dataclass
+class EcoRNAConfig:
+    vocab_size: int = 23
+    d_model: int = 768
+    n_heads: int = 12
+    n_kv_heads: int = 6
+    d_ff: int = 3072
+    n_prelude: int = 3
+    n_core: int = 3
+    n_coda: int = 3
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # The paper's Table A1 values were lost in extraction; these are our documented choices (README, Eco-RNA).
+    sigma_init: float = 1.0  # initial-state std; N_r keeps states at unit RMS, so s_0 starts on that scale
+    alpha_min: float = 0.1
+    alpha_max: float = 0.9
+    a_cap: float = 4.0
+    init_std: float = 0.02
+    attn_backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "d_ff", "n_core"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("n_prelude", "n_coda"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"model.n_heads: head dim {self.d_model // self.n_heads} must be even for RoPE")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_kv_heads: n_heads {self.n_heads} is not divisible by {self.n_kv_heads}")
+        if not 0 < self.alpha_min < self.alpha_max < 1:
+            raise ValueError(f"model.alpha_min: need 0 < alpha_min < alpha_max < 1, "
+                             f"got {self.alpha_min}, {self.alpha_max}")
+        if self.sigma_init < 0:
+            raise ValueError(f"model.sigma_init: must be >= 0, got {self.sigma_init}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"model.attn_backend: must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+
+    # ---- accounting known before the model is built -----------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def d_kv(self) -> int:
+        """Total key (= value) width."""
+        return self.n_kv_heads * self.head_dim
+
+    def block_params(self) -> int:
+        d = self.d_model
+        attn = 2 * d * d + 2 * d * self.d_kv + 2 * self.head_dim  # q, o, k, v, QK-norm gains
+        return attn + 3 * d * self.d_ff + 4 * d  # SwiGLU, four sandwich norms
+
+    def num_params(self) -> int:
+        d = self.d_model
+        blocks = (self.n_prelude + self.n_core + self.n_coda) * self.block_params()
+        # tied embedding, B and W_o, a and b, N_p N_r N_o
+        return self.vocab_size * d + blocks + 2 * d * d + 2 * d + 3 * d
+
+    def block_flops(self, length: int) -> int:
+        """Eq. A.8: 4 L d (d + d_kv) + 4 L^2 d + 6 L d d_f (a multiply-add counts two)."""
+        L, d = length, self.d_model
+        return 4 * L * d * (d + self.d_kv) + 4 * L * L * d + 6 * L * d * self.d_ff
+
+    def forward_flops(self, depth: int, length: int) -> int:
+        """Eq. A.9: D(K) F_blk + 2 (K + 1) L d^2 + 2 L d |V|, with D(K) = L_p + K L_r + L_c."""
+        L, d = length, self.d_model
+        blocks = self.n_prelude + depth * self.n_core + self.n_coda
+        return blocks * self.block_flops(L) + 2 * (depth + 1) * L * d * d + 2 * L * d * self.vocab_size
+
+
+def initial_state(cfg: EcoRNAConfig, attention_mask: torch.Tensor, generator: torch.Generator | None = None,
+                  table: torch.Tensor | None = None) -> torch.Tensor:
+    """s_0 [B, L, d] in fp32, zero at padding: fresh N(0, sigma_init^2) draws (training), or the first L rows of a
+    seed-fixed position-indexed table [L_max, d] (evaluation sweeps, so every depth starts from the same state)."""
+    B, L = attention_mask.shape
+    if table is not None:
+        s0 = table[:L].float().expand(B, L, -1)
+    else:  # drawn on the CPU so that a seed gives the same state on every device
+        s0 = torch.randn(B, L, cfg.d_model, generator=generator) * cfg.sigma_init
+    return s0.to(attention_mask.device) * attention_mask[..., None].float()
+
+
+class TiedEmbedding(nn.Module):
+    """Input embedding and output head share one matrix E [V, d]; both uses go through forward (ZeRO-3)."""
+
+    def __init__(self, vocab_size: int, d_model: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, d_model))
+
+    def forward(self, x: torch.Tensor, as_head: bool = False) -> torch.Tensor:
+        return F.linear(x, self.weight) if as_head else F.embedding(x, self.weight)
+
+
+class InputInjection(nn.Module):
+    """alpha * s + delta * B e (Eq. 3-4), channelwise; B starts as the identity."""
+
+    def __init__(self, cfg: EcoRNAConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.B = nn.Linear(d, d, bias=False)
+        self.a = nn.Parameter(torch.zeros(d))
+        self.b = nn.Parameter(torch.full((d,), 0.5413248546129181))  # softplus(b) = 1: full-scale injection
+        self.alpha_min, self.alpha_max, self.a_cap = cfg.alpha_min, cfg.alpha_max, cfg.a_cap
+
+    def coefficients(self):
+        delta = F.softplus(self.b)
+        alpha = self.alpha_min + (self.alpha_max - self.alpha_min) * torch.exp(
+            -delta * torch.exp(torch.clamp(self.a, max=self.a_cap)))
+        return alpha, delta
+
+    def forward(self, state: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        alpha, delta = self.coefficients()
+        return alpha * state + delta * self.B(e)
+
+
+class Stack(nn.Module):
+    def __init__(self, cfg: EcoRNAConfig, n: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            SandwichBlock(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.norm_eps, cfg.attn_backend)
+            for _ in range(n))
+
+    def forward(self, x, rope, key_mask):
+        for blk in self.blocks:
+            x = blk(x, rope, key_mask)
+        return x
+
+
+class Core(nn.Module):
+    """One application of the shared update: s' = N_r(R(alpha s + delta B e))."""
+
+    def __init__(self, cfg: EcoRNAConfig):
+        super().__init__()
+        self.inject = InputInjection(cfg)
+        self.stack = Stack(cfg, cfg.n_core)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)  # N_r
+
+    def forward(self, state, e, rope, key_mask):
+        return self.norm(self.stack(self.inject(state, e), rope, key_mask))
+
+
+class Readout(nn.Module):
+    """h = N_o(C(W_o s)); W_o starts as the identity."""
+
+    def __init__(self, cfg: EcoRNAConfig):
+        super().__init__()
+        self.W_o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.coda = Stack(cfg, cfg.n_coda)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)  # N_o
+
+    def forward(self, state, rope, key_mask):
+        return self.norm(self.coda(self.W_o(state), rope, key_mask))
+
+
+class EcoRNA(nn.Module):
+    def __init__(self, cfg: EcoRNAConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = TiedEmbedding(cfg.vocab_size, cfg.d_model)
+        self.prelude = Stack(cfg, cfg.n_prelude)
+        self.prelude_norm = RMSNorm(cfg.d_model, cfg.norm_eps)  # N_p
+        self.core = Core(cfg)
+        self.readout = Readout(cfg)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        cfg = self.cfg
+        n_blocks = cfg.n_prelude + cfg.n_core + cfg.n_coda
+        nn.init.normal_(self.embed.weight, 0.0, cfg.init_std)
+        init_linear_(self, cfg.init_std, residual_std(cfg.init_std, n_blocks))
+        with torch.no_grad():  # boundary maps start as the identity (A.1)
+            self.core.inject.B.weight.copy_(torch.eye(cfg.d_model))
+            self.readout.W_o.weight.copy_(torch.eye(cfg.d_model))
+
+    def rope(self, length: int, device, dtype):
+        return rope_cache(length, self.cfg.head_dim, self.cfg.rope_theta, device, dtype)
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depth: int,
+                init_state: torch.Tensor) -> torch.Tensor:
+        """tokens, attention_mask: [B, L] (mask True at real tokens); init_state: [B, L, d]. Returns logits [B, L, V].
+
+        Fixed depth for every row; the sampled per-row depth wavefront builds on the same core and readout.
+        """
+        B, L = tokens.shape
+        key_mask = attention_mask.bool()
+        x = self.embed(tokens)
+        rope = self.rope(L, x.device, x.dtype)
+        e = self.prelude_norm(self.prelude(x, rope, key_mask))
+        s = init_state.to(x.dtype)
+        for _ in range(depth):
+            s = self.core(s, e, rope, key_mask)
+        return self.embed(self.readout(s, rope, key_mask), as_head=True)

@@ -1,0 +1,155 @@
+"""Transformer building blocks shared by the model families (pure nn.Modules).
+
+Attention has one backend switch: ``sdpa`` (torch's scaled_dot_product_attention, every device) or ``flash``
+(flash-attn's varlen kernel, CUDA only). Both use the same parameters, so a checkpoint moves between them freely;
+``auto`` picks flash when flash-attn imports and the tensors are on CUDA.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:  # CUDA-only source build; installed on GPU hosts by scripts/install_gpu_kernels.sh
+    from flash_attn import flash_attn_varlen_func
+except Exception:  # ImportError, or an ABI mismatch raising OSError/RuntimeError
+    flash_attn_varlen_func = None
+
+ATTN_BACKENDS = ("auto", "sdpa", "flash")
+
+
+def flash_available() -> bool:
+    return flash_attn_varlen_func is not None and torch.cuda.is_available()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32: bf16 sums of squares lose the scale the recurrent state depends on.
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_cache(length: int, head_dim: int, theta: float, device, dtype=torch.float32):
+    """cos/sin tables [length, head_dim/2] for rotary embeddings."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, L, hd]; rotate interleaved halves (GPT-NeoX layout: first half with second half)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[None, None], sin[None, None]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    """Bidirectional grouped-query attention with QK RMSNorm and RoPE.
+
+    q: [B, H, L, hd], k/v: [B, Hkv, L, hd]; the padding mask keeps padded keys out of every softmax.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, norm_eps: float, backend: str = "auto"):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads {n_heads} is not divisible by n_kv_heads {n_kv_heads}")
+        if backend not in ATTN_BACKENDS:
+            raise ValueError(f"attention backend must be one of {ATTN_BACKENDS}, got {backend!r}")
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = d_model // n_heads
+        self.backend = backend
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, norm_eps)
+
+    def _use_flash(self, x: torch.Tensor) -> bool:
+        if self.backend == "flash":
+            if not flash_available() or not x.is_cuda:
+                raise RuntimeError("attention backend 'flash' needs flash-attn and CUDA tensors "
+                                   "(install with scripts/install_gpu_kernels.sh, or use 'sdpa')")
+            return True
+        return self.backend == "auto" and flash_attn_varlen_func is not None and x.is_cuda and x.dtype in (
+            torch.float16, torch.bfloat16)
+
+    def forward(self, x: torch.Tensor, rope: tuple, key_mask: torch.Tensor) -> torch.Tensor:
+        """x: [B, L, d]; key_mask: [B, L] bool, True at real tokens."""
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self._use_flash(x):
+            out = self._flash(q, k, v, key_mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :], enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+
+    @staticmethod
+    def _flash(q, k, v, key_mask):
+        """Unpad to the real tokens and run flash-attn's varlen kernel; rows are right-padded."""
+        B, H, L, hd = q.shape
+        lengths = key_mask.sum(-1, dtype=torch.int32)
+        cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+        idx = key_mask.reshape(-1).nonzero().squeeze(-1)
+        flat = lambda t: t.transpose(1, 2).reshape(B * L, t.shape[1], hd)[idx]  # noqa: E731  [T, heads, hd]
+        max_len = int(lengths.max())
+        out = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu, cu, max_len, max_len, causal=False)
+        full = q.new_zeros(B * L, H, hd)
+        full[idx] = out
+        return full.view(B, L, H, hd).transpose(1, 2)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=False)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SandwichBlock(nn.Module):
+    """Eco-RNA Eq. A.1: u^ = N2(u + Attn(N1 u)), u' = N4(u^ + MLP(N3 u^))."""
+
+    def __init__(self, d_model, n_heads, n_kv_heads, d_ff, norm_eps, attn_backend):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(d_model, norm_eps), RMSNorm(d_model, norm_eps)
+        self.norm3, self.norm4 = RMSNorm(d_model, norm_eps), RMSNorm(d_model, norm_eps)
+        self.attn = Attention(d_model, n_heads, n_kv_heads, norm_eps, attn_backend)
+        self.mlp = SwiGLU(d_model, d_ff)
+
+    def forward(self, u, rope, key_mask):
+        u = self.norm2(u + self.attn(self.norm1(u), rope, key_mask))
+        return self.norm4(u + self.mlp(self.norm3(u)))
+
+
+def init_linear_(module: nn.Module, std: float, residual_std: float):
+    """Zero-mean Gaussian for every Linear/Embedding; output projections of residual branches get residual_std."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Linear):
+            is_out = name.endswith("o_proj") or name.endswith("down_proj")
+            nn.init.normal_(m.weight, 0.0, residual_std if is_out else std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, std)
+
+
+def residual_std(std: float, n_blocks: int) -> float:
+    return std / math.sqrt(2 * n_blocks)

@@ -1,0 +1,59 @@
+"""Shared fixtures: the repository root on sys.path, sample shards, and a runner for real DeepSpeed launches."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+SHARED_DATA = REPO.parent / "shared" / "data"
+SAMPLE_FASTA = REPO / "data" / "samples" / "rfam_nrc_train_sample.fasta.gz"
+HELDOUT_FASTA = REPO / "data" / "samples" / "rfam_nrc_heldout_sample.fasta.gz"
+
+# A tiny Eco-RNA so that multi-process trainings take seconds on two CPU cores.
+TINY = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128", "data.context_length=64",
+        "train.micro_batch_size=4", "train.log_every=1", "optim.warmup_steps=2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def sample_shards(tmp_path_factory) -> Path:
+    """The shipped Rfam sample as 8 shards, built by the real data_prep CLI."""
+    out = tmp_path_factory.mktemp("shards") / "rfam"
+    subprocess.run([sys.executable, "-m", "data_prep", "rnacentral", "--input", str(SAMPLE_FASTA),
+                    "--output", str(out), "--shard-size", "300"], cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+def deepspeed_cmd(nproc: int, ds_config: str, overrides: list, extra: list = ()) -> list:
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
+           str(free_port()), str(REPO / "launchers" / "pretrain.py"), "--ds_config", str(REPO / ds_config)]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd + list(extra)
+
+
+def launch_env() -> dict:
+    env = dict(os.environ)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_pretrain(nproc: int, ds_config: str, overrides: list, extra: list = (), timeout: int = 600):
+    proc = subprocess.run(deepspeed_cmd(nproc, ds_config, overrides, extra), cwd=REPO, env=launch_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
+def read_jsonl(path: Path) -> list:
+    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln]

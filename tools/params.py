@@ -1,0 +1,41 @@
+#!/usr/bin/env python
+"""Print a model's parameter count from its config, before (and without) building it.
+
+    python tools/params.py --config launchers/configs/eco_rna_80m.yaml [--set model.d_model=512] [--build]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--build", action="store_true", help="also build the model and count its parameters")
+    args = p.parse_args(argv)
+    from pipeline.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    total = cfg.model.num_params()
+    active = getattr(cfg.model, "num_active_params", cfg.model.num_params)()
+    print(f"{cfg.family}: total {total:,} ({total / 1e6:.2f}M), active {active:,} ({active / 1e6:.2f}M)")
+    if args.build:
+        from pipeline.families import get_family
+
+        built = sum(q.numel() for q in get_family(cfg.family).build_model(cfg.model).parameters())
+        print(f"built model: {built:,} ({'matches' if built == total else 'DIFFERS FROM'} the config count)")
+        return 0 if built == total else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
