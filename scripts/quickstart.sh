@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Fresh machine -> a real Eco-RNA training: install, shard the shipped Rfam sample, train 100 steps with
+# 2 DeepSpeed processes under ZeRO-2 (CPU is fine). Extra arguments go to launchers/pretrain.py, e.g.
+#   bash scripts/quickstart.sh --set train.max_steps=200     # resumes from the last checkpoint and goes on
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+SHARDS=data/shards/rfam_demo
+if [[ ! -f $SHARDS/manifest.json ]]; then
+  .venv/bin/python -m data_prep rnacentral --input data/samples/rfam_nrc_train_sample.fasta.gz \
+    --output "$SHARDS" --shard-size 300
+fi
+exec .venv/bin/deepspeed --num_gpus "${NPROC:-2}" launchers/pretrain.py --ds_config ds_configs/zero2.json "$@"

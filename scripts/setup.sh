@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install the project. torch is pinned first (TORCH_SPEC, default the CPU wheel torch==2.13.0)
+# so that no dependency can pull a multi-GB CUDA build; GPU hosts set TORCH_SPEC or bring their own torch and run
+# scripts/install_gpu_kernels.sh afterwards. Re-running is cheap: it reinstalls only when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+stamp=.venv/.installed
+want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $TORCH_SPEC"
+if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
+  exit 0
+fi
+[[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "$TORCH_SPEC"
+.venv/bin/python -m pip install -q -e ".[dev]"
+echo "$want" > "$stamp"
+echo "installed into .venv: $(.venv/bin/python -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null)"
