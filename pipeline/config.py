@@ -30,13 +30,23 @@ def _check(cond: bool, name: str, msg: str):
 # --------------------------------------------------------------------------------------------------------------------
 @dataclass
 class MaskingConfig:
-    """BERT-style corruption of non-special positions (span corruption arrives with the recurrent objective)."""
+    """Which non-special positions are supervised and how they are corrupted (paper 000, A.2).
 
-    select_prob: float = 0.15  # fraction of eligible positions supervised, at least one per non-empty row
-    mask_prob: float = 0.8  # of selected: replaced by <mask>
-    random_prob: float = 0.1  # of selected: replaced by a random canonical base; the rest keep their token
+    ``kind: token`` selects positions independently; ``kind: span`` unions randomly placed spans of length
+    max(1, floor(Y)), Y ~ Exp(mean span_mean), clipped at the sequence boundary, until the target count is reached.
+    Either way a non-empty row supervises q = max(1, min(floor(select_prob |U|), |U|)) unique positions; each is then
+    replaced by <mask> (mask_prob), a random canonical base (random_prob) or kept.
+    """
+
+    kind: str = "token"  # token | span
+    select_prob: float = 0.15  # p_sel
+    span_mean: float = 3.0  # mu_span, for kind: span
+    mask_prob: float = 0.8
+    random_prob: float = 0.1
 
     def __post_init__(self):
+        _check(self.kind in ("token", "span"), "masking.kind", f"must be 'token' or 'span', got {self.kind!r}")
+        _check(self.span_mean > 0, "masking.span_mean", f"must be > 0, got {self.span_mean}")
         _check(0 < self.select_prob <= 1, "masking.select_prob", f"must be in (0, 1], got {self.select_prob}")
         _check(self.mask_prob >= 0 and self.random_prob >= 0 and self.mask_prob + self.random_prob <= 1,
                "masking.mask_prob", "mask_prob and random_prob must be >= 0 and sum to <= 1")
@@ -54,14 +64,6 @@ class DataConfig:
         _check(self.molecule in ("rna", "dna"), "data.molecule", f"must be 'rna' or 'dna', got {self.molecule!r}")
         _check(self.context_length >= 8, "data.context_length", f"must be >= 8, got {self.context_length}")
         _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
-
-
-@dataclass
-class ObjectiveConfig:
-    train_depth: int = 4  # fixed number of core applications K during training
-
-    def __post_init__(self):
-        _check(self.train_depth >= 1, "objective.train_depth", f"must be >= 1, got {self.train_depth}")
 
 
 @dataclass
@@ -94,6 +96,7 @@ class TrainConfig:
     precision: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
     log_every: int = 10
     log_samples: bool = False  # write the sample ids of every step to RUN_DIR/samples-rankN.jsonl
+    peak_flops_per_device: float | None = None  # e.g. 989e12 for H100/H200 bf16 dense; enables the MFU metric
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
@@ -124,7 +127,6 @@ class TrackingConfig:
 
 SECTIONS = {
     "data": DataConfig,
-    "objective": ObjectiveConfig,
     "optim": OptimConfig,
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
@@ -136,10 +138,10 @@ SECTIONS = {
 class RunConfig:
     family: str
     model: Any  # the family's model config dataclass
+    objective: Any  # the family's objective config dataclass
     run_dir: str = "runs/eco_rna_demo"
     seed: int = 1234
     data: DataConfig = field(default_factory=DataConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -263,6 +265,7 @@ def build_config(raw: dict) -> RunConfig:
         raise ConfigError(f"family: expected a string, got {family_name!r}")
     family = get_family(family_name)
     model = from_dict(family.config_cls, raw.pop("model", {}) or {}, prefix="model.")
+    objective = from_dict(family.objective_cls, raw.pop("objective", {}) or {}, prefix="objective.")
     raw["family"] = family_name
     hints = typing.get_type_hints(RunConfig)
     names = {f.name for f in dataclasses.fields(RunConfig)}
@@ -270,7 +273,7 @@ def build_config(raw: dict) -> RunConfig:
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown config key (known: {', '.join(sorted(names))})")
     kwargs = {k: _convert(v, hints[k], k) for k, v in raw.items() if k != "family"}
-    return RunConfig(family=family_name, model=model, **kwargs)
+    return RunConfig(family=family_name, model=model, objective=objective, **kwargs)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

@@ -211,7 +211,8 @@ class Trainer:
             raise ConfigError(f"model.{diff[0] if diff else 'family'}: differs from checkpoint {self.ckpt_dir / tag}")
         if saved["world_size"] != self.world:
             raise ConfigError(f"checkpoint {self.ckpt_dir / tag} was written by {saved['world_size']} ranks, "
-                              f"this run has {self.world}; convert it with tools/convert_checkpoint.py first")
+                              f"this run has {self.world}; resume with the same number of ranks "
+                              "(tools/convert_checkpoint.py exports the weights for any world size)")
         path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.ckpt_dir / tag}")
@@ -247,49 +248,37 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------------------------------
     def train(self):
-        cfg, engine = self.cfg, self.engine
-        gas, log_every = cfg.train.grad_accum_steps, cfg.train.log_every
+        cfg = self.cfg
         data = make_loader(self.dataset, cfg.data.num_workers)
         metrics_file = open(self.run_dir / "metrics.jsonl", "a") if self.rank == 0 else None
         samples_file = (open(self.run_dir / f"samples-rank{self.rank}.jsonl", "a") if cfg.train.log_samples else None)
+        peak = cfg.train.peak_flops_per_device
         status = "FAILED"
         try:
             while self.step < cfg.train.max_steps:
                 t0 = time.perf_counter()
-                micro = [next(data) for _ in range(gas)]
-                self.batches_consumed += gas
-                counts = torch.tensor([sum(b.num_supervised for b in micro),
-                                       sum(int(b.attention_mask.sum()) for b in micro)], dtype=torch.float64)
-                dist.all_reduce(counts)
-                n_global, tokens_global = int(counts[0]), int(counts[1])
+                micro = [next(data) for _ in range(cfg.train.grad_accum_steps)]
+                self.batches_consumed += len(micro)
                 lr = self.optimizer.param_groups[0]["lr"]
-                loss_sum = torch.zeros((), dtype=torch.float64)
-                if n_global > 0:
-                    for i, batch in enumerate(micro):
-                        out = self.family.loss(engine, batch.to(self.device), cfg, step=self.step, micro=i,
-                                               rank=self.rank)
-                        engine.backward(out.sum_loss * (self.world / n_global), scale_wrt_gas=False)
-                        engine.step()
-                        loss_sum += out.sum_loss.detach().double().cpu()
-                    dist.all_reduce(loss_sum)
+                rec = train_step(self.engine, self.family, cfg, micro, self.step, self.device)
                 self.step += 1
                 dt = time.perf_counter() - t0
-                rec = {"step": self.step, "loss": float(loss_sum) / n_global if n_global else float("nan"),
-                       "lr": lr, "grad_norm": _grad_norm(engine) if n_global else 0.0,
-                       "supervised_tokens": n_global, "tokens": tokens_global, "step_time": dt,
-                       "tokens_per_s": tokens_global / dt, "skipped": int(n_global == 0)}
+                rec.update(step=self.step, lr=lr, step_time=dt, tokens_per_s=rec["tokens"] / dt,
+                           tflops_per_device=rec.get("flops", 0.0) / self.world / dt / 1e12)
+                if peak:
+                    rec["mfu"] = rec["tflops_per_device"] * 1e12 / peak
                 if samples_file:
                     samples_file.write(json.dumps({"step": self.step, "ids": [s for b in micro for s in b.sample_ids]})
                                        + "\n")
                 if metrics_file:
                     metrics_file.write(json.dumps(rec) + "\n")
                     metrics_file.flush()
-                if self.step % log_every == 0 or self.step == cfg.train.max_steps:
+                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
                     self.tracker.log_metrics({k: v for k, v in rec.items() if k != "step"}, self.step)
                     if self.rank == 0:
                         print(f"step {self.step}/{cfg.train.max_steps} | loss {rec['loss']:.4f} | lr {lr:.3e} | "
                               f"grad_norm {rec['grad_norm']:.3f} | tok/s {rec['tokens_per_s']:.0f} | "
-                              f"step {dt * 1000:.0f} ms", flush=True)
+                              f"TFLOP/s/dev {rec['tflops_per_device']:.3f} | step {dt * 1000:.0f} ms", flush=True)
                 if self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps:
                     if samples_file:
                         samples_file.flush()
@@ -302,6 +291,64 @@ class Trainer:
             if status == "FINISHED" and self.rank == 0:
                 self.tracker.log_artifact(self.run_dir / "metrics.jsonl")
             self.tracker.finish(status)
+
+
+def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -> dict:
+    """One optimizer step over the microbatches ``micro`` of this rank (see the module docstring).
+
+    Collectives, in order: one all-reduce (SUM) of the token counts, one (MAX) of the plans' sync values, then the
+    microbatches' forward/backward, then one all-reduce (SUM) of the logged statistics. Every rank makes the same
+    calls in the same order, whatever its data.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plans = [family.plan(b, cfg, step=step, micro=i, rank=rank) for i, b in enumerate(micro)]
+    counts = torch.tensor([sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro)],
+                          dtype=torch.float64)
+    dist.all_reduce(counts)
+    n_global, tokens_global = int(counts[0]), int(counts[1])
+    sync_keys = sorted(plans[0].sync_max) if plans else []
+    if sync_keys:  # e.g. K_max: every rank must call the shared core equally often
+        sync = torch.tensor([[p.sync_max[k] for k in sync_keys] for p in plans], dtype=torch.int64)
+        dist.all_reduce(sync, op=dist.ReduceOp.MAX)
+        for p, row in zip(plans, sync.tolist()):
+            p.sync_max = dict(zip(sync_keys, row))
+    rec = {"supervised_tokens": n_global, "tokens": tokens_global, "skipped": int(n_global == 0)}
+    if n_global == 0:  # an update needs a positive token count (A.2); skip it rather than divide by zero
+        rec.update(loss=float("nan"), grad_norm=0.0)
+        return rec
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    stats, totals = {}, {}
+    for batch, p in zip(micro, plans):
+        out = family.loss(engine, batch.to(device), cfg, p)
+        engine.backward(out.sum_loss * (world / n_global), scale_wrt_gas=False)
+        engine.step()
+        loss_sum += out.sum_loss.detach().double().cpu()
+        for k, (num, den) in out.stats.items():
+            a, b = stats.get(k, (0.0, 0.0))
+            stats[k] = (a + num, b + den)
+        for k, v in out.totals.items():
+            totals[k] = totals.get(k, 0.0) + v
+    # Names differ between ranks (a depth drawn on one rank only): gather them so every rank reduces the same vector.
+    gathered = _all_gather_object((sorted(stats), sorted(totals)))
+    names = sorted(set().union(*(g[0] for g in gathered)))
+    tnames = sorted(set().union(*(g[1] for g in gathered)))
+    vec = torch.tensor([float(loss_sum)] + [v for k in names for v in stats.get(k, (0.0, 0.0))]
+                       + [totals.get(k, 0.0) for k in tnames], dtype=torch.float64)
+    dist.all_reduce(vec)
+    rec.update(loss=float(vec[0]) / n_global, grad_norm=_grad_norm(engine))
+    for i, k in enumerate(names):
+        num, den = float(vec[1 + 2 * i]), float(vec[2 + 2 * i])
+        if den:
+            rec[k] = num / den
+    for i, k in enumerate(tnames):
+        rec[k] = float(vec[1 + 2 * len(names) + i])
+    return rec
+
+
+def _all_gather_object(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def _grad_norm(engine) -> float:

@@ -9,6 +9,7 @@ from typing import Callable
 
 from pipeline.config import ConfigError
 from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig
+from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
 from pipeline.objectives import eco_rna as eco_rna_objective
 
 
@@ -17,13 +18,20 @@ class Family:
     name: str
     config_cls: type
     build_model: Callable  # model config -> nn.Module
+    objective_cls: type
     make_transform: Callable  # RunConfig -> (uint8 tokens, np rng) -> {"input_ids", "labels"}
-    loss: Callable  # (model, Batch, RunConfig, *, step, micro, rank) -> LossOutput
+    plan: Callable  # (Batch, RunConfig, *, step, micro, rank) -> plan with .sync_max {name: int}
+    loss: Callable  # (model, Batch, RunConfig, plan) -> LossOutput
     pad_id: int = 0
 
 
 FAMILIES = {
-    "eco_rna": Family("eco_rna", EcoRNAConfig, EcoRNA, eco_rna_objective.make_transform, eco_rna_objective.mlm_loss),
+    "eco_rna": Family("eco_rna", EcoRNAConfig, EcoRNA, eco_rna_objective.EcoRNAObjectiveConfig,
+                      eco_rna_objective.make_transform, eco_rna_objective.plan, eco_rna_objective.recurrent_loss),
+    # The matched fixed-depth control (A.6): same data, masking and loss code; depth fixed, auxiliary terms off.
+    "eco_rna_control": Family("eco_rna_control", FixedDepthConfig, FixedDepthMLM,
+                              eco_rna_objective.EcoRNAObjectiveConfig, eco_rna_objective.make_transform,
+                              eco_rna_objective.plan, eco_rna_objective.recurrent_loss),
 }
 
 

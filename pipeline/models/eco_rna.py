@@ -94,6 +94,18 @@ class EcoRNAConfig:
         blocks = self.n_prelude + depth * self.n_core + self.n_coda
         return blocks * self.block_flops(L) + 2 * (depth + 1) * L * d * d + 2 * L * d * self.vocab_size
 
+    def train_flops(self, depths: list, length: int, backward_window: int, n_anchor_readouts: int = 0) -> int:
+        """FLOPs one training microbatch actually executes: per row the prelude, K_i core iterations (B e recomputed
+        in each) and the readout forward; the no-grad anchor readouts; and twice the forward FLOPs of the
+        differentiated part (prelude, last min(K_i, W) iterations, readout) for the backward."""
+        L, d = length, self.d_model
+        blk = self.block_flops(L)
+        prelude, core_iter = self.n_prelude * blk, self.n_core * blk + 2 * L * d * d
+        readout = 2 * L * d * d + self.n_coda * blk + 2 * L * d * self.vocab_size
+        forward = sum(prelude + k * core_iter + readout for k in depths) + n_anchor_readouts * readout
+        differentiated = sum(prelude + min(k, backward_window) * core_iter + readout for k in depths)
+        return forward + 2 * differentiated
+
 
 def initial_state(cfg: EcoRNAConfig, attention_mask: torch.Tensor, generator: torch.Generator | None = None,
                   table: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,6 +117,17 @@ def initial_state(cfg: EcoRNAConfig, attention_mask: torch.Tensor, generator: to
     else:  # drawn on the CPU so that a seed gives the same state on every device
         s0 = torch.randn(B, L, cfg.d_model, generator=generator) * cfg.sigma_init
     return s0.to(attention_mask.device) * attention_mask[..., None].float()
+
+
+@dataclass
+class EcoRNAOutput:
+    logits: torch.Tensor  # [B, L, V] readout of each row's terminal state s^(K_i)
+    state: torch.Tensor  # [B, L, d] s^(K_i)
+    prev_state: torch.Tensor  # [B, L, d] s^(K_i - 1) for rows with K_i >= 2
+    anchor_logits: torch.Tensor | None  # [n_a, L, V] no-grad readout of s^(K_a) for rows ``anchor_rows``
+    anchor_rows: torch.Tensor | None  # [n_a] rows with K_i > K_a
+    row_iterations: int  # executed core row-applications, = sum_i K_i
+    core_calls: int  # wavefront steps, = k_max
 
 
 class TiedEmbedding(nn.Module):
@@ -202,18 +225,62 @@ class EcoRNA(nn.Module):
     def rope(self, length: int, device, dtype):
         return rope_cache(length, self.cfg.head_dim, self.cfg.rope_theta, device, dtype)
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depth: int,
-                init_state: torch.Tensor) -> torch.Tensor:
-        """tokens, attention_mask: [B, L] (mask True at real tokens); init_state: [B, L, d]. Returns logits [B, L, V].
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths, init_state: torch.Tensor, *,
+                k_max: int | None = None, backward_window: int | None = None,
+                anchor_depth: int | None = None) -> "EcoRNAOutput":
+        """Right-aligned depth wavefront (paper A.2).
 
-        Fixed depth for every row; the sampled per-row depth wavefront builds on the same core and readout.
+        tokens, attention_mask: [B, L] (mask True at real tokens); depths: int or [B] long, K_i >= 1;
+        init_state: [B, L, d]. ``k_max`` >= max K_i is the number of core calls (the engine passes the maximum over
+        all ranks so that every rank calls the core equally often); ``backward_window`` W keeps autograd only for
+        the last W wavefront steps; ``anchor_depth`` K_a also returns a no-grad readout of s^(K_a) for rows with
+        K_i > K_a.
+
+        Row i is active at step t iff t > k_max - K_i, so every row ends at step k_max after exactly K_i core
+        applications. Rows are sorted by depth (descending) so the active rows are always a prefix: the core runs on
+        exactly sum_i K_i row-iterations, never on a padded row.
         """
         B, L = tokens.shape
+        depths = torch.as_tensor(depths, device=tokens.device).expand(B).long()
+        k_max = int(depths.max()) if k_max is None else int(k_max)
+        if B and (int(depths.min()) < 1 or int(depths.max()) > k_max):
+            raise ValueError(f"depths must lie in [1, k_max={k_max}], got {depths.tolist()}")
+        window = k_max if backward_window is None else min(int(backward_window), k_max)
         key_mask = attention_mask.bool()
         x = self.embed(tokens)
         rope = self.rope(L, x.device, x.dtype)
         e = self.prelude_norm(self.prelude(x, rope, key_mask))
-        s = init_state.to(x.dtype)
-        for _ in range(depth):
-            s = self.core(s, e, rope, key_mask)
-        return self.embed(self.readout(s, rope, key_mask), as_head=True)
+
+        order = torch.argsort(depths, descending=True, stable=True)
+        k_sorted = depths[order]
+        e_s, mask_s = e[order], key_mask[order]
+        s = init_state.to(x.dtype)[order]
+        prev = s  # s^(K_i - 1): after step k_max - 1, or s_0 for rows with K_i = 1 (never used: they have no K-1)
+        anchor = torch.zeros_like(s) if anchor_depth is not None else None
+        row_iterations = 0
+        for t in range(1, k_max + 1):
+            n = int((k_sorted > k_max - t).sum())  # active rows: a prefix of the sorted batch
+            if t == k_max - window + 1 and window < k_max:
+                s = s.detach()  # truncated backprop: the suffix of W steps starts from a detached state
+            with torch.set_grad_enabled(torch.is_grad_enabled() and t > k_max - window):
+                new = self.core(s[:n], e_s[:n], rope, mask_s[:n])  # called even with n = 0 (ZeRO-3 symmetry)
+            s = torch.cat([new, s[n:]]) if n < B else new
+            row_iterations += n
+            if t == k_max - 1:
+                prev = s
+            if anchor is not None:  # rows whose K_a-th iteration is step t: k_max - K_i + K_a == t
+                hit = (k_sorted == k_max + anchor_depth - t) & (k_sorted > anchor_depth)
+                if bool(hit.any()):
+                    anchor[hit] = s[hit].detach()
+
+        inverse = torch.argsort(order)
+        logits = self.embed(self.readout(s, rope, mask_s), as_head=True)[inverse]
+        anchor_rows = anchor_logits = None
+        if anchor is not None:
+            anchor_rows = torch.nonzero(depths > anchor_depth).squeeze(-1)  # original row indices
+            sorted_rows = inverse[anchor_rows]
+            with torch.no_grad():  # readout called on every rank, even with no eligible row (ZeRO-3 symmetry)
+                anchor_logits = self.embed(self.readout(anchor[sorted_rows], rope, mask_s[sorted_rows]),
+                                           as_head=True)
+        return EcoRNAOutput(logits=logits, state=s[inverse], prev_state=prev[inverse], anchor_logits=anchor_logits,
+                            anchor_rows=anchor_rows, row_iterations=row_iterations, core_calls=k_max)

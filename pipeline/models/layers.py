@@ -96,7 +96,7 @@ class Attention(nn.Module):
             out = self._flash(q, k, v, key_mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :], enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
 
     @staticmethod
     def _flash(q, k, v, key_mask):

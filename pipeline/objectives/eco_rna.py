@@ -1,33 +1,97 @@
-"""Eco-RNA training objective: terminal masked reconstruction at a fixed depth.
+"""Eco-RNA training objective (paper 000, Eq. 6-12 and A.2-A.3, A.7).
 
-Returns the *summed* token cross-entropy and the supervised-token count of one microbatch; the engine divides by the
-supervised-token count of the whole optimizer step (all ranks, all microbatches), so that the update is the exact
-global token mean however the tokens fall across microbatches (paper A.7).
+Per microbatch this returns ``S + m * A``: S the summed token cross-entropy of the terminal readout, m the number of
+supervised tokens and A = lambda_fp L_fp + lambda_a L_anchor the microbatch's auxiliary means. The engine divides by
+Z_acc, the supervised-token count of the whole optimizer step over every rank and microbatch, which gives Eq. A.7.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pipeline.config import ConfigError
 from pipeline.data.tokenizer import NucleotideTokenizer
 from pipeline.models.eco_rna import initial_state
-from pipeline.objectives.masking import IGNORE_INDEX, bert_mask
+from pipeline.objectives.masking import IGNORE_INDEX, corrupt
+
+
+@dataclass
+class EcoRNAObjectiveConfig:
+    """The paper's Tables A2-A3 values were lost in extraction; defaults are our documented choices."""
+
+    depth_law: str = "poisson_lognormal"  # poisson_lognormal (Eq. 12) | fixed
+    train_depth: int = 4  # K for depth_law: fixed
+    mu_k: float = 4.0  # expected Poisson intensity before K_min
+    sigma_k: float = 0.5  # dispersion of log intensity
+    k_min: int = 1
+    k_cap: int | None = 32  # truncation of the law's tail (bounds one step's compute); null = none
+    backward_window: int = 4  # W_bwd: autograd through the last min(K_i, W) iterations
+    lambda_fp: float = 0.1  # relative displacement weight
+    eps_fp: float = 1e-6
+    lambda_anchor: float = 0.1
+    anchor_depth: int = 1  # K_a
+    anchor_margin: float = 0.0  # m_a
+
+    def __post_init__(self):
+        def check(ok, name, msg):
+            if not ok:
+                raise ConfigError(f"objective.{name}: {msg}")
+
+        check(self.depth_law in ("poisson_lognormal", "fixed"), "depth_law",
+              f"must be poisson_lognormal or fixed, got {self.depth_law!r}")
+        check(self.train_depth >= 1, "train_depth", f"must be >= 1, got {self.train_depth}")
+        check(self.mu_k > 0, "mu_k", f"must be > 0, got {self.mu_k}")
+        check(self.sigma_k >= 0, "sigma_k", f"must be >= 0, got {self.sigma_k}")
+        check(self.k_min >= 1, "k_min", f"must be >= 1, got {self.k_min}")
+        check(self.k_cap is None or self.k_cap >= self.k_min, "k_cap", "must be >= k_min")
+        check(self.backward_window >= 1, "backward_window", f"must be >= 1, got {self.backward_window}")
+        check(self.lambda_fp >= 0 and self.lambda_anchor >= 0, "lambda_fp", "weights must be >= 0")
+        check(self.eps_fp > 0, "eps_fp", f"must be > 0, got {self.eps_fp}")
+        check(self.anchor_depth >= 1, "anchor_depth", f"must be >= 1, got {self.anchor_depth}")
+        check(self.anchor_margin >= 0, "anchor_margin", f"must be >= 0, got {self.anchor_margin}")
 
 
 @dataclass
 class LossOutput:
-    sum_loss: torch.Tensor  # scalar: sum of per-token cross-entropy over supervised tokens
-    num_tokens: int  # supervised tokens in this microbatch
-    metrics: dict = field(default_factory=dict)  # extra scalars to log (already means, not sums)
+    sum_loss: torch.Tensor  # scalar to backpropagate after division by Z_acc: S + m * A
+    num_tokens: int  # supervised tokens m
+    stats: dict = field(default_factory=dict)  # name -> (numerator, denominator); both summed over micro and ranks
+    totals: dict = field(default_factory=dict)  # name -> number summed over micro and ranks (e.g. executed FLOPs)
 
 
 def step_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
     """A generator owned by (seed, step, microbatch, rank): nothing random depends on global state or history."""
     state = np.random.SeedSequence([seed, step, micro, rank]).generate_state(2, dtype=np.uint32)
     return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+def sample_depths(n: int, cfg: EcoRNAObjectiveConfig, gen: torch.Generator) -> torch.Tensor:
+    """Eq. 12: tau ~ N(log mu - sigma^2/2, sigma^2), K~ ~ Poisson(e^tau), K = max(K_min, K~) (then <= k_cap)."""
+    if cfg.depth_law == "fixed":
+        return torch.full((n,), cfg.train_depth, dtype=torch.long)
+    tau = torch.randn(n, generator=gen, dtype=torch.float64) * cfg.sigma_k + (math.log(cfg.mu_k) - cfg.sigma_k ** 2 / 2)
+    k = torch.poisson(tau.exp(), generator=gen).long().clamp(min=cfg.k_min)
+    return k.clamp(max=cfg.k_cap) if cfg.k_cap is not None else k
+
+
+@dataclass
+class Plan:
+    """What a microbatch needs before its forward: drawn first so K_max can be synchronized across ranks."""
+
+    depths: torch.Tensor  # [B] long
+    init_state: torch.Tensor  # [B, L, d] fp32
+    sync_max: dict  # {"k_max": local max}; the engine replaces values by their maximum over all ranks
+
+
+def plan(batch, cfg, *, step: int, micro: int, rank: int) -> Plan:
+    gen = step_generator(cfg.seed, step, micro, rank)
+    depths = sample_depths(batch.input_ids.shape[0], cfg.objective, gen)
+    s0 = initial_state(cfg.model, batch.attention_mask.cpu(), generator=gen)
+    return Plan(depths, s0, {"k_max": int(depths.max()) if len(depths) else 1})
 
 
 def make_transform(cfg):
@@ -42,19 +106,69 @@ def make_transform(cfg):
             start = int(rng.integers(0, len(tokens) - body + 1))
             tokens = tokens[start:start + body]
         framed = np.concatenate([[tok.cls_id], tokens, [tok.eos_id]])
-        inputs, labels = bert_mask(framed, rng, select_prob=m.select_prob, mask_prob=m.mask_prob,
-                                   random_prob=m.random_prob, mask_id=tok.mask_id, num_special=tok.num_special,
-                                   random_pool=pool)
+        inputs, labels = corrupt(framed, rng, kind=m.kind, select_prob=m.select_prob, span_mean=m.span_mean,
+                                 mask_prob=m.mask_prob, random_prob=m.random_prob, mask_id=tok.mask_id,
+                                 num_special=tok.num_special, random_pool=pool)
         return {"input_ids": inputs, "labels": labels}
 
     return transform
 
 
-def mlm_loss(model, batch, cfg, *, step: int, micro: int, rank: int) -> LossOutput:
-    """batch: pipeline.data.loader.Batch on the model's device; model: the DeepSpeed engine (or a bare EcoRNA)."""
-    gen = step_generator(cfg.seed, step, micro, rank)
-    s0 = initial_state(cfg.model, batch.attention_mask, generator=gen)
-    logits = model(batch.input_ids, batch.attention_mask, cfg.objective.train_depth, s0)  # [B, L, V]
-    sum_loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
-    return LossOutput(sum_loss, int((batch.labels != IGNORE_INDEX).sum()))
+def per_row_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed token cross-entropy per row [B] and supervised count per row [B] (fp32)."""
+    ce = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return ce.sum(1), (labels != IGNORE_INDEX).sum(1)
+
+
+def relative_displacement(state, prev, valid, eps: float) -> torch.Tensor:
+    """r_i = ||s^K - s^(K-1)||^2_V / max(||s^(K-1)||^2_V, eps) over attention-valid positions V (Eq. 9) -> [B]."""
+    v = valid[..., None].float()
+    num = ((state.float() - prev.float()) ** 2 * v).sum((1, 2))
+    den = (prev.float() ** 2 * v).sum((1, 2)).clamp(min=eps)
+    return num / den
+
+
+def recurrent_loss(model, batch, cfg, p: Plan) -> LossOutput:
+    """batch: pipeline.data.loader.Batch on the model's device; model: the DeepSpeed engine or a bare EcoRNA."""
+    obj = cfg.objective
+    dev = batch.input_ids.device
+    depths = p.depths.to(dev)
+    use_anchor = obj.lambda_anchor > 0
+    out = model(batch.input_ids, batch.attention_mask, depths, p.init_state.to(dev), k_max=p.sync_max["k_max"],
+                backward_window=obj.backward_window, anchor_depth=obj.anchor_depth if use_anchor else None)
+    ce_sum, m_row = per_row_ce(out.logits, batch.labels)  # [B], [B]
+    S, m = ce_sum.sum(), int(m_row.sum())
+    zero = S.new_zeros(())
+    stats = {"mlm_loss": (float(S.detach()), m)}
+
+    fp_rows = depths >= 2  # I_fp
+    r = relative_displacement(out.state, out.prev_state, batch.attention_mask, obj.eps_fp)
+    n_fp = int(fp_rows.sum())
+    L_fp = r[fp_rows].mean() if n_fp else zero
+    stats["displacement"] = (float(r[fp_rows].detach().sum()), n_fp)
+
+    L_anchor, n_a = zero, 0
+    if use_anchor:
+        rows = out.anchor_rows
+        ref_sum, ref_m = per_row_ce(out.anchor_logits, batch.labels[rows])
+        keep = ref_m > 0  # I_a = {K_i > K_a, |M_i| > 0}
+        rows, n_a = rows[keep], int(keep.sum())
+        if n_a:
+            ell_k = ce_sum[rows] / m_row[rows]
+            ell_a = (ref_sum[keep] / ref_m[keep]).detach()
+            hinge = torch.relu(ell_k - ell_a - obj.anchor_margin)  # zero subgradient at equality
+            L_anchor = hinge.mean()
+            stats["anchor_hinge"] = (float(hinge.detach().sum()), n_a)
+            stats["anchor_active"] = (int((hinge > 0).sum()), n_a)
+    aux = obj.lambda_fp * L_fp + obj.lambda_anchor * L_anchor
+    B = len(depths)
+    for k in torch.unique(depths).tolist():  # diagnostics: depth histogram and displacement per depth
+        rows_k = depths == k
+        stats[f"depth_frac/K{k:02d}"] = (int(rows_k.sum()), B)
+        if k >= 2:
+            stats[f"displacement/K{k:02d}"] = (float(r[rows_k].detach().sum()), int(rows_k.sum()))
+    n_anchor_readout = len(out.anchor_rows) if use_anchor else 0
+    totals = {"flops": cfg.model.train_flops(depths.tolist(), batch.input_ids.shape[1], obj.backward_window,
+                                             n_anchor_readout),
+              "row_iterations": out.row_iterations, "core_calls": out.core_calls}
+    return LossOutput(S + m * aux, m, stats, totals)

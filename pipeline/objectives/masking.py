@@ -1,4 +1,4 @@
-"""Input corruption for masked language modelling (pure numpy, one sequence at a time)."""
+"""Input corruption for masked language modelling (pure numpy, one sequence at a time; paper 000, A.2)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,26 +6,55 @@ import numpy as np
 IGNORE_INDEX = -100
 
 
-def bert_mask(tokens: np.ndarray, rng: np.random.Generator, *, select_prob: float, mask_prob: float,
-              random_prob: float, mask_id: int, num_special: int, random_pool: np.ndarray):
-    """Select ``max(1, floor(select_prob * |U|))`` of the non-special positions U (none if U is empty).
+def target_count(n_eligible: int, select_prob: float) -> int:
+    """q = max(1, min(floor(p_sel |U|), |U|)) for a non-empty row, 0 for an empty one."""
+    return 0 if n_eligible == 0 else max(1, min(int(select_prob * n_eligible), n_eligible))
 
-    Of the selected positions, ``mask_prob`` become <mask>, ``random_prob`` a token drawn from ``random_pool``, the rest
-    keep their token; every selected position is supervised. Returns (inputs, labels) as int64 [L] arrays, labels
-    IGNORE_INDEX where unsupervised.
+
+def select_tokens(n: int, q: int, rng: np.random.Generator) -> np.ndarray:
+    """q unique indices of range(n), uniformly."""
+    return np.sort(rng.choice(n, size=q, replace=False))
+
+
+def select_spans(n: int, q: int, span_mean: float, rng: np.random.Generator) -> np.ndarray:
+    """Union of random spans over range(n) until q unique indices are selected.
+
+    Each span starts uniformly in [0, n) and has length max(1, floor(Y)), Y ~ Exp(mean span_mean), clipped at n.
+    The span that crosses q contributes only its first new positions, so exactly q are returned.
+    """
+    chosen = np.zeros(n, dtype=bool)
+    count = 0
+    while count < q:
+        start = int(rng.integers(0, n))
+        length = max(1, int(rng.exponential(span_mean)))
+        span = np.arange(start, min(n, start + length))
+        new = span[~chosen[span]][: q - count]
+        chosen[new] = True
+        count += len(new)
+    return np.flatnonzero(chosen)
+
+
+def corrupt(tokens: np.ndarray, rng: np.random.Generator, *, kind: str, select_prob: float, span_mean: float,
+            mask_prob: float, random_prob: float, mask_id: int, num_special: int, random_pool: np.ndarray):
+    """Select supervised positions among the non-special tokens U and corrupt them.
+
+    Special tokens are never selected. Of the selected positions, ``mask_prob`` become <mask>, ``random_prob`` a token
+    drawn from ``random_pool``, the rest keep their token; every selected position is supervised.
+    Returns (inputs, labels): int64 [L], labels IGNORE_INDEX where unsupervised.
     """
     tokens = tokens.astype(np.int64)
-    eligible = np.flatnonzero(tokens >= num_special)
+    eligible = np.flatnonzero(tokens >= num_special)  # U, positions in the sequence
     labels = np.full_like(tokens, IGNORE_INDEX)
     inputs = tokens.copy()
-    if eligible.size == 0:
+    q = target_count(eligible.size, select_prob)
+    if q == 0:
         return inputs, labels
-    n = min(max(1, int(select_prob * eligible.size)), eligible.size)
-    chosen = rng.choice(eligible, size=n, replace=False)
+    picked = (select_spans(eligible.size, q, span_mean, rng) if kind == "span"
+              else select_tokens(eligible.size, q, rng))
+    chosen = eligible[picked]  # spans are contiguous in U, which skips special tokens
     labels[chosen] = tokens[chosen]
-    u = rng.random(n)
-    to_mask = chosen[u < mask_prob]
+    u = rng.random(q)
+    inputs[chosen[u < mask_prob]] = mask_id
     to_random = chosen[(u >= mask_prob) & (u < mask_prob + random_prob)]
-    inputs[to_mask] = mask_id
     inputs[to_random] = rng.choice(random_pool, size=to_random.size)
     return inputs, labels

@@ -45,7 +45,7 @@ def test_tied_head_is_embedding():
     m.readout.register_forward_hook(lambda mod, inp, out: captured.append(out))
     tokens = torch.randint(6, 10, (2, 9))
     mask = torch.ones(2, 9, dtype=torch.bool)
-    logits = m(tokens, mask, 2, initial_state(m.cfg, mask, torch.Generator().manual_seed(0)))
+    logits = m(tokens, mask, 2, initial_state(m.cfg, mask, torch.Generator().manual_seed(0))).logits
     torch.testing.assert_close(logits, captured[0] @ m.embed.weight.T)
 
 
@@ -57,8 +57,8 @@ def test_padding_does_not_change_real_positions():
     padded = torch.cat([short, torch.zeros(1, 5, dtype=torch.long)], 1)
     mask_s, mask_p = torch.ones(1, 7, dtype=torch.bool), torch.arange(12)[None] < 7
     table = torch.randn(12, 32)
-    out_s = m(short, mask_s, 3, initial_state(m.cfg, mask_s, table=table))
-    out_p = m(padded, mask_p, 3, initial_state(m.cfg, mask_p, table=table))
+    out_s = m(short, mask_s, 3, initial_state(m.cfg, mask_s, table=table)).logits
+    out_p = m(padded, mask_p, 3, initial_state(m.cfg, mask_p, table=table)).logits
     torch.testing.assert_close(out_p[:, :7], out_s, atol=1e-5, rtol=1e-5)
 
 
@@ -102,7 +102,7 @@ def test_backward_reaches_every_parameter():
     m = EcoRNA(small_cfg())
     tokens = torch.randint(6, 12, (2, 8))
     mask = torch.ones(2, 8, dtype=torch.bool)
-    logits = m(tokens, mask, 2, initial_state(m.cfg, mask, torch.Generator().manual_seed(0)))
+    logits = m(tokens, mask, 2, initial_state(m.cfg, mask, torch.Generator().manual_seed(0))).logits
     F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
     missing = [n for n, p in m.named_parameters() if p.grad is None or not torch.any(p.grad != 0)]
     assert not missing
@@ -120,5 +120,5 @@ def test_flash_backend_matches_sdpa_on_gpu():
     tokens = torch.randint(6, 12, (3, 40), device="cuda")
     mask = torch.arange(40, device="cuda")[None] < torch.tensor([[40], [25], [9]], device="cuda")
     s0 = initial_state(cfg_s, mask, torch.Generator().manual_seed(0))
-    out_s, out_f = m_s(tokens, mask, 3, s0), m_f(tokens, mask, 3, s0)
+    out_s, out_f = m_s(tokens, mask, 3, s0).logits, m_f(tokens, mask, 3, s0).logits
     torch.testing.assert_close(out_f[mask].float(), out_s[mask].float(), atol=3e-2, rtol=3e-2)

@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Evaluate a trained checkpoint across recurrent depths.
+
+    python launchers/evaluate.py --checkpoint runs/eco_rna_demo --task reconstruction \
+        --data data/samples/rfam_nrc_heldout_sample.fasta.gz --depths 1-8
+    python launchers/evaluate.py --checkpoint runs/eco_rna_demo --task rnagym \
+        --data ../shared/data/eval/rnagym/Tome_2014_GFP_aptamer.csv --depths 1-8
+
+Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json), and, when the checkpoint's MLflow run can
+be reached (its run directory's store, or MLFLOW_TRACKING_URI), logs the metrics with step = K and a
+metric-vs-depth plot into that run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TASKS = ("reconstruction", "rnagym")
+
+
+def parse_depths(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        a, sep, b = part.partition("-")
+        lo, hi = int(a), int(b) if sep else int(a)
+        if lo < 1 or hi < lo:
+            raise ValueError(f"--depths {text!r}: ranges must be positive and increasing")
+        out.extend(range(lo, hi + 1))
+    return sorted(set(out))
+
+
+def read_sequences(path: Path, molecule: str) -> list[np.ndarray]:
+    """A FASTA (.gz) file or a shard directory -> uint8 token arrays."""
+    from pipeline.data.shards import load_manifest, read_shard
+
+    if path.is_dir():
+        manifest = load_manifest(path)
+        return [t for s in manifest.shards for _, t, _ in read_shard(path / s.path, s.samples)]
+    from data_prep.fasta import iter_fasta
+    from pipeline.data.tokenizer import NucleotideTokenizer
+
+    tok = NucleotideTokenizer(molecule)
+    return [tok.encode(r.seq) for r in iter_fasta(path, tok.invalid_positions) if len(r.seq)]
+
+
+def run_reconstruction(trained, data: Path, depths, seed: int) -> dict:
+    from pipeline.eval.reconstruction import heldout_samples, reconstruction_sweep
+    from pipeline.families import get_family
+
+    cfg = trained.cfg
+    seqs = read_sequences(data, cfg.data.molecule)
+    samples = heldout_samples(seqs, get_family(cfg.family).make_transform(cfg), seed)
+    per_k = reconstruction_sweep(trained.model, cfg, samples, depths, seed=seed)
+    return {"sequences": len(seqs), "per_depth": {str(k): v for k, v in per_k.items()},
+            "table": [(k, v["loss"], v["accuracy"]) for k, v in per_k.items()], "columns": ("K", "loss", "accuracy")}
+
+
+def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) -> dict:
+    import torch
+
+    from pipeline.eval.reconstruction import state_table
+    from pipeline.eval.rnagym import evaluate_assays, load_reference_sheet
+    from pipeline.models.eco_rna import initial_state
+
+    paths = sorted(data.glob("*.csv")) if data.is_dir() else [data]
+    paths = [p for p in paths if p.name != "reference_sheet.csv"]
+    sheet_path = sheet_path or (data if data.is_dir() else data.parent) / "reference_sheet.csv"
+    if not sheet_path.is_file():
+        raise FileNotFoundError(f"{sheet_path}: RNAGym reference sheet not found (pass --reference-sheet)")
+    sheet = load_reference_sheet(sheet_path)
+    cfg, model = trained.cfg, trained.model
+    table = state_table(cfg.model, cfg.data.context_length, seed)
+    per_depth = {}
+    for k in depths:
+        @torch.no_grad()
+        def forward(ids: np.ndarray, k=k) -> np.ndarray:  # framed ids [n] -> log-probs [n, V], wild-type input
+            tokens = torch.from_numpy(ids).long()[None]
+            mask = torch.ones_like(tokens, dtype=torch.bool)
+            logits = model(tokens, mask, k, initial_state(cfg.model, mask, table=table)).logits[0]
+            return torch.log_softmax(logits.float(), -1).numpy()
+
+        res = evaluate_assays(paths, sheet, forward, cfg.data.context_length)
+        per_depth[str(k)] = {"aggregate": res["aggregate"], "per_type": res["per_type"],
+                             "per_assay": res["per_assay"], "n_variants": res["n_variants"]}
+    agg = lambda k, m: per_depth[str(k)]["aggregate"][m]  # noqa: E731
+    return {"assays": [p.stem for p in paths], "per_depth": per_depth,
+            "table": [(k, agg(k, "spearman"), agg(k, "auc"), agg(k, "mcc")) for k in depths],
+            "columns": ("K", "|spearman|", "AUC", "|MCC|")}
+
+
+def log_to_mlflow(trained, task: str, result: dict) -> str | None:
+    """Log into the checkpoint's training run when its store is reachable; returns the run id used."""
+    run_id = os.environ.get("MLFLOW_RUN_ID") or trained.client_state.get("mlflow_run_id")
+    run_dir = Path(trained.cfg.run_dir)
+    db = trained.tag_dir.parent.parent / "mlflow.db"
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or trained.cfg.tracking.tracking_uri or (
+        f"sqlite:///{db.resolve()}" if db.is_file() else None)
+    if not (run_id and uri):
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    cols, rows = result["columns"], result["table"]
+    metrics = [Metric(f"eval/{task}/{name.strip('|')}", float(row[j]), 0, int(row[0]))
+               for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
+    client.log_batch(run_id, metrics=metrics)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ks = [r[0] for r in rows]
+    ax.plot(ks, [r[1] for r in rows], marker="o")
+    ax.set_xlabel("recurrent depth K")
+    ax.set_ylabel(cols[1])
+    ax.set_title(f"{task} vs depth ({run_dir.name})")
+    fig.tight_layout()
+    png = trained.tag_dir / f"eval-{task}-vs-depth.png"
+    fig.savefig(png, dpi=120)
+    client.log_artifact(run_id, str(png), "eval")
+    return run_id
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, or an export")
+    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir")
+    p.add_argument("--depths", default="1-8", help="e.g. 1-8 or 1,2,4,8")
+    p.add_argument("--seed", type=int, default=0, help="seeds the masks and the initial-state table")
+    p.add_argument("--reference-sheet", type=Path, default=None, help="RNAGym reference_sheet.csv")
+    p.add_argument("--output", type=Path, default=None, help="JSON path (default: TAG_DIR/eval-TASK.json)")
+    p.add_argument("--no-mlflow", action="store_true")
+    args = p.parse_args(argv)
+
+    from pipeline.checkpoint import load_trained_model
+    from pipeline.config import ConfigError
+    from pipeline.data.shards import ShardError
+
+    try:
+        depths = parse_depths(args.depths)
+        data = Path(args.data)
+        if not data.exists():
+            raise FileNotFoundError(f"{data}: no such file or directory")
+        trained = load_trained_model(args.checkpoint)
+        if args.task == "reconstruction":
+            result = run_reconstruction(trained, data, depths, args.seed)
+        else:
+            result = run_rnagym(trained, data, depths, args.seed, args.reference_sheet)
+    except (ConfigError, ShardError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cols = result["columns"]
+    print(" | ".join(f"{c:>10}" for c in cols))
+    for row in result["table"]:
+        print(" | ".join(f"{row[0]:>10d}" if j == 0 else f"{v:>10.4f}" for j, v in enumerate(row)))
+    out = args.output or trained.tag_dir / f"eval-{args.task}.json"
+    result.update(task=args.task, checkpoint=str(trained.tag_dir), data=str(data), seed=args.seed, depths=depths)
+    out.write_text(json.dumps(result, indent=1, default=float))
+    print(f"wrote {out}")
+    if not args.no_mlflow:
+        run_id = log_to_mlflow(trained, args.task, result)
+        if run_id:
+            print(f"logged to MLflow run {run_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

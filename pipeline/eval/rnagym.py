@@ -1,0 +1,471 @@
+"""RNAGym zero-shot fitness evaluation (paper appendix A.6, Eqs. A.10-A.12), model-agnostic.
+
+The model enters only through ``forward``: a callable that maps one framed token sequence
+``int64 [n]`` (``<cls> ... <eos>``, ids of :mod:`pipeline.data.tokenizer`) to log-probabilities ``[n, V]``.
+Everything else (parsing, wild-type recovery, windowing, scoring, metrics, type-balanced aggregation) is
+plain numpy/scipy/scikit-learn, so it runs the same on one process, in a test, or inside a launcher.
+
+Data conventions (RNAGym ``fitness_processed_assays``): one CSV per assay named ``<DMS_ID>.csv`` with columns
+``mutant,DMS_score,sequence``; ``mutant`` holds 1-based substitutions joined by commas (``"U6C,C74U"``), the
+wild-type row has an empty mutant; ncRNA assays use U and mRNA-coding assays use T. Both are normalised to U
+here (``alphabet='rna'``), so the model always sees the same alphabet for every assay.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+from scipy.stats import ConstantInputWarning, spearmanr
+from sklearn.metrics import matthews_corrcoef, roc_auc_score
+
+from pipeline.data.tokenizer import CLS_ID, EOS_ID, NUM_SPECIAL, VOCAB, NucleotideTokenizer
+
+METRICS = ("spearman", "auc", "mcc")
+ASSAY_COLUMNS = ("mutant", "DMS_score", "sequence")
+SHEET_COLUMNS = ("DMS_ID", "RNA_TYPE", "RAW_CONSTRUCT_SEQ")
+_MUTATION = re.compile(r"^([A-Za-z])(\d+)([A-Za-z])$")
+_TOKENIZER = NucleotideTokenizer(alphabet="rna")
+
+
+def _normalise(seq: str) -> str:
+    """Upper case, T -> U: RNAGym writes mRNA-coding assays in T and ncRNA assays in U."""
+    return seq.strip().upper().replace("T", "U")
+
+
+def _read_csv(path: Path, required: Iterable[str]) -> tuple[list[tuple[int, dict]], list[str]]:
+    """Rows as (file line number, dict); ``utf-8-sig`` and ``newline=''`` absorb a BOM and CRLF endings."""
+    with open(path, newline="", encoding="utf-8-sig") as fh:
+        reader = csv.DictReader(fh)
+        header = [h.strip() for h in (reader.fieldnames or [])]
+        reader.fieldnames = header
+        for col in required:
+            if col not in header:
+                raise ValueError(f"{path}: required column {col!r} is missing (header: {header})")
+        rows = [(reader.line_num, row) for row in reader]
+    return rows, header
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference sheet
+# ----------------------------------------------------------------------------------------------------------
+
+def load_reference_sheet(path) -> dict[str, dict]:
+    """``reference_sheet.csv`` -> {DMS_ID: {"rna_type", "wt", <every other column, lower-cased name>}}.
+
+    ``wt`` is RAW_CONSTRUCT_SEQ normalised to the U alphabet, or None when the sheet leaves it empty.
+    """
+    path = Path(path)
+    rows, header = _read_csv(path, SHEET_COLUMNS)
+    sheet: dict[str, dict] = {}
+    for line, row in rows:
+        dms_id = (row["DMS_ID"] or "").strip()
+        if not dms_id:
+            continue
+        if dms_id in sheet:
+            raise ValueError(f"{path}: DMS_ID {dms_id!r} appears twice (second at line {line})")
+        entry = {col.lower(): (row.get(col) or "").strip() for col in header if col}
+        rna_type = entry["rna_type"]
+        if not rna_type:
+            raise ValueError(f"{path}: DMS_ID {dms_id!r} (line {line}) has an empty RNA_TYPE")
+        raw = entry.pop("raw_construct_seq")
+        entry["raw_construct_seq"] = raw
+        entry["wt"] = _normalise(raw) if raw else None
+        sheet[dms_id] = entry
+    return sheet
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Assays
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Assay:
+    """One RNAGym assay with its substitutions flattened for vectorised scoring.
+
+    N = kept variants (rows with a finite DMS_score), M = total substitutions over them, L = len(wt).
+    The wild-type row, when present and scored, is a variant with no substitutions (its F is 0).
+    """
+    dms_id: str
+    path: Path
+    wt: str                      # wild type, upper-case U alphabet, length L
+    wt_source: str               # "reference" | "wt_row" | "reconstructed"
+    mutants: tuple[str, ...]     # [N] mutant strings as normalised here ("" for the wild-type row)
+    dms_score: np.ndarray        # [N] float64 measured fitness y
+    line_numbers: np.ndarray     # [N] int64 file line of each kept variant (for messages)
+    sub_variant: np.ndarray      # [M] int64 index into the N variants
+    sub_pos: np.ndarray          # [M] int64 0-based position on wt
+    sub_from: np.ndarray         # [M] int64 token id of the wild-type base (== wt at sub_pos)
+    sub_to: np.ndarray           # [M] int64 token id of the substituted base
+    dropped: int = 0             # rows skipped because DMS_score was missing / not finite
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def n_variants(self) -> int:
+        return len(self.mutants)
+
+    @property
+    def n_mutations(self) -> np.ndarray:
+        """[N] int64 substitutions per variant (0 for the wild-type row)."""
+        return np.bincount(self.sub_variant, minlength=self.n_variants).astype(np.int64)
+
+    def wt_ids(self) -> np.ndarray:
+        """[L] uint8 token ids of the wild type, no specials."""
+        return _TOKENIZER.encode(self.wt)
+
+
+def _parse_mutant(text: str, where: str) -> list[tuple[str, int, str]]:
+    """``"U6C,C74U"`` -> [("U", 5, "C"), ("C", 73, "U")] (0-based positions, U alphabet)."""
+    subs = []
+    for part in text.split(","):
+        m = _MUTATION.match(part.strip())
+        if not m:
+            raise ValueError(f"{where}: cannot parse mutation {part.strip()!r} in mutant {text!r} "
+                             "(expected e.g. 'C10A'; multiple mutations are joined by commas)")
+        frm, pos, to = _normalise(m.group(1)), int(m.group(2)), _normalise(m.group(3))
+        if pos < 1:
+            raise ValueError(f"{where}: mutation {part.strip()!r} has position {pos}; positions are 1-based")
+        subs.append((frm, pos - 1, to))
+    positions = [p for _, p, _ in subs]
+    if len(set(positions)) != len(positions):
+        raise ValueError(f"{where}: mutant {text!r} lists the same position twice")
+    return subs
+
+
+def _parse_score(raw: str | None) -> float:
+    raw = (raw or "").strip()
+    if raw.lower() in ("", "nan", "na", "n/a", "none", "null"):
+        return math.nan
+    return float(raw)
+
+
+def _reference_mismatch(ref: str, consensus: str, variants) -> str:
+    """Explain why the reference construct does not fit the assay's mutations (for Assay.notes)."""
+    n_pos = len({p for _, _, subs, _ in variants for _, p, _ in subs})
+    bad = {p for _, _, subs, _ in variants for frm, p, _ in subs if p >= len(ref) or ref[p] != frm}
+    why = (f"reference RAW_CONSTRUCT_SEQ (length {len(ref)}) disagrees with the assay's mutations "
+           f"(variants have length {len(consensus)}; {len(bad)} of {n_pos} mutated positions carry a different "
+           f"'from' base in the reference)")
+    offset = ref.find(consensus)
+    if offset >= 0:
+        why += f"; the assay wild type occurs inside the reference at 0-based offset {offset}"
+    else:
+        rev = consensus.find(ref)
+        if rev >= 0:
+            why += f"; the reference occurs inside the assay wild type at 0-based offset {rev}"
+    return why
+
+
+def load_assay(path, sheet: Mapping[str, Mapping] | None = None, dms_id: str | None = None) -> Assay:
+    """Parse and validate one RNAGym assay CSV.
+
+    ``dms_id`` defaults to the file stem. Wild type, in order of preference:
+      1. the sheet's RAW_CONSTRUCT_SEQ for ``dms_id`` -- used only if it equals the wild type implied by the
+         variants (the consensus of every variant with its listed mutations reverted); otherwise it is a
+         different construct/frame than the one the mutation positions refer to, so it is not used and the
+         reason is recorded in ``notes``;
+      2. the sequence of the wild-type row (empty mutant);
+      3. the reconstruction from the variants (they must all agree).
+    Then every kept row is validated against that wild type: same length, the wild-type base at each listed
+    position equals the mutation's ``from`` base, the variant carries the ``to`` base, and the variant equals
+    the wild type at every position it does not list. Any violation is a ValueError naming file, line and
+    mutation. Rows whose DMS_score is missing/NaN are dropped (counted in ``dropped``) before validation,
+    except that a wild-type row's sequence still serves as a wild-type candidate.
+    """
+    path = Path(path)
+    dms_id = dms_id or path.stem
+    rows, _ = _read_csv(path, ASSAY_COLUMNS)
+    notes: list[str] = []
+
+    variants = []        # (line, mutant string, [(from, pos0, to)], sequence) for rows with finite scores
+    scores = []
+    wt_rows: list[tuple[int, str]] = []
+    dropped = 0
+    for line, row in rows:
+        where = f"{path}: row {line - 1} (line {line})"
+        mutant = (row["mutant"] or "").strip()
+        seq = _normalise(row["sequence"] or "")
+        try:
+            y = _parse_score(row["DMS_score"])
+        except ValueError:
+            raise ValueError(f"{where}: DMS_score {row['DMS_score']!r} is not a number") from None
+        if not mutant and seq:
+            wt_rows.append((line, seq))
+        if not math.isfinite(y):
+            dropped += 1
+            continue
+        if not seq:
+            raise ValueError(f"{where}: empty sequence")
+        subs = _parse_mutant(mutant, where) if mutant else []
+        variants.append((line, ",".join(f"{f}{p + 1}{t}" for f, p, t in subs), subs, seq))
+        scores.append(y)
+    if dropped:
+        notes.append(f"dropped {dropped} row(s) with a missing DMS_score")
+    if not variants:
+        raise ValueError(f"{path}: no rows with a finite DMS_score")
+
+    # Consensus wild type implied by the variants: the most common "variant with its mutations reverted".
+    # A corrupted row is a minority, so it does not move the consensus and validation below names it.
+    reverted = Counter()
+    for line, _, subs, seq in variants:
+        s = list(seq)
+        for frm, p, _ in subs:
+            if p < len(s):
+                s[p] = frm
+        reverted["".join(s)] += 1
+    consensus = reverted.most_common(1)[0][0]
+
+    ref = None
+    if sheet is not None:
+        entry = sheet.get(dms_id)
+        if entry is None:
+            notes.append(f"{dms_id} is not in the reference sheet")
+        else:
+            ref = entry.get("wt") or None
+    if ref is not None and ref == consensus:
+        wt, wt_source = ref, "reference"
+    else:
+        if ref is not None:
+            fallback = "the wild-type row" if wt_rows else "the wild type reconstructed from the variants"
+            notes.append(_reference_mismatch(ref, consensus, variants) + f"; using {fallback}")
+        if wt_rows:
+            wt, wt_source = wt_rows[0][1], "wt_row"
+            for line, seq in wt_rows[1:]:
+                if seq != wt:
+                    raise ValueError(f"{path}: wild-type row at line {line} differs from the one at line "
+                                     f"{wt_rows[0][0]}")
+        else:
+            wt, wt_source = consensus, "reconstructed"
+            if len(reverted) > 1:
+                notes.append("no wild-type row and no usable reference; wild type = consensus of the variants")
+
+    # Validate every kept row against the chosen wild type.
+    wt_arr = np.frombuffer(wt.encode("ascii"), dtype=np.uint8)
+    sub_variant, sub_pos, sub_from, sub_to = [], [], [], []
+    for i, (line, mutant, subs, seq) in enumerate(variants):
+        where = f"{path}: row {line - 1} (line {line})"
+        if len(seq) != len(wt):
+            raise ValueError(f"{where}: variant length {len(seq)} != wild-type length {len(wt)} "
+                             f"(mutant {mutant!r}; only substitutions are supported)")
+        for frm, p, to in subs:
+            mut = f"{frm}{p + 1}{to}"
+            if p >= len(wt):
+                raise ValueError(f"{where}: mutation {mut} is past the end of the wild type (length {len(wt)})")
+            if wt[p] != frm:
+                raise ValueError(f"{where}: mutation {mut}: wild-type base at position {p + 1} is {wt[p]}, "
+                                 f"not {frm} (wild type from {wt_source})")
+            if seq[p] != to:
+                raise ValueError(f"{where}: mutation {mut}: variant sequence has {seq[p]} at position {p + 1}, "
+                                 f"not {to}")
+            sub_variant.append(i)
+            sub_pos.append(p)
+            sub_from.append(VOCAB.index(frm) if frm in VOCAB else -1)
+            sub_to.append(VOCAB.index(to) if to in VOCAB else -1)
+        diff = np.flatnonzero(np.frombuffer(seq.encode("ascii"), dtype=np.uint8) != wt_arr)
+        unlisted = sorted(set(diff.tolist()) - {p for _, p, _ in subs})
+        if unlisted:
+            raise ValueError(f"{where}: variant (mutant {mutant!r}) differs from the wild type at unlisted "
+                             f"position(s) {[p + 1 for p in unlisted[:5]]}")
+    try:
+        _TOKENIZER.encode(wt)
+    except ValueError as e:
+        raise ValueError(f"{path}: wild type ({wt_source}): {e}") from None
+    # Variants equal the wild type outside their listed positions, so checking the `to` bases covers them.
+    ids_from = np.asarray(sub_from, dtype=np.int64)
+    ids_to = np.asarray(sub_to, dtype=np.int64)
+    if (ids_from < NUM_SPECIAL).any() or (ids_to < NUM_SPECIAL).any():
+        raise ValueError(f"{path}: a mutation uses a base outside the nucleotide/IUPAC alphabet")
+
+    return Assay(dms_id=dms_id, path=path, wt=wt, wt_source=wt_source,
+                 mutants=tuple(v[1] for v in variants),
+                 dms_score=np.asarray(scores, dtype=np.float64),
+                 line_numbers=np.asarray([v[0] for v in variants], dtype=np.int64),
+                 sub_variant=np.asarray(sub_variant, dtype=np.int64),
+                 sub_pos=np.asarray(sub_pos, dtype=np.int64),
+                 sub_from=ids_from, sub_to=ids_to,
+                 dropped=dropped, notes=tuple(notes))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scoring (Eq. A.10)
+# ----------------------------------------------------------------------------------------------------------
+
+def score_variants(assay: Assay, position_logprobs: np.ndarray) -> np.ndarray:
+    """Wild-type-marginal score F(v; w) = sum_j [log p(v_j | w, j) - log p(w_j | w, j)], Eq. A.10.
+
+    ``position_logprobs``: [L, V] log-probabilities at each wild-type position under the unmasked wild-type
+    input (column = token id). Returns [N] float64; the wild-type row (no substitutions) scores 0.
+    """
+    lp = np.asarray(position_logprobs, dtype=np.float64)
+    L = len(assay.wt)
+    if lp.ndim != 2 or lp.shape[0] != L:
+        raise ValueError(f"{assay.dms_id}: position_logprobs has shape {lp.shape}, expected [{L}, V]")
+    if assay.sub_pos.size and max(assay.sub_from.max(), assay.sub_to.max()) >= lp.shape[1]:
+        raise ValueError(f"{assay.dms_id}: vocabulary width {lp.shape[1]} is too small for the token ids used")
+    per_sub = lp[assay.sub_pos, assay.sub_to] - lp[assay.sub_pos, assay.sub_from]  # [M]
+    return np.bincount(assay.sub_variant, weights=per_sub, minlength=assay.n_variants).astype(np.float64)
+
+
+def window_starts(length: int, body: int) -> np.ndarray:
+    """0-based starts of the windows covering ``length`` residues with ``body`` residues each.
+
+    Stride = max(1, body // 2); the last window is shifted left so it ends exactly at ``length``.
+    """
+    if length <= body:
+        return np.zeros(1, dtype=np.int64)
+    stride = max(1, body // 2)
+    starts = list(range(0, length - body, stride)) + [length - body]
+    return np.asarray(sorted(set(starts)), dtype=np.int64)
+
+
+def wildtype_logprobs(wt_ids: np.ndarray, forward: Callable[[np.ndarray], np.ndarray],
+                      context_length: int) -> np.ndarray:
+    """Per-position log-probabilities [L, V] of the unmasked wild type, framed ``<cls> wt <eos>``.
+
+    If L + 2 <= context_length the whole sequence is one forward call. Otherwise the wild type is cut into
+    overlapping windows of ``body = context_length - 2`` residues (each framed with <cls>/<eos> so every call
+    looks like a training input), starts from :func:`window_starts` (stride ~ body/2, last window flush with the
+    end). Each position takes its row from the window in which it is most central, i.e. which maximises the
+    distance ``min(p - start, start + body - 1 - p)`` to the nearer window edge; ties go to the earlier window.
+    With stride <= body/2 every interior position thus sees at least ~body/4 residues of context on both sides;
+    only the true sequence ends sit at an edge.
+    """
+    ids = np.asarray(wt_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"wt_ids must be a non-empty 1-D array, got shape {ids.shape}")
+    if (ids < NUM_SPECIAL).any():
+        raise ValueError("wt_ids must not contain special tokens; framing is added here")
+    body = int(context_length) - 2
+    if body < 1:
+        raise ValueError(f"context_length {context_length} leaves no room for residues besides <cls>/<eos>")
+    L = ids.size
+
+    def call(chunk: np.ndarray) -> np.ndarray:
+        framed = np.concatenate([[CLS_ID], chunk, [EOS_ID]]).astype(np.int64)  # [n] = [len(chunk) + 2]
+        out = np.asarray(forward(framed), dtype=np.float64)
+        if out.ndim != 2 or out.shape[0] != framed.size:
+            raise ValueError(f"forward returned shape {out.shape} for an input of length {framed.size}")
+        return out[1:-1]  # drop the <cls>/<eos> rows -> [len(chunk), V]
+
+    if L <= body:
+        return call(ids)
+
+    out = None
+    best = np.full(L, -1, dtype=np.int64)  # centrality of the window each position currently reads from
+    pos = np.arange(L)
+    for s in window_starts(L, body):
+        lp = call(ids[s:s + body])  # [body, V]
+        if out is None:
+            out = np.empty((L, lp.shape[1]), dtype=np.float64)
+        elif lp.shape[1] != out.shape[1]:
+            raise ValueError("forward returned different vocabulary widths for different windows")
+        p = pos[s:s + body]
+        central = np.minimum(p - s, s + body - 1 - p)
+        take = central > best[s:s + body]  # strict: an equally central later window does not replace
+        out[p[take]] = lp[take]
+        best[p[take]] = central[take]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics (Eq. A.11) and aggregation (Eq. A.12)
+# ----------------------------------------------------------------------------------------------------------
+
+def assay_metrics(scores, y) -> dict[str, float]:
+    """Orientation-invariant metrics of one assay: |Spearman|, max(AUC, 1 - AUC), |MCC| (Eq. A.11).
+
+    y is binarised strictly above its median (AUC, MCC) and F strictly above its median (MCC).
+    Undefined values are NaN rather than an error or a conventional 0: Spearman when F or y is constant,
+    AUC when binarised y has one class, MCC when binarised y or binarised F has one class (sklearn would
+    return 0 for 0/0; NaN keeps "undefined" distinguishable from "no correlation" in the aggregate counts).
+    Negating F leaves |Spearman| and the folded AUC exactly unchanged, and |MCC| too unless some score equals the
+    median of F (with odd N the median element is "not above" under both signs, so the halves are not mirrored).
+    """
+    f = np.asarray(scores, dtype=np.float64).ravel()
+    y = np.asarray(y, dtype=np.float64).ravel()
+    if f.shape != y.shape:
+        raise ValueError(f"scores {f.shape} and fitness {y.shape} differ in length")
+    if not (np.isfinite(f).all() and np.isfinite(y).all()):
+        raise ValueError("scores and fitness must be finite")
+    out = {m: math.nan for m in METRICS}
+    if f.size < 2:
+        return out
+    if np.ptp(f) > 0 and np.ptp(y) > 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConstantInputWarning)
+            out["spearman"] = abs(float(spearmanr(f, y).statistic))
+    y_bin = y > np.median(y)
+    f_bin = f > np.median(f)
+    if 0 < y_bin.sum() < y_bin.size:
+        auc = float(roc_auc_score(y_bin, f))
+        out["auc"] = max(auc, 1.0 - auc)
+        if 0 < f_bin.sum() < f_bin.size:
+            out["mcc"] = abs(float(matthews_corrcoef(y_bin, f_bin)))
+    return out
+
+
+def aggregate(per_assay: Mapping[str, Mapping[str, float]], sheet: Mapping[str, Mapping]) -> dict:
+    """Type-balanced aggregate, Eq. A.12: mean over assays within each RNA_TYPE, then equal weight per type.
+
+    NaN assay metrics are skipped by nanmean and counted (``n_nan``). Returns
+    ``{"per_type": {type: {metric: mean, "n_assays": k, "n_nan": {metric: c}}},
+       "overall": {metric: mean over types, "n_types": t, "n_assays": n, "n_nan": {metric: c}}}``
+    where the overall ``n_nan`` counts types whose mean is NaN (all their assays undefined).
+    """
+    by_type: dict[str, list[str]] = {}
+    for dms_id in per_assay:
+        if dms_id not in sheet:
+            raise ValueError(f"assay {dms_id!r} is not in the reference sheet, so it has no RNA type")
+        by_type.setdefault(sheet[dms_id]["rna_type"], []).append(dms_id)
+    per_type = {}
+    for rna_type in sorted(by_type):
+        ids = by_type[rna_type]
+        entry: dict = {"n_assays": len(ids), "n_nan": {}}
+        for m in METRICS:
+            vals = np.array([float(per_assay[i][m]) for i in ids], dtype=np.float64)
+            entry["n_nan"][m] = int(np.isnan(vals).sum())
+            entry[m] = float(np.mean(vals[~np.isnan(vals)])) if (~np.isnan(vals)).any() else math.nan
+        per_type[rna_type] = entry
+    overall: dict = {"n_types": len(per_type), "n_assays": len(per_assay), "n_nan": {}}
+    for m in METRICS:
+        vals = np.array([per_type[t][m] for t in per_type], dtype=np.float64)
+        overall["n_nan"][m] = int(np.isnan(vals).sum())
+        overall[m] = float(np.mean(vals[~np.isnan(vals)])) if (~np.isnan(vals)).any() else math.nan
+    return {"per_type": per_type, "overall": overall}
+
+
+def evaluate_assays(paths: Iterable, sheet: Mapping[str, Mapping], forward: Callable[[np.ndarray], np.ndarray],
+                    context_length: int) -> dict:
+    """Load, score and aggregate assays with one model ``forward`` (see :func:`wildtype_logprobs`).
+
+    Returns ``{"per_assay": {id: {spearman, auc, mcc, rna_type, n_variants, dropped, wt_source}},
+    "per_type": ..., "aggregate": overall numbers (Eq. A.12), "n_variants": total, "notes": {id: [...]},
+    "scores": {id: F [N] float64}}``.
+    """
+    per_assay: dict[str, dict] = {}
+    notes: dict[str, list[str]] = {}
+    scores: dict[str, np.ndarray] = {}
+    for path in paths:
+        dms_id = Path(path).stem
+        if dms_id not in sheet:
+            raise ValueError(f"assay {dms_id!r} ({path}) is not in the reference sheet")
+        if dms_id in per_assay:
+            raise ValueError(f"assay {dms_id!r} given twice")
+        assay = load_assay(path, sheet, dms_id)
+        lp = wildtype_logprobs(assay.wt_ids(), forward, context_length)
+        f = score_variants(assay, lp)
+        per_assay[dms_id] = {**assay_metrics(f, assay.dms_score), "rna_type": sheet[dms_id]["rna_type"],
+                             "n_variants": assay.n_variants, "dropped": assay.dropped,
+                             "wt_source": assay.wt_source}
+        notes[dms_id] = list(assay.notes)
+        scores[dms_id] = f
+    agg = aggregate(per_assay, sheet)
+    return {"per_assay": per_assay, "per_type": agg["per_type"], "aggregate": agg["overall"],
+            "n_variants": int(sum(v["n_variants"] for v in per_assay.values())),
+            "notes": notes, "scores": scores}

@@ -1,0 +1,296 @@
+"""RNAGym fitness evaluation (A.6): parsing/validation on the real Tome 2014 GFP-aptamer assay, Eq. A.10 scoring,
+Eq. A.11 metrics, Eq. A.12 aggregation, and the long-sequence windowing of wild-type log-probabilities."""
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.special import log_softmax
+
+from pipeline.data.tokenizer import CLS_ID, EOS_ID, NUM_SPECIAL, VOCAB
+from pipeline.eval.rnagym import (aggregate, assay_metrics, evaluate_assays, load_assay, load_reference_sheet,
+                                  score_variants, wildtype_logprobs, window_starts)
+
+SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
+RNAGYM = SHARED / "eval" / "rnagym"
+TOME = RNAGYM / "Tome_2014_GFP_aptamer.csv"
+SHEET = RNAGYM / "reference_sheet.csv"
+needs_data = pytest.mark.skipif(not SHARED.exists(), reason="needs ../shared/data")
+V = len(VOCAB)
+
+
+def _rows(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _write(path, rows, fields=("mutant", "DMS_score", "sequence")):
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(fields), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sheet():
+    return load_reference_sheet(SHEET)
+
+
+@pytest.fixture(scope="module")
+def tome(sheet):
+    return load_assay(TOME, sheet)
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+@needs_data
+def test_reference_sheet(sheet):
+    assert len(sheet) == 31
+    e = sheet["Tome_2014_GFP_aptamer"]
+    assert e["rna_type"] == "Aptamer" and len(e["wt"]) == 82 and set(e["wt"]) <= set("ACGU")
+    assert {v["rna_type"] for v in sheet.values()} == {"Aptamer", "Ribozyme", "tRNA", "mRNA"}
+
+
+@needs_data
+def test_parse_tome(tome, sheet):
+    assert tome.n_variants == 417 and tome.dropped == 0
+    assert np.bincount(tome.n_mutations).tolist() == [0, 236, 181]  # no WT row, 236 singles, 181 doubles
+    # The sheet's RAW_CONSTRUCT_SEQ is the assay's frame (same length, every 'from' base matches), so it is used.
+    assert tome.wt_source == "reference" and tome.wt == sheet["Tome_2014_GFP_aptamer"]["wt"] and tome.notes == ()
+    assert tome.mutants[0] == "U3C" and tome.dms_score[0] == pytest.approx(-0.050738428)
+    raw = _rows(TOME)
+    i = next(k for k, r in enumerate(raw) if "," in r["mutant"])  # a CSV-quoted double mutant
+    assert tome.mutants[i] == raw[i]["mutant"] and tome.n_mutations[i] == 2
+    assert tome.sub_pos.min() == 2 and tome.sub_pos.max() == 81  # 1-based 3..82 on the 82-nt wild type
+
+
+@needs_data
+def test_wt_reconstruction_consistency(tome, tmp_path):
+    rec = load_assay(TOME)  # no sheet, no WT row -> reconstructed from the variants
+    assert rec.wt_source == "reconstructed" and rec.wt == tome.wt
+    for r in _rows(TOME):  # every variant with its mutations reverted is that same wild type
+        s = list(r["sequence"])
+        for m in r["mutant"].split(","):
+            assert s[int(m[1:-1]) - 1] == m[-1]
+            s[int(m[1:-1]) - 1] = m[0]
+        assert "".join(s) == rec.wt
+    # A WT row (empty mutant) is used when there is no reference, and scores F = 0.
+    rows = [{"mutant": "", "DMS_score": "0.5", "sequence": tome.wt.replace("U", "T")}] + _rows(TOME)
+    a = load_assay(_write(tmp_path / "Tome_2014_GFP_aptamer.csv", rows))
+    assert a.wt_source == "wt_row" and a.wt == tome.wt and a.n_variants == 418 and a.n_mutations[0] == 0
+    assert score_variants(a, np.random.default_rng(0).normal(size=(82, V)))[0] == 0.0
+
+
+@needs_data
+def test_inconsistent_reference_falls_back(tome):
+    longer = {"Tome_2014_GFP_aptamer": {"rna_type": "Aptamer", "wt": "GGAAC" + tome.wt + "UU"}}
+    a = load_assay(TOME, longer)
+    assert a.wt_source == "reconstructed" and a.wt == tome.wt
+    assert len(a.notes) == 1 and "offset 5" in a.notes[0] and "reconstructed" in a.notes[0]
+
+
+@needs_data
+def test_mutation_validation_errors(tmp_path):
+    rows = _rows(TOME)
+    assert rows[0]["mutant"] == "U3C"
+    bad_to = [dict(r) for r in rows]
+    bad_to[0]["mutant"] = "U3G"  # the sequence carries C at 3
+    with pytest.raises(ValueError, match=r"bad_to\.csv: row 1 \(line 2\): mutation U3G: variant sequence has C"):
+        load_assay(_write(tmp_path / "bad_to.csv", bad_to))
+    bad_from = [dict(r) for r in rows]
+    bad_from[5]["mutant"] = "A" + bad_from[5]["mutant"][1:]
+    wt_base = rows[5]["mutant"][0]
+    with pytest.raises(ValueError, match=rf"bad_from\.csv: row 6 \(line 7\): mutation A.*wild-type base .* is "
+                                         rf"{wt_base}"):
+        load_assay(_write(tmp_path / "bad_from.csv", bad_from))
+    with pytest.raises(ValueError, match=r"nocol\.csv.*'DMS_score'"):
+        load_assay(_write(tmp_path / "nocol.csv", rows, fields=("mutant", "sequence")))
+
+
+@needs_data
+def test_missing_scores_are_dropped_and_counted(tmp_path):
+    rows = [dict(r) for r in _rows(TOME)]
+    rows[3]["DMS_score"], rows[10]["DMS_score"] = "", "NaN"
+    a = load_assay(_write(tmp_path / "gaps.csv", rows))
+    assert a.n_variants == 415 and a.dropped == 2 and "dropped 2" in a.notes[0]
+    assert np.isfinite(a.dms_score).all()
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+@needs_data
+def test_score_variants_by_hand(tome):
+    lp = log_softmax(np.random.default_rng(1).normal(size=(82, V)), axis=1)  # [L, V]
+    f = score_variants(tome, lp)
+    idx = {t: i for i, t in enumerate(VOCAB)}
+    for i in [0, 1, 100, next(k for k, m in enumerate(tome.mutants) if "," in m), 416]:
+        want = sum(lp[int(m[1:-1]) - 1, idx[m[-1]]] - lp[int(m[1:-1]) - 1, idx[m[0]]]
+                   for m in tome.mutants[i].split(","))
+        assert f[i] == pytest.approx(want, abs=1e-12)
+
+
+def _oracle_forward(wt: str, target: dict):
+    """A fake model whose wild-type log-probs make F(single (p, to)) equal target[(p, to)] (< -1.2).
+
+    Every row is a genuine distribution: log p(wt base) = log 1/2 at every position, log p(to) = log 1/2 + target,
+    the remaining mass is spread over the other tokens. Because log p(wt) is the same float everywhere, tied
+    targets give bit-identical F (a log_softmax construction would break ties of y by rounding noise).
+    """
+    ids = {t: i for i, t in enumerate(VOCAB)}
+    c = math.log(0.5)
+
+    def forward(framed):
+        assert framed[0] == CLS_ID and framed[-1] == EOS_ID and len(framed) == len(wt) + 2
+        out = np.full((len(framed), V), -math.log(V))  # [n, V]; the <cls>/<eos> rows are uniform
+        for p, b in enumerate(wt):
+            row = {ids[b]: c, **{ids[to]: c + t for (q, to), t in target.items() if q == p}}
+            others = [j for j in range(V) if j not in row]
+            out[p + 1, others] = math.log((1.0 - sum(math.exp(v) for v in row.values())) / len(others))
+            out[p + 1, list(row)] = list(row.values())
+        assert np.allclose(np.exp(out).sum(axis=1), 1.0)
+        return out
+    return forward
+
+
+@needs_data
+def test_oracle_forward_gives_perfect_metrics(tome, sheet, tmp_path):
+    rows = [r for r in _rows(TOME) if "," not in r["mutant"]]  # singles: one (position, base) per variant
+    path = _write(tmp_path / "Tome_2014_GFP_aptamer.csv", rows)
+    y = {(int(r["mutant"][1:-1]) - 1, r["mutant"][-1]): float(r["DMS_score"]) for r in rows}
+    assert len(y) == len(rows) == 236
+    shift = -1.2 - 0.1 * max(abs(v) for v in y.values())
+    for sign in (1.0, -1.0):  # the metrics are orientation invariant, so an anti-oracle is perfect too
+        # Affine in y, so the median of F is the image of the median of y and the MCC binarisations agree.
+        target = {k: sign * 0.1 * v + shift for k, v in y.items()}
+        res = evaluate_assays([path], sheet, _oracle_forward(tome.wt, target), context_length=1024)
+        m = res["per_assay"]["Tome_2014_GFP_aptamer"]
+        assert m["spearman"] == pytest.approx(1.0, abs=1e-12) and m["auc"] == 1.0
+        assert m["mcc"] == pytest.approx(1.0, abs=1e-12)
+        assert res["aggregate"]["spearman"] == pytest.approx(1.0, abs=1e-12) and res["n_variants"] == 236
+        assert np.allclose(res["scores"]["Tome_2014_GFP_aptamer"], list(target.values()), atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+def test_metrics_orientation_invariance():
+    rng = np.random.default_rng(2)
+    y = rng.normal(size=200)
+    f = 0.5 * y + rng.normal(size=200)  # even N, continuous: no score sits exactly on a median
+    a, b = assay_metrics(f, y), assay_metrics(-f, y)
+    for k in ("spearman", "auc", "mcc"):
+        assert a[k] == pytest.approx(b[k], abs=1e-12)
+    assert 0.0 < a["spearman"] < 1.0 and 0.5 < a["auc"] < 1.0 and 0.0 < a["mcc"] < 1.0
+
+
+def test_metrics_degenerate_cases_are_nan_not_errors():
+    y = np.arange(10.0)
+    const = assay_metrics(np.zeros(10), y)
+    assert math.isnan(const["spearman"]) and math.isnan(const["mcc"]) and const["auc"] == 0.5
+    flat_y = assay_metrics(np.arange(10.0), np.ones(10))
+    assert all(math.isnan(v) for v in flat_y.values())
+    assert all(math.isnan(v) for v in assay_metrics([1.0], [2.0]).values())
+
+
+def test_aggregate_by_hand():
+    sheet = {"a1": {"rna_type": "Aptamer"}, "a2": {"rna_type": "Aptamer"}, "r1": {"rna_type": "Ribozyme"},
+             "r2": {"rna_type": "Ribozyme"}, "r3": {"rna_type": "Ribozyme"}}
+    per = {"a1": {"spearman": 0.2, "auc": 0.6, "mcc": 0.1}, "a2": {"spearman": 0.4, "auc": 0.8, "mcc": math.nan},
+           "r1": {"spearman": 0.1, "auc": 0.5, "mcc": 0.3}, "r2": {"spearman": 0.2, "auc": 0.7, "mcc": 0.3},
+           "r3": {"spearman": 0.9, "auc": 0.9, "mcc": 0.6}}
+    out = aggregate(per, sheet)
+    apt, rib = out["per_type"]["Aptamer"], out["per_type"]["Ribozyme"]
+    assert apt["spearman"] == pytest.approx(0.3) and apt["auc"] == pytest.approx(0.7)
+    assert apt["mcc"] == pytest.approx(0.1) and apt["n_nan"]["mcc"] == 1 and apt["n_assays"] == 2
+    assert rib["spearman"] == pytest.approx(0.4) and rib["auc"] == pytest.approx(0.7)
+    assert rib["mcc"] == pytest.approx(0.4) and rib["n_nan"]["mcc"] == 0 and rib["n_assays"] == 3
+    # Equal weight per type, not per assay: pooling the five assays would give spearman 1.8 / 5 = 0.36.
+    assert out["overall"]["spearman"] == pytest.approx((0.3 + 0.4) / 2) and out["overall"]["auc"] == pytest.approx(0.7)
+    assert out["overall"]["mcc"] == pytest.approx((0.1 + 0.4) / 2)  # NaN skipped; pooled would be 1.3 / 4
+    assert out["overall"]["n_types"] == 2 and out["overall"]["n_assays"] == 5
+    with pytest.raises(ValueError, match="'zz'"):
+        aggregate({**per, "zz": per["a1"]}, sheet)
+
+
+# ------------------------------------------------------------------------------------------------ windowing
+
+def _expected_window(p, starts, body):
+    """Independent statement of the rule: the window farthest from p's nearer edge, earliest on ties."""
+    best = None
+    for k, s in enumerate(starts):
+        if s <= p < s + body:
+            c = min(p - s, s + body - 1 - p)
+            if best is None or c > best[0]:
+                best = (c, k)
+    return best[1]
+
+
+@pytest.mark.parametrize("length,context", [(50, 12), (50, 11), (23, 12), (10, 12), (11, 12), (40, 3), (300, 130)])
+def test_windowing_reads_each_position_from_its_most_central_window(length, context):
+    rng = np.random.default_rng(length * 1000 + context)
+    wt = rng.integers(NUM_SPECIAL, NUM_SPECIAL + 4, size=length).astype(np.uint8)
+    calls = []
+
+    def forward(framed):
+        # Fake: row i says (which call, index within the window body); a real model would give log-probs.
+        assert framed.dtype == np.int64 and len(framed) <= context
+        assert framed[0] == CLS_ID and framed[-1] == EOS_ID
+        calls.append(framed[1:-1].copy())
+        out = np.zeros((len(framed), V))
+        out[:, 0] = len(calls) - 1
+        out[:, 1] = np.arange(len(framed)) - 1
+        return out
+
+    out = wildtype_logprobs(wt, forward, context)
+    body = context - 2
+    assert out.shape == (length, V)
+    if length <= body:
+        assert len(calls) == 1 and np.array_equal(out[:, 1], np.arange(length))
+        return
+    starts = window_starts(length, body)
+    assert len(calls) == len(starts) and starts[0] == 0 and starts[-1] == length - body
+    assert np.all(np.diff(starts) <= max(1, body // 2))  # stride about half the body
+    for k, s in enumerate(starts):  # each call saw exactly its window of the wild type
+        assert np.array_equal(calls[k], wt[s:s + body])
+    for p in range(length):
+        k, j = int(out[p, 0]), int(out[p, 1])
+        assert starts[k] + j == p  # the row came from position p in that window
+        assert k == _expected_window(p, starts, body)
+
+
+def test_windowing_equals_single_call_for_window_independent_model():
+    rng = np.random.default_rng(3)
+    table = log_softmax(rng.normal(size=(V, V)), axis=1)  # log p(. | token at this position): no context
+    forward = lambda framed: table[framed]  # noqa: E731  [n] -> [n, V]
+    for length in (1, 7, 64, 257):
+        wt = rng.integers(NUM_SPECIAL, NUM_SPECIAL + 6, size=length).astype(np.uint8)
+        single = wildtype_logprobs(wt, forward, length + 2)
+        assert np.array_equal(single, table[wt])
+        for context in (3, 4, 9, 32, 33):
+            assert np.array_equal(wildtype_logprobs(wt, forward, context), single)
+
+
+def test_windowing_rejects_bad_inputs():
+    fwd = lambda framed: np.zeros((len(framed), V))  # noqa: E731
+    with pytest.raises(ValueError, match="special"):
+        wildtype_logprobs(np.array([CLS_ID, 6, 7], dtype=np.uint8), fwd, 16)
+    with pytest.raises(ValueError, match="no room"):
+        wildtype_logprobs(np.array([6, 7], dtype=np.uint8), fwd, 2)
+    with pytest.raises(ValueError, match="forward returned shape"):
+        wildtype_logprobs(np.array([6, 7], dtype=np.uint8), lambda f: np.zeros((len(f) - 1, V)), 16)
+
+
+@needs_data
+def test_evaluate_tome_windowed_matches_single_call(sheet):
+    table = log_softmax(np.random.default_rng(4).normal(size=(V, V)), axis=1)
+    forward = lambda framed: table[framed]  # noqa: E731
+    whole = evaluate_assays([TOME], sheet, forward, context_length=512)
+    windowed = evaluate_assays([TOME], sheet, forward, context_length=30)  # 82 nt -> 6 windows of 28
+    assert whole["per_assay"] == windowed["per_assay"]
+    m = whole["per_assay"]["Tome_2014_GFP_aptamer"]
+    assert m["rna_type"] == "Aptamer" and m["n_variants"] == 417 and m["wt_source"] == "reference"
+    assert set(whole["per_type"]) == {"Aptamer"} and whole["aggregate"]["n_assays"] == 1
+    assert whole["notes"] == {"Tome_2014_GFP_aptamer": []}
+    with pytest.raises(ValueError, match="not in the reference sheet"):
+        evaluate_assays([TOME], {}, forward, 512)

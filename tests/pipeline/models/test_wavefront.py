@@ -1,0 +1,98 @@
+"""The right-aligned wavefront against the straightforward reference: each sequence alone for its own K_i."""
+import pytest
+import torch
+
+from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig, initial_state
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return EcoRNA(EcoRNAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_prelude=1, n_core=2, n_coda=1))
+
+
+def reference_row(m, tokens, s0, depth, window):
+    """One unpadded sequence [1, n]: prelude, K core applications with autograd only in the last W, readout."""
+    mask = torch.ones_like(tokens, dtype=torch.bool)
+    rope = m.rope(tokens.shape[1], "cpu", torch.float32)
+    e = m.prelude_norm(m.prelude(m.embed(tokens), rope, mask))
+    s, prev, states = s0, s0, [s0]
+    for k in range(1, depth + 1):
+        if k == depth - window + 1 and window < depth:
+            s = s.detach()
+        with torch.set_grad_enabled(k > depth - window):
+            s_next = m.core(s, e, rope, mask)
+        prev, s = s, s_next
+        states.append(s)
+    return m.embed(m.readout(s, rope, mask), as_head=True), s, prev, states
+
+
+@pytest.mark.parametrize("seed,window,extra_kmax", [(0, 100, 0), (1, 2, 0), (2, 3, 2), (3, 1, 1)])
+def test_wavefront_equals_per_sequence_loop(seed, window, extra_kmax):
+    m = small_model(seed)
+    g = torch.Generator().manual_seed(seed)
+    B, L = 5, 11
+    lengths = torch.tensor([11, 7, 9, 4, 11])
+    depths = torch.randint(1, 7, (B,), generator=g)
+    tokens = torch.randint(6, 12, (B, L), generator=g)
+    mask = torch.arange(L)[None] < lengths[:, None]
+    tokens[~mask] = 0
+    s0 = initial_state(m.cfg, mask, generator=g)
+    # A loss of the scale of a token-mean cross-entropy that touches every valid logit and state differently.
+    weights = torch.randn(B, L, 23, generator=g) / (B * L)
+    sweights = torch.randn(B, L, 32, generator=g) / (B * L)
+
+    out = m(tokens, mask, depths, s0, k_max=int(depths.max()) + extra_kmax, backward_window=window)
+    assert out.row_iterations == int(depths.sum()) and out.core_calls == int(depths.max()) + extra_kmax
+    loss = sum(((out.logits[i, :n] * weights[i, :n]).sum() + (out.state[i, :n] * sweights[i, :n]).sum()
+                + (out.prev_state[i, :n] * sweights[i, :n]).sum() * (depths[i] >= 2))
+               for i, n in enumerate(lengths.tolist()))
+    grads = torch.autograd.grad(loss, list(m.parameters()), allow_unused=True)
+
+    ref_loss = 0
+    for i, n in enumerate(lengths.tolist()):
+        logits, s, prev, _ = reference_row(m, tokens[i:i + 1, :n], s0[i:i + 1, :n], int(depths[i]), window)
+        torch.testing.assert_close(out.logits[i, :n], logits[0], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.state[i, :n], s[0], atol=1e-5, rtol=0)
+        if depths[i] >= 2:
+            torch.testing.assert_close(out.prev_state[i, :n], prev[0], atol=1e-5, rtol=0)
+        ref_loss = ref_loss + (logits[0] * weights[i, :n]).sum() + (s[0] * sweights[i, :n]).sum() + (
+            (prev[0] * sweights[i, :n]).sum() if depths[i] >= 2 else 0)
+    ref_grads = torch.autograd.grad(ref_loss, list(m.parameters()), allow_unused=True)
+    for (name, _), a, b in zip(m.named_parameters(), grads, ref_grads):
+        if a is None or b is None:
+            assert a is None and b is None, name
+            continue
+        assert (a - b).abs().max() <= 1e-5, (name, (a - b).abs().max())
+
+
+def test_anchor_state_is_the_state_after_K_a_iterations():
+    m = small_model(4)
+    g = torch.Generator().manual_seed(4)
+    B, L, K_a = 6, 8, 2
+    depths = torch.tensor([1, 2, 3, 5, 4, 6])
+    tokens = torch.randint(6, 12, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.bool)
+    s0 = initial_state(m.cfg, mask, generator=g)
+    out = m(tokens, mask, depths, s0, k_max=7, backward_window=2, anchor_depth=K_a)
+    assert out.anchor_rows.tolist() == [2, 3, 4, 5]  # K_i > K_a
+    assert not out.anchor_logits.requires_grad
+    direct = m(tokens, mask, K_a, s0).logits
+    torch.testing.assert_close(out.anchor_logits, direct[out.anchor_rows], atol=1e-5, rtol=0)
+
+
+def test_rows_without_work_still_call_the_core():
+    """k_max above every local depth (another rank's maximum): the core is called k_max times, some on zero rows."""
+    m = small_model(5)
+    calls = []
+    m.core.register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape[0]))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    s0 = initial_state(m.cfg, mask, generator=torch.Generator().manual_seed(0))
+    out = m(torch.randint(6, 12, (2, 6)), mask, torch.tensor([1, 2]), s0, k_max=5)
+    assert calls == [0, 0, 0, 1, 2] and out.row_iterations == 3
+
+
+def test_depths_outside_k_max_are_refused():
+    m = small_model()
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="depths must lie in"):
+        m(torch.randint(6, 12, (1, 4)), mask, torch.tensor([3]), torch.zeros(1, 4, 32), k_max=2)

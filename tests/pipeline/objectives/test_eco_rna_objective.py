@@ -1,0 +1,98 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.data.loader import Batch
+from pipeline.models.eco_rna import EcoRNA, initial_state
+from pipeline.objectives.eco_rna import EcoRNAObjectiveConfig, Plan, per_row_ce, recurrent_loss, sample_depths
+from pipeline.objectives.masking import IGNORE_INDEX
+
+SMALL = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64", "model.n_prelude=1",
+         "model.n_core=2", "model.n_coda=1"]
+
+
+def test_depth_law_matches_poisson_lognormal():
+    cfg = EcoRNAObjectiveConfig(mu_k=4.0, sigma_k=0.5, k_min=2, k_cap=None)
+    k = sample_depths(200_000, cfg, torch.Generator().manual_seed(0)).double()
+    # E[K~] = E[e^tau] = mu; K = max(K_min, K~); simulate the same law with numpy for the clipped moments
+    rng = np.random.default_rng(0)
+    tau = rng.normal(math.log(4.0) - 0.125, 0.5, 400_000)
+    ref = np.maximum(2, rng.poisson(np.exp(tau)))
+    assert abs(k.mean().item() - ref.mean()) < 0.03 and abs(k.var().item() - ref.var()) < 0.15
+    assert k.min().item() == 2
+    assert torch.equal(sample_depths(10, cfg, torch.Generator().manual_seed(7)),
+                       sample_depths(10, cfg, torch.Generator().manual_seed(7)))
+    capped = sample_depths(10_000, EcoRNAObjectiveConfig(mu_k=8.0, k_cap=9), torch.Generator().manual_seed(0))
+    assert capped.max().item() == 9
+
+
+def make_batch(seed, B=6, L=12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(6, 10, (B, L), generator=g)
+    lengths = torch.randint(5, L + 1, (B,), generator=g)
+    mask = torch.arange(L)[None] < lengths[:, None]
+    ids[~mask] = 0
+    labels = torch.where(mask & (torch.rand(B, L, generator=g) < 0.4), ids, torch.full_like(ids, IGNORE_INDEX))
+    labels[0] = IGNORE_INDEX  # a row without supervision: excluded from I_a
+    return Batch(ids, labels, mask, [str(i) for i in range(B)])
+
+
+def test_anchor_gradient_is_indicator_times_terminal_gradient():
+    """Eq. 11: grad r_i = 1{l_i(K_i) > l_i(K_a) + m_a} grad l_i(K_i), with l_i(K_a) from a separate depth-K_a run."""
+    # init_std 0.3: chaotic enough at init that deeper rows are sometimes worse than the reference, sometimes not
+    cfg = load_config(None, SMALL + ["model.init_std=0.3", "objective.lambda_fp=0", "objective.lambda_anchor=1",
+                                     "objective.anchor_depth=2", "objective.anchor_margin=0.01"])
+    torch.manual_seed(0)
+    model = EcoRNA(cfg.model)
+    batch = make_batch(1)
+    depths = torch.tensor([4, 1, 3, 2, 5, 3])
+    p = Plan(depths, initial_state(cfg.model, batch.attention_mask, torch.Generator().manual_seed(2)), {"k_max": 5})
+    params = list(model.parameters())
+
+    out = recurrent_loss(model, batch, cfg, p)
+    m = out.num_tokens
+    g_total = torch.autograd.grad(out.sum_loss, params)
+    cfg0 = load_config(None, SMALL + ["model.init_std=0.3", "objective.lambda_fp=0", "objective.lambda_anchor=0"])
+    g_mlm = torch.autograd.grad(recurrent_loss(model, batch, cfg0, p).sum_loss, params)
+
+    # Reference: l_i(K_i) from the wavefront, l_i(K_a) from an independent fixed-depth forward.
+    term = model(batch.input_ids, batch.attention_mask, depths, p.init_state, k_max=5)
+    ce_k, m_row = per_row_ce(term.logits, batch.labels)
+    ell_k = ce_k / m_row.clamp(min=1)
+    with torch.no_grad():
+        ref = model(batch.input_ids, batch.attention_mask, 2, p.init_state)
+        ce_a, _ = per_row_ce(ref.logits, batch.labels)
+        ell_a = ce_a / m_row.clamp(min=1)
+    eligible = (depths > 2) & (m_row > 0)
+    active = eligible & (ell_k > ell_a + 0.01)
+    assert 0 < int(active.sum()) < int(eligible.sum()), "pick a seed where the hinge is on for some rows only"
+    expected = torch.autograd.grad((ell_k * active).sum() / eligible.sum(), params)
+    for a, b, c in zip(g_total, g_mlm, expected):
+        torch.testing.assert_close((a - b) / m, c, atol=1e-6, rtol=1e-4)
+    assert out.stats["anchor_active"] == (int(active.sum()), int(eligible.sum()))
+
+
+def test_displacement_term_and_empty_sets():
+    cfg = load_config(None, SMALL + ["objective.lambda_fp=1", "objective.lambda_anchor=1", "objective.anchor_depth=3"])
+    torch.manual_seed(0)
+    model = EcoRNA(cfg.model)
+    batch = make_batch(3)
+    s0 = initial_state(cfg.model, batch.attention_mask, torch.Generator().manual_seed(0))
+    # every row at depth 1: I_fp and I_a are empty, both auxiliary means are 0 and the loss is the MLM sum
+    ones = Plan(torch.ones(6, dtype=torch.long), s0, {"k_max": 1})
+    out = recurrent_loss(model, batch, cfg, ones)
+    assert out.stats["displacement"] == (0.0, 0) and "anchor_hinge" not in out.stats
+    torch.testing.assert_close(out.sum_loss, torch.tensor(out.stats["mlm_loss"][0]))
+    # displacement: relative squared change of the last update over attention-valid positions, K_i >= 2 only
+    depths = torch.tensor([2, 1, 3, 2, 1, 4])
+    out = recurrent_loss(model, batch, load_config(None, SMALL + ["objective.lambda_anchor=0"]),
+                         Plan(depths, s0, {"k_max": 4}))
+    res = model(batch.input_ids, batch.attention_mask, depths, s0, k_max=4)
+    v = batch.attention_mask[..., None].float()
+    r = ((res.state - res.prev_state) ** 2 * v).sum((1, 2)) / (res.prev_state ** 2 * v).sum((1, 2))
+    num, den = out.stats["displacement"]
+    assert den == 4 and num == pytest.approx(float(r[depths >= 2].detach().sum()), rel=1e-5)
+    assert out.totals["row_iterations"] == int(depths.sum())
