@@ -1,4 +1,4 @@
-"""python -m data_prep SOURCE --input PATH [PATH ...] --output DIR [options] | python -m data_prep merge --output DIR"""
+"""python -m data_prep SOURCE --input PATH [PATH ...] --output DIR [options] | merge --output DIR | train-spm ..."""
 from __future__ import annotations
 
 import argparse
@@ -29,18 +29,33 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize a corpus into WebDataset tar shards plus manifest.json.",
         epilog="Multi-job: run job I of N with --num-jobs N --job-index I (job I takes the records whose global "
                "index % N == I), then `python -m data_prep merge --output DIR`.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="SOURCE|merge")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SOURCE|merge|train-spm")
     for src in SOURCES.values():
         p = sub.add_parser(src.name, help=src.help, description=src.help)
         p.add_argument("--input", nargs="+", required=True, type=Path, metavar="PATH",
-                       help="input files, read in the order given (gzip detected by content)")
+                       help="input files (babylm: also folders of *.train), read in the order given "
+                            "(gzip detected by content)")
         p.add_argument("--output", required=True, type=Path, metavar="DIR", help="shard directory to create")
-        if src.alphabet is None:
+        if src.alphabet is None and src.tokenizer == "nucleotide":
             p.add_argument("--alphabet", required=True, choices=("rna", "dna"),
                            help="rna writes T as U, dna writes U as T")
+        if src.tokenizer == "sentencepiece":
+            p.add_argument("--spm", required=True, type=Path, metavar="MODEL",
+                           help="sentencepiece model from `python -m data_prep train-spm` (copied beside the shards)")
+        if src.name == "uniref":
+            p.add_argument("--uniref90-members", type=Path, metavar="TSV",
+                           help="UniRef50 id<TAB>UniRef90 ids (comma-separated): stored as meta 'members'")
         p.add_argument("--shard-size", type=_positive, default=10_000, metavar="N", help="samples per shard")
-        p.add_argument("--min-length", type=_nonnegative, default=10, metavar="N",
-                       help="records shorter than N residues are filtered (and counted)")
+        unit = "characters" if src.tokenizer == "sentencepiece" else "residues"
+        p.add_argument("--min-length", type=_nonnegative, default=src.min_length, metavar="N",
+                       help=f"records shorter than N {unit} are filtered (and counted); default {src.min_length}")
+        p.add_argument("--max-length", type=_positive, default=None, metavar="N",
+                       help=f"records longer than N {unit} are filtered (default: none; long records are stored "
+                            "whole and cropped at load time)")
+        p.add_argument("--strict", action="store_true",
+                       help="the first invalid record is an error naming file:line (default: skip and count it)")
+        p.add_argument("--dedup", action="store_true",
+                       help="drop exact duplicate sequences (sha1 of the normalized sequence), counted as 'duplicate'")
         p.add_argument("--num-jobs", type=_positive, default=1, metavar="N")
         p.add_argument("--job-index", type=_nonnegative, default=0, metavar="I")
         p.add_argument("--overwrite", action="store_true",
@@ -48,15 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("merge", help="combine the job manifests in DIR into manifest.json",
                        description="Combine manifest-jobIIII-of-NNNN.json files into manifest.json.")
     m.add_argument("--output", required=True, type=Path, metavar="DIR")
+    t = sub.add_parser("train-spm", help="train a sentencepiece BPE model on BabyLM text",
+                       description="Train a sentencepiece BPE model on *.train text (files or folders).")
+    t.add_argument("--input", nargs="+", required=True, type=Path, metavar="PATH")
+    t.add_argument("--output", required=True, type=Path, metavar="PREFIX", help="writes PREFIX.model, PREFIX.vocab")
+    t.add_argument("--vocab-size", type=_positive, default=32768, metavar="N")
+    t.add_argument("--max-sentences", type=_positive, default=10_000_000, metavar="N",
+                   help="lines sampled for training (sentencepiece input_sentence_size)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command != "merge" and args.job_index >= args.num_jobs:
+    if args.command not in ("merge", "train-spm") and args.job_index >= args.num_jobs:
         parser.error(f"--job-index {args.job_index} must be < --num-jobs {args.num_jobs}")
-    # SIGTERM (scheduler preemption) must unwind like Ctrl-C so the temporary output is removed.
+    # SIGTERM (scheduler preemption) unwinds like Ctrl-C: the partial shard is dropped, finished ones are kept.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # Imported here so that --help and argument errors do not pay for torch (imported by webdataset).
     from .jobs import PrepError, Settings, merge, run, summary
@@ -65,14 +87,21 @@ def main(argv: list[str] | None = None) -> int:
             result = merge(args.output)
             print(summary(result.manifest.source, result.manifest, result.location, job=" merge"))
             return 0
+        if args.command == "train-spm":
+            from .spm import train_spm
+            model = train_spm(args.input, args.output, args.vocab_size, args.max_sentences)
+            print(f"data_prep train-spm: vocabulary {args.vocab_size} -> {model}")
+            return 0
         src = SOURCES[args.command]
-        settings = Settings(args.shard_size, args.min_length, args.num_jobs, args.job_index)
-        result = run(src, src.alphabet or args.alphabet, args.input, args.output, settings, args.overwrite)
-    except (PrepError, FastaError, OSError) as e:
+        settings = Settings(args.shard_size, args.min_length, args.num_jobs, args.job_index, args.max_length,
+                            args.strict, args.dedup)
+        result = run(src, src.alphabet or getattr(args, "alphabet", None), args.input, args.output, settings,
+                     args.overwrite, spm=getattr(args, "spm", None), members=getattr(args, "uniref90_members", None))
+    except (PrepError, FastaError, OSError, ValueError) as e:
         print(f"data_prep: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("data_prep: interrupted; nothing written", file=sys.stderr)
+        print("data_prep: interrupted; finished shards are kept, rerun the same command to resume", file=sys.stderr)
         return 130
     job = f" job {args.job_index}/{args.num_jobs}" if args.num_jobs > 1 else ""
     print(summary(src.name, result.manifest, result.location, result.records_seen, job))

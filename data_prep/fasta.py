@@ -2,7 +2,9 @@
 
 Accepted quirks (all seen in real exports): gzip detected by magic bytes whatever the file is called, CRLF line
 endings, a UTF-8 byte-order mark, blank lines, trailing whitespace, lowercase (soft-masked) bases and any wrap width.
-Everything else is a ``FastaError`` naming ``file:line`` (and ``:column`` for a bad character).
+Everything else is a ``FastaError`` naming ``file:line`` (and ``:column`` for a bad character). With
+``on_invalid="yield"`` a record with a character outside the alphabet is yielded with ``error`` set instead, so that
+the caller can count and skip it (data_prep's default) or raise it (``--strict``).
 """
 from __future__ import annotations
 
@@ -28,8 +30,12 @@ class FastaError(ValueError):
 class Record(NamedTuple):
     id: str  # first whitespace-separated token of the header
     description: str  # rest of the header ('' if none)
-    seq: bytes  # residues as written (case kept, line breaks removed)
+    seq: bytes  # residues as written (case kept, line breaks removed); UTF-8 text for text sources
     line: int  # 1-based line number of the header
+    meta: dict | None = None  # source-specific fields stored in the sample's meta.json
+    error: str | None = None  # 'path:line[:col]: why' when the record is invalid (skipped or, --strict, raised)
+    reason: str | None = None  # filter reason counted for an invalid record, e.g. 'invalid_character'
+    nbytes: int = 0  # uncompressed input bytes the record occupied (progress MB/s)
 
 
 def open_input(path: str | Path) -> BinaryIO:
@@ -41,8 +47,21 @@ def open_input(path: str | Path) -> BinaryIO:
         if head.startswith(magic):
             raise FastaError(f"{path}: {kind}-compressed input is not supported (only gzip); decompress it first")
     if head.startswith(GZIP_MAGIC):
-        return io.BufferedReader(gzip.open(path, "rb"), buffer_size=1 << 20)
-    return open(path, "rb", buffering=1 << 20)
+        f = io.BufferedReader(gzip.open(path, "rb"), buffer_size=1 << 20)
+    else:
+        f = open(path, "rb", buffering=1 << 20)
+    # Every supported format is text: a NUL byte in the first block means binary garbage (or an unsupported
+    # container), reported as such rather than as a bad first character or a missing header.
+    try:
+        block = f.peek(1 << 16)[:1 << 16]
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        f.close()
+        raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
+    if b"\x00" in block:
+        f.close()
+        at = block.index(b"\x00")
+        raise FastaError(f"{path}: binary data (NUL byte at offset {at}), not a text file")
+    return f
 
 
 def _bad_char_error(path: Path, record_id: str, chunks: list[bytes], starts: list[int], linenos: list[int],
@@ -56,8 +75,8 @@ def _bad_char_error(path: Path, record_id: str, chunks: list[bytes], starts: lis
                       f"(record {record_id})")
 
 
-def iter_fasta(path: str | Path,
-               invalid_positions: Callable[[bytes], np.ndarray] | None = None) -> Iterator[Record]:
+def iter_fasta(path: str | Path, invalid_positions: Callable[[bytes], np.ndarray] | None = None,
+               on_invalid: str = "raise") -> Iterator[Record]:
     """Records of a FASTA file in file order.
 
     ``invalid_positions(seq)`` (e.g. ``NucleotideTokenizer.invalid_positions``) is applied to every record so that
@@ -69,6 +88,7 @@ def iter_fasta(path: str | Path,
     chunks: list[bytes] = []
     starts: list[int] = []  # offset of each chunk in the joined sequence
     linenos: list[int] = []
+    nbytes = 0
 
     def finish() -> Record:
         text = header.decode("utf-8", "backslashreplace")
@@ -79,13 +99,18 @@ def iter_fasta(path: str | Path,
         if invalid_positions is not None and seq:
             bad = invalid_positions(seq)
             if bad.size:
-                raise _bad_char_error(path, parts[0], chunks, starts, linenos, int(bad[0]))
-        return Record(parts[0], parts[1].strip() if len(parts) > 1 else "", seq, hline)
+                err = _bad_char_error(path, parts[0], chunks, starts, linenos, int(bad[0]))
+                if on_invalid == "raise":
+                    raise err
+                return Record(parts[0], parts[1].strip() if len(parts) > 1 else "", seq, hline,
+                              error=str(err), reason="invalid_character", nbytes=nbytes)
+        return Record(parts[0], parts[1].strip() if len(parts) > 1 else "", seq, hline, nbytes=nbytes)
 
     try:
         with open_input(path) as f:
             offset = 0
             for lineno, raw in enumerate(f, 1):
+                nbytes += len(raw)
                 if lineno == 1:
                     if raw.startswith(UTF8_BOM):
                         raw = raw[len(UTF8_BOM):]
@@ -98,7 +123,7 @@ def iter_fasta(path: str | Path,
                     if header is not None:
                         yield finish()
                     header, hline = line[1:], lineno
-                    chunks, starts, linenos, offset = [], [], [], 0
+                    chunks, starts, linenos, offset, nbytes = [], [], [], 0, len(raw)
                 elif header is None:
                     raise FastaError(f"{path}:{lineno}: sequence data before the first '>' header")
                 else:

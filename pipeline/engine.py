@@ -205,9 +205,10 @@ class Trainer:
     def _load(self, tag: str) -> str | None:
         ckpt_cfg_path = self.ckpt_dir / tag / "client_state.json"
         saved = json.loads(ckpt_cfg_path.read_text())
-        if saved["config"]["family"] != self.cfg.family or saved["config"]["model"] != self.cfg.to_dict()["model"]:
-            diff = [k for k in self.cfg.to_dict()["model"]
-                    if saved["config"]["model"].get(k) != self.cfg.to_dict()["model"][k]]
+        # Every model field but the kernel choice fixes the parameter layout.
+        ours = {k: v for k, v in self.cfg.to_dict()["model"].items() if k != "attn_backend"}
+        diff = [k for k, v in ours.items() if saved["config"]["model"].get(k) != v]
+        if saved["config"]["family"] != self.cfg.family or diff:
             raise ConfigError(f"model.{diff[0] if diff else 'family'}: differs from checkpoint {self.ckpt_dir / tag}")
         if saved["world_size"] != self.world:
             raise ConfigError(f"checkpoint {self.ckpt_dir / tag} was written by {saved['world_size']} ranks, "

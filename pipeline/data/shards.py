@@ -3,7 +3,9 @@
 A shard directory holds WebDataset tar files and one ``manifest.json``::
 
     DIR/manifest.json
-    DIR/<prefix>-000000.tar   members: <key>.tokens.npy  (uint8 token ids, no <cls>/<eos>)
+    DIR/<prefix>-000000.tar   members: <key>.tokens.npy  (token ids, no <cls>/<eos>; the smallest unsigned dtype
+                                                          that holds the vocabulary: uint8 up to 256 tokens,
+                                                          uint16 up to 65536, else uint32)
                                        <key>.meta.json   ({"id": record id, "source": ..., ...})
 
 The manifest is the contract the loader relies on: per shard its sample and token counts and sha256, so a reader can
@@ -18,6 +20,7 @@ import os
 import tarfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from webdataset.tariterators import group_by_keys, tar_file_iterator
@@ -46,7 +49,8 @@ class Manifest:
     tokenizer: dict  # {"name": ..., "vocab": [...], "alphabet": ...}
     shards: list[ShardInfo]
     filtered: dict = field(default_factory=dict)  # reason -> count, for every record not written
-    inputs: list = field(default_factory=list)  # [{"path", "records"}]
+    inputs: list = field(default_factory=list)  # [{"path", "records", ...}]
+    stats: dict = field(default_factory=dict)  # source-specific counters (residues, normalizations, ...)
     format: str = FORMAT
 
     @property
@@ -103,21 +107,37 @@ def load_manifest(directory: str | Path) -> Manifest:
     if not shards:
         raise ShardError(f"{path}: lists no shards")
     return Manifest(source=raw["source"], tokenizer=raw["tokenizer"], shards=shards,
-                    filtered=raw.get("filtered", {}), inputs=raw.get("inputs", []))
+                    filtered=raw.get("filtered", {}), inputs=raw.get("inputs", []), stats=raw.get("stats", {}))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype that holds ids 0 .. vocab_size - 1."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if vocab_size - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    raise ValueError(f"vocabulary of {vocab_size} tokens does not fit in uint32")
 
 
 class ShardWriter:
     """Writes samples into numbered tar shards of at most ``max_samples`` samples each.
 
     Shards are written as ``.tar.tmp`` and renamed when closed; ``abort()`` removes everything written.
+    ``vocab_size`` fixes the stored dtype for the whole directory (default: uint8, the nucleotide and protein
+    vocabularies). ``completed`` are shards a previous (interrupted) run already wrote and verified: numbering
+    continues after them. ``on_close(info)`` is called after each shard is renamed into place (a resumable job
+    records it in its progress file).
     """
 
-    def __init__(self, directory: str | Path, prefix: str = "shard", max_samples: int = 10_000):
+    def __init__(self, directory: str | Path, prefix: str = "shard", max_samples: int = 10_000,
+                 vocab_size: int = 256, completed: list[ShardInfo] | None = None,
+                 on_close: Callable[[ShardInfo], None] | None = None):
         if max_samples < 1:
             raise ValueError(f"max_samples must be >= 1, got {max_samples}")
         self.directory = Path(directory)
         self.prefix, self.max_samples = prefix, max_samples
-        self.shards: list[ShardInfo] = []
+        self.dtype, self.vocab_size = token_dtype(vocab_size), vocab_size
+        self.shards: list[ShardInfo] = list(completed or [])
+        self.on_close = on_close
         self._writer = None
         self._tmp = None
         self._count = self._tokens = 0
@@ -136,8 +156,13 @@ class ShardWriter:
             raise ValueError(f"sample key {key!r} may not contain '/' or '.'")
         if self._writer is None:
             self._open()
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
+            raise ValueError(f"tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
+            raise ValueError(f"sample {key}: token id outside 0..{self.vocab_size - 1}")
         buf = io.BytesIO()
-        np.save(buf, np.asarray(tokens, dtype=np.uint8), allow_pickle=False)
+        np.save(buf, tokens.astype(self.dtype, copy=False), allow_pickle=False)
         self._writer.write({"__key__": key, "tokens.npy": buf.getvalue(),
                             "meta.json": json.dumps(meta, separators=(",", ":")).encode()})
         self._count += 1
@@ -152,8 +177,11 @@ class ShardWriter:
         self._file.close()
         final = self._tmp.with_suffix("")  # drop .tmp
         os.replace(self._tmp, final)
-        self.shards.append(ShardInfo(final.name, self._count, self._tokens, sha256_file(final)))
+        info = ShardInfo(final.name, self._count, self._tokens, sha256_file(final))
+        self.shards.append(info)
         self._writer = None
+        if self.on_close is not None:
+            self.on_close(info)
 
     def close(self) -> list[ShardInfo]:
         self._close_current()
@@ -171,13 +199,14 @@ class ShardWriter:
 
 
 def read_shard(path: str | Path, expected_samples: int | None = None) -> list[tuple[str, np.ndarray, dict]]:
-    """All samples of one shard as (key, uint8 tokens, meta), in file order.
+    """All samples of one shard as (key, tokens, meta), in file order; tokens keep their stored unsigned dtype.
 
-    A truncated or corrupt tar, a member name that escapes the shard, or fewer samples than the manifest promises is
-    one ShardError naming the file.
+    A truncated or corrupt tar, a member name that escapes the shard, an unreadable member (named), or fewer samples
+    than the manifest promises is one ShardError naming the file.
     """
     path = Path(path)
     out = []
+    last = None  # last member read whole: locates tar-level corruption
     try:
         with open(path, "rb") as f:
             members = tar_file_iterator(f)
@@ -187,10 +216,21 @@ def read_shard(path: str | Path, expected_samples: int | None = None) -> list[tu
                     raise ValueError(f"member {key!r} escapes the shard")
                 if "tokens.npy" not in sample or "meta.json" not in sample:
                     raise ValueError(f"sample {key!r} lacks tokens.npy or meta.json")
-                tokens = np.load(io.BytesIO(sample["tokens.npy"]), allow_pickle=False)
-                out.append((key, tokens, json.loads(sample["meta.json"])))
+                try:
+                    tokens = np.load(io.BytesIO(sample["tokens.npy"]), allow_pickle=False)
+                    if tokens.ndim != 1 or tokens.dtype.kind != "u":
+                        raise ValueError(f"holds {tokens.dtype} {tokens.shape}, expected 1-D unsigned ids")
+                except (ValueError, EOFError, OSError) as e:
+                    raise ValueError(f"corrupt member {key}.tokens.npy ({e})") from None
+                try:
+                    meta = json.loads(sample["meta.json"])
+                except (ValueError, UnicodeDecodeError) as e:
+                    raise ValueError(f"corrupt member {key}.meta.json ({e})") from None
+                out.append((key, tokens, meta))
+                last = key
     except (tarfile.TarError, EOFError, OSError) as e:
-        raise ShardError(f"{path}: truncated or corrupt shard ({e})") from None
+        after = f" after member {last}.meta.json" if last else " at its first member"
+        raise ShardError(f"{path}: truncated or corrupt shard{after} ({e})") from None
     except ShardError:
         raise
     except ValueError as e:

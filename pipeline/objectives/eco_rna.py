@@ -161,14 +161,13 @@ def recurrent_loss(model, batch, cfg, p: Plan) -> LossOutput:
             stats["anchor_hinge"] = (float(hinge.detach().sum()), n_a)
             stats["anchor_active"] = (int((hinge > 0).sum()), n_a)
     aux = obj.lambda_fp * L_fp + obj.lambda_anchor * L_anchor
-    B = len(depths)
-    for k in torch.unique(depths).tolist():  # diagnostics: depth histogram and displacement per depth
-        rows_k = depths == k
-        stats[f"depth_frac/K{k:02d}"] = (int(rows_k.sum()), B)
-        if k >= 2:
-            stats[f"displacement/K{k:02d}"] = (float(r[rows_k].detach().sum()), int(rows_k.sum()))
     n_anchor_readout = len(out.anchor_rows) if use_anchor else 0
     totals = {"flops": cfg.model.train_flops(depths.tolist(), batch.input_ids.shape[1], obj.backward_window,
                                              n_anchor_readout),
               "row_iterations": out.row_iterations, "core_calls": out.core_calls}
+    for k in torch.unique(depths).tolist():  # diagnostics: depth histogram (row counts) and displacement per depth
+        rows_k = depths == k
+        totals[f"depth_count/K{k:02d}"] = int(rows_k.sum())
+        if k >= 2:
+            stats[f"displacement/K{k:02d}"] = (float(r[rows_k].detach().sum()), int(rows_k.sum()))
     return LossOutput(S + m * aux, m, stats, totals)

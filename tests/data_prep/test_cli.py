@@ -92,7 +92,8 @@ def runs(root, sample_raw) -> dict[str, subprocess.CompletedProcess]:
              **{f"job{i}": rna + (SAMPLE, "--output", root / "mj", "--num-jobs", 2, "--job-index", i)
                 for i in range(2)},
              # The sample first: its 2107 records already written must be cleaned up too.
-             "bad_char": rna + (SAMPLE, bad / "bad_char.fasta", "--output", bad / "new" / "out"),
+             # --strict: an invalid record is an error (the default skips and counts it; see test_sources.py)
+             "bad_char": rna + (SAMPLE, bad / "bad_char.fasta", "--output", bad / "new" / "out", "--strict"),
              # Fails on its first line, before anything is written.
              "no_header": rna + (nohead / "no_header.fasta", "--output", nohead / "new" / "out")}
     done = cli_parallel(first)
@@ -129,7 +130,8 @@ def test_repo_sample(runs, root, sample_raw):
     assert (m.total_samples, m.total_tokens) == (2107, 341_942)
     assert m.source == "rnacentral" and m.filtered == {"empty": 0, "shorter_than_10": 0}
     assert m.tokenizer == {"name": "nucleotide", "vocab": list(VOCAB), "alphabet": "rna"}
-    assert m.inputs == [{"path": str(SAMPLE), "records": 2107}]
+    assert m.inputs == [{"path": str(SAMPLE), "records": 2107, "kept": 2107, "residues": 341_942}]
+    assert m.stats["residues"] == 341_942 and m.stats["records_kept"] == 2107
     ref = reference(sample_raw)
     got = samples(out)
     assert sorted(meta["id"] for _, meta in got.values()) == sorted(ref)

@@ -55,8 +55,9 @@ def test_validation_names_field():
 
 
 def test_overrides_parse_yaml_values():
-    cfg = load_config(None, ["train.max_steps=7", "optim.betas=[0.8, 0.9]", "tracking.run_name=null"])
+    cfg = load_config(None, ["train.max_steps=7", "optim.betas=[0.8, 0.9]", "tracking.run_name=null", "optim.lr=3e-4"])
     assert cfg.train.max_steps == 7 and cfg.optim.betas == [0.8, 0.9] and cfg.tracking.run_name is None
+    assert cfg.optim.lr == 3e-4  # YAML 1.1 reads 3e-4 as a string; float fields accept it
 
 
 def test_batch_arithmetic():

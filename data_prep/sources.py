@@ -1,0 +1,235 @@
+"""Readers for the real on-disk formats beyond plain FASTA: OpenGenome2 JSONL, UniRef FASTA, BabyLM text.
+
+A reader is ``reader(path, ctx) -> Iterator[Record]`` in file order. ``ctx.invalid_positions(seq)`` is the tokenizer's
+alphabet check, ``ctx.stats`` a dict of counters the reader adds its normalizations to (they end up in the
+manifest's ``stats``), ``ctx.members`` the optional UniRef50 -> UniRef90 member map. Structural damage (bad JSON, a
+JSON object without ``text``, a truncated gzip, binary data) raises ``FastaError`` naming ``file:line``; a record
+whose characters fall outside the alphabet is yielded with ``error``/``reason`` set, so the job can count and skip
+it or (``--strict``) raise it.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .fasta import UTF8_BOM, FastaError, Record, iter_fasta, open_input
+
+
+@dataclass
+class Context:
+    invalid_positions: Callable[[bytes], np.ndarray] | None = None
+    stats: dict = field(default_factory=dict)
+    members: dict | None = None  # UniRef50 id -> [UniRef90 ids]
+
+    def count(self, key: str, n: int = 1):
+        self.stats[key] = self.stats.get(key, 0) + n
+
+
+def _bad_char(path: Path, line: int, record_id: str, seq: bytes, pos: int) -> str:
+    char = seq[pos:pos + 4].decode("utf-8", "replace")[0]
+    return (f"{path}:{line}: character {char!r} at sequence position {pos + 1} is not in the tokenizer alphabet "
+            f"(record {record_id})")
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line without its LF) of a plain or gzipped file; gzip damage named with the file."""
+    try:
+        with open_input(path) as f:
+            yield from enumerate((raw[:-1] if raw.endswith(b"\n") else raw for raw in f), 1)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------------- OpenGenome2
+TAG_RE = re.compile(r"\|([^|]*)\|")
+
+
+def iter_opengenome2(path: Path, ctx: Context) -> Iterator[Record]:
+    """OpenGenome2 JSON Lines: one ``{"text": ..., ["record": id]}`` object per line.
+
+    Policies (counters in the manifest's ``stats``):
+    * ``|d__...;s__...|`` phylogenetic tags are removed from the sequence; the first is kept as meta ``taxonomy``
+      (further, different tags as ``taxonomy_extra``); ``taxonomy_tags`` counts them. A lone ``|`` makes the record
+      invalid (reason ``unterminated_taxonomy_tag``).
+    * ``@`` (splice-window marker) is dropped: it carries no base; ``splice_markers_dropped`` counts them.
+    * ``#`` (contig split) stays in the sequence and is written as one ``<sep>`` token; ``contig_splits`` counts
+      them. Residue counts and length filters exclude it.
+    * lowercase (soft-masked repeat) bases are upper-cased by the job (``lowercase_residues``): the nucleotide
+      vocabulary has one token per base; the soft-mask is not kept.
+    * any other character (whitespace, non-ASCII, digits) makes the record invalid (``invalid_character``).
+    * record id: the ``record`` field when present, else ``<file name>:<line>``.
+    """
+    for lineno, line in _lines(path):
+        nbytes = len(line) + 1
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line.strip():
+            ctx.count("blank_lines")
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise FastaError(f"{path}:{lineno}: not a JSON object ({e})") from None
+        if not isinstance(obj, dict) or "text" not in obj:
+            raise FastaError(f"{path}:{lineno}: JSON line has no 'text' field (OpenGenome2 JSONL expected)")
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise FastaError(f"{path}:{lineno}: 'text' is a {type(text).__name__}, expected a string")
+        rid = str(obj["record"]) if obj.get("record") is not None else f"{path.name}:{lineno}"
+        meta: dict = {"line": lineno}
+        if "|" in text:
+            tags = TAG_RE.findall(text)
+            text = TAG_RE.sub("", text)
+            if "|" in text:
+                yield Record(rid, "", text.encode("utf-8"), lineno, meta,
+                             f"{path}:{lineno}: unterminated '|' taxonomy tag (record {rid})",
+                             "unterminated_taxonomy_tag", nbytes)
+                continue
+            if tags:
+                ctx.count("taxonomy_tags", len(tags))
+                meta["taxonomy"] = tags[0]
+                extra = [t for t in dict.fromkeys(tags[1:]) if t != tags[0]]
+                if extra:
+                    meta["taxonomy_extra"] = extra
+        if "@" in text:
+            ctx.count("splice_markers_dropped", text.count("@"))
+            text = text.replace("@", "")
+        seq = text.encode("utf-8")
+        if b"#" in seq:
+            ctx.count("contig_splits", seq.count(b"#"))
+        if ctx.invalid_positions is not None and seq:
+            bad = ctx.invalid_positions(seq.replace(b"#", b"N"))
+            if bad.size:
+                yield Record(rid, "", seq, lineno, meta, _bad_char(path, lineno, rid, seq, int(bad[0])),
+                             "invalid_character", nbytes)
+                continue
+        yield Record(rid, "", seq, lineno, meta, nbytes=nbytes)
+
+
+# ---------------------------------------------------------------------------------------------------------- UniRef
+_FIELD_SPLIT = re.compile(r"\s+(?=(?:n|Tax|TaxID|RepID|ClusterName)=)")
+
+
+def _number(text: str):
+    """'10493' -> 10493, '67581.0' (BioNeMo export) -> 67581, anything else unchanged."""
+    try:
+        v = float(text)
+    except ValueError:
+        return text
+    return int(v) if v.is_integer() else text
+
+
+def parse_uniref_header(record_id: str, description: str) -> dict:
+    """Header fields as meta: id, name, n, tax, taxid, repid (absent fields omitted).
+
+    ``>UniRef50_Q6GZX4 Putative transcription factor 001R n=74 Tax=Ranavirus TaxID=10493 RepID=001R_FRG3G`` and the
+    simplified BioNeMo form ``>UniRef50_A0A007 TaxID=67581.0 RepID=A0A007_STRVD``. ``Tax=`` may contain spaces.
+    """
+    meta: dict = {"id": record_id}
+    parts = _FIELD_SPLIT.split(description) if description else []
+    if parts and not re.match(r"(?:n|Tax|TaxID|RepID|ClusterName)=", parts[0]):
+        meta["name"] = parts.pop(0)
+    for part in parts:
+        key, _, value = part.partition("=")
+        value = value.strip()
+        if key == "n":
+            meta["n"] = _number(value)
+        elif key == "TaxID":
+            meta["taxid"] = _number(value)
+        else:
+            meta[key.lower()] = value
+    return meta
+
+
+def iter_uniref(path: Path, ctx: Context) -> Iterator[Record]:
+    """UniRef50/90 FASTA. Header fields parsed into meta; lowercase residues are upper-cased by the job (ESM is
+    case-sensitive); ``members`` (UniRef90 ids of the cluster) added when ``--uniref90-members`` maps the id."""
+    check = ctx.invalid_positions
+
+    def upper_check(seq: bytes) -> np.ndarray:
+        return check(seq.upper())
+
+    for rec in iter_fasta(path, upper_check if check is not None else None, on_invalid="yield"):
+        meta = parse_uniref_header(rec.id, rec.description)
+        if ctx.members is not None:
+            members = ctx.members.get(rec.id)
+            if members is not None:
+                meta["members"] = members
+                ctx.count("with_members")
+        yield rec._replace(meta=meta)
+
+
+def load_members(path: Path) -> dict[str, list[str]]:
+    """UniRef50 id -> UniRef90 member ids from a TSV ``UniRef50_X<TAB>UniRef90_A,UniRef90_B``.
+
+    Held in memory (about 100 bytes per member id): the full UniRef50 map needs tens of GB, so cluster-aware runs
+    over all of UniRef50 should use one members file per input split.
+    """
+    out: dict[str, list[str]] = {}
+    for lineno, line in _lines(path):
+        text = line.decode("utf-8", "replace").rstrip("\r")
+        if not text.strip() or text.startswith("#"):
+            continue
+        parts = text.split("\t")
+        if len(parts) != 2 or not parts[0]:
+            raise FastaError(f"{path}:{lineno}: expected 'UniRef50 id<TAB>member,member,...'")
+        out[parts[0]] = [m for m in parts[1].split(",") if m]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- BabyLM
+def expand_text_inputs(paths: list[Path]) -> list[Path]:
+    """Directories become their ``*.train`` files (sorted, so the record order is fixed); files stay."""
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(q for q in p.glob("*.train") if q.is_file())
+            if not found:
+                raise FastaError(f"{p}: directory holds no *.train files")
+            out.extend(found)
+        else:
+            out.append(p)
+    return out
+
+
+def iter_text_lines(path: Path, ctx: Context) -> Iterator[Record]:
+    """BabyLM ``*.train``: one utterance / sentence per line, each line one record.
+
+    Policies: a UTF-8 BOM (at the start of a file or of a line, as left by concatenated files) is removed
+    (``bom_stripped``); CRLF endings lose the CR (``crlf_lines``); blank lines are skipped (``blank_lines``); all
+    other text is kept verbatim, CHILDES speaker codes (``*MOT:\\t``), tabs and ``= = =`` headers included. Invalid
+    UTF-8 makes the line invalid (``invalid_utf8``). meta ``domain`` is the file stem (``childes``, ``switchboard``).
+    """
+    domain = path.stem
+    for lineno, line in _lines(path):
+        nbytes = len(line) + 1
+        if line.startswith(UTF8_BOM):
+            line = line[len(UTF8_BOM):]
+            ctx.count("bom_stripped")
+        if line.endswith(b"\r"):
+            line = line[:-1]
+            ctx.count("crlf_lines")
+        if not line.strip():
+            ctx.count("blank_lines")
+            continue
+        rid = f"{domain}:{lineno}"
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            col = len(line[:e.start].decode("utf-8", "replace")) + 1
+            yield Record(rid, "", line, lineno, {"domain": domain},
+                         f"{path}:{lineno}:{col}: invalid UTF-8 byte {line[e.start]:#04x}", "invalid_utf8", nbytes)
+            continue
+        yield Record(rid, "", line, lineno, {"domain": domain}, nbytes=nbytes)
+
+
+def iter_fasta_source(path: Path, ctx: Context) -> Iterator[Record]:
+    """Nucleotide FASTA (genomes, RNAcentral): records as written; the job upper-cases and counts lowercase."""
+    return iter_fasta(path, ctx.invalid_positions, on_invalid="yield")

@@ -1,0 +1,71 @@
+"""``python -m data_prep train-spm``: a sentencepiece BPE model on BabyLM-style text, and the job-side encoder.
+
+Training reads the same normalized lines the ``babylm`` source writes (BOM/CR stripped, blank lines skipped), so the
+model never sees a character the shards will not hold. Settings chosen for a lossless round trip: ``identity``
+normalization and no whitespace folding (tabs after CHILDES / Switchboard speaker codes survive), byte fallback (no
+``<unk>`` for rare characters). Ids: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, like the nucleotide tokenizer's first four.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .fasta import FastaError
+from .sources import Context, expand_text_inputs, iter_text_lines
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+
+
+def _sentences(paths: list[Path]) -> Iterator[str]:
+    ctx = Context()
+    for p in paths:
+        for rec in iter_text_lines(p, ctx):
+            if rec.error is None:
+                yield rec.seq.decode("utf-8")
+
+
+def train_spm(inputs: list[Path], output: Path, vocab_size: int = 32768, max_sentences: int = 10_000_000) -> Path:
+    """Train BPE on ``inputs`` (files or folders of ``*.train``); writes ``output.model`` / ``output.vocab``."""
+    import sentencepiece as spm
+
+    paths = expand_text_inputs([Path(p) for p in inputs])
+    for p in paths:
+        if not p.is_file():
+            raise FastaError(f"{p}: input does not exist or is not a file")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=_sentences(paths), model_prefix=str(output), vocab_size=vocab_size, model_type="bpe",
+            normalization_rule_name="identity", remove_extra_whitespaces=False, byte_fallback=True,
+            split_digits=True, character_coverage=0.9995, input_sentence_size=max_sentences,
+            shuffle_input_sentence=True, max_sentence_length=1 << 16, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            unk_id=UNK_ID, num_threads=os.cpu_count() or 1, minloglevel=2)
+    except RuntimeError as e:
+        # e.g. "Vocabulary size is too high": one line, not sentencepiece's C++ trace
+        raise FastaError(f"sentencepiece training failed: {str(e).strip().splitlines()[-1]}") from None
+    return output.with_suffix(output.suffix + ".model") if output.suffix else Path(f"{output}.model")
+
+
+class SpmEncoder:
+    """UTF-8 line -> int ids of a trained model; the manifest entry names the model copied beside the shards."""
+
+    def __init__(self, model: Path):
+        import sentencepiece as spm
+
+        self.model = Path(model)
+        if not self.model.is_file():
+            raise FastaError(f"{self.model}: sentencepiece model does not exist")
+        self.sp = spm.SentencePieceProcessor(model_file=str(self.model))
+        self.vocab_size = self.sp.get_piece_size()
+        self.sha256 = hashlib.sha256(self.model.read_bytes()).hexdigest()
+
+    def encode(self, seq: bytes) -> np.ndarray:
+        return np.asarray(self.sp.encode(seq.decode("utf-8")), dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])

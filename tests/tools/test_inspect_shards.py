@@ -1,0 +1,37 @@
+"""tools/inspect_shards.py on a real prepared directory: summary, decoded samples, verification, and a corrupt
+member named in one error line."""
+import io
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared" / "data"
+RNA = SHARED / "rna" / "nrc_rfam_13class_train_6320.fasta"
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/data")
+def test_inspect_and_corrupt_member(tmp_path):
+    from data_prep.__main__ import main
+    out = tmp_path / "rfam"
+    assert main(["rnacentral", "--input", str(RNA), "--output", str(out), "--shard-size", "2000"]) == 0
+    tool = [sys.executable, str(REPO / "tools" / "inspect_shards.py"), str(out)]
+    p = subprocess.run(tool + ["--samples", "2", "--verify"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "source rnacentral" in p.stdout and "6320 samples" in p.stdout and "verified 4 shards" in p.stdout
+    first = RNA.read_text().replace("\r\n", "\n").split("\n>")[0].split("\n")
+    assert repr("".join(first[1:]).upper().replace("T", "U")[:117])[1:-1] in p.stdout
+
+    # Corrupt the tokens.npy of the 6th sample in shard 1 (its npy magic), keeping the tar structure intact.
+    shard = out / "rnacentral-000001.tar"
+    with tarfile.open(shard) as t:
+        member = [m for m in t.getmembers() if m.name.endswith(".tokens.npy")][5]
+    raw = bytearray(shard.read_bytes())
+    raw[member.offset_data:member.offset_data + 6] = b"GARBAG"
+    shard.write_bytes(bytes(raw))
+    p = subprocess.run(tool + ["--samples", "0", "--verify"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1
+    assert p.stderr.startswith(f"inspect_shards: error: {shard}: corrupt member {member.name} ")
