@@ -5,6 +5,12 @@
         --data data/samples/rfam_nrc_heldout_sample.fasta.gz --depths 1-8
     python launchers/evaluate.py --checkpoint runs/eco_rna_demo --task rnagym \
         --data ../shared/data/eval/rnagym/Tome_2014_GFP_aptamer.csv --depths 1-8
+    python launchers/evaluate.py --checkpoint runs/recursive_gpt_demo --task blimp \
+        --data ../shared/data/eval/blimp --depths 2,4,8      # causal LMs; depths may exceed the trained R
+    python launchers/evaluate.py --checkpoint runs/recursive_gpt_demo --task lambada --data lambada_test.jsonl
+
+The text tasks (blimp, lambada) tokenize with the sentencepiece model beside the checkpoint's training shards
+(DATA/tokenizer.model) unless --spm names one; a standard decoder runs at its one depth (its layer count).
 
 Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json), and, when the checkpoint's MLflow run can
 be reached (its run directory's store, or MLFLOW_TRACKING_URI), logs the metrics with step = K and a
@@ -23,7 +29,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-TASKS = ("reconstruction", "rnagym")
+TASKS = ("reconstruction", "rnagym", "blimp", "lambada")
 
 
 def parse_depths(text: str) -> list[int]:
@@ -96,6 +102,45 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
             "columns": ("K", "|spearman|", "AUC", "|MCC|")}
 
 
+def text_setup(trained, depths, spm: Path | None):
+    """(encode, [(K, depth argument)]) for the causal-LM families: a standard stack has only its own depth."""
+    import sentencepiece
+
+    path = spm or Path(trained.cfg.data.train_shards) / "tokenizer.model"
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: sentencepiece model not found (pass --spm)")
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    if getattr(trained.cfg.model, "n_layers", None) is not None:
+        return sp.encode, [(trained.cfg.model.n_layers, None)]
+    return sp.encode, [(k, k) for k in depths]
+
+
+def run_blimp(trained, data: Path, depths, spm: Path | None, method: str) -> dict:
+    from pipeline.eval.blimp import evaluate_pairs, make_pairs, model_score_fn, read_records
+
+    encode, runs = text_setup(trained, depths, spm)
+    pairs = make_pairs(read_records(data), method)
+    per_depth = {str(k): evaluate_pairs(pairs, model_score_fn(trained.model, encode, depth=d)) for k, d in runs}
+    uids = sorted(next(iter(per_depth.values()))["per_phenomenon"])
+    acc = lambda k, u: per_depth[str(k)]["per_phenomenon"][u]["accuracy"]  # noqa: E731
+    return {"method": method, "n_pairs": len(pairs), "per_depth": per_depth,
+            "table": [(k, per_depth[str(k)]["macro_accuracy"], *(acc(k, u) for u in uids)) for k, _ in runs],
+            "columns": ("K", "macro_accuracy", *uids)}
+
+
+def run_lambada(trained, data: Path, depths, spm: Path | None) -> dict:
+    from pipeline.eval.lambada import evaluate_lambada, model_logprobs_fn, read_passages
+
+    encode, runs = text_setup(trained, depths, spm)
+    passages = read_passages(data)
+    per_depth = {}
+    for k, d in runs:
+        res = evaluate_lambada(passages, encode, model_logprobs_fn(trained.model, depth=d), k=5)
+        per_depth[str(k)] = {key: v for key, v in res.items() if key != "per_passage"}
+    return {"passages": len(passages), "per_depth": per_depth, "columns": ("K", "pass@5", "accuracy"),
+            "table": [(k, per_depth[str(k)]["pass_at_k"], per_depth[str(k)]["accuracy"]) for k, _ in runs]}
+
+
 def log_to_mlflow(trained, task: str, result: dict) -> str | None:
     """Log into the checkpoint's training run when its store is reachable; returns the run id used."""
     run_id = os.environ.get("MLFLOW_RUN_ID") or trained.client_state.get("mlflow_run_id")
@@ -134,10 +179,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, or an export")
     p.add_argument("--task", required=True, choices=TASKS)
-    p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir")
+    p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
+                   "blimp: JSONL or dir; lambada: text or JSONL")
     p.add_argument("--depths", default="1-8", help="e.g. 1-8 or 1,2,4,8")
     p.add_argument("--seed", type=int, default=0, help="seeds the masks and the initial-state table")
     p.add_argument("--reference-sheet", type=Path, default=None, help="RNAGym reference_sheet.csv")
+    p.add_argument("--spm", type=Path, default=None, help="blimp/lambada: sentencepiece model "
+                   "(default: tokenizer.model beside the training shards)")
+    p.add_argument("--blimp-method", default="full", choices=("full", "one_prefix", "two_prefix"))
     p.add_argument("--output", type=Path, default=None, help="JSON path (default: TAG_DIR/eval-TASK.json)")
     p.add_argument("--no-mlflow", action="store_true")
     args = p.parse_args(argv)
@@ -154,8 +203,12 @@ def main(argv=None) -> int:
         trained = load_trained_model(args.checkpoint)
         if args.task == "reconstruction":
             result = run_reconstruction(trained, data, depths, args.seed)
-        else:
+        elif args.task == "rnagym":
             result = run_rnagym(trained, data, depths, args.seed, args.reference_sheet)
+        elif args.task == "blimp":
+            result = run_blimp(trained, data, depths, args.spm, args.blimp_method)
+        else:
+            result = run_lambada(trained, data, depths, args.spm)
     except (ConfigError, ShardError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

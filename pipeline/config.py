@@ -53,17 +53,96 @@ class MaskingConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One mixture source: a shard directory with manifest.json, or brace-notation tar paths without one."""
+
+    name: str  # key in schedule weights, in logged metrics (mix/*/<name>) and in sample ids
+    shards: str  # DIR (manifest.json) or e.g. data/shards/x/x-{000000..000007}.tar (counted by reading the tars once)
+    molecule: str | None = None  # rna | dna: overrides data.molecule for this source's random replacements
+    weight: float | None = None  # constant weight, when data.schedule is empty
+
+    def __post_init__(self):
+        _check(bool(self.name) and "/" not in self.name and ":" not in self.name, "data.sources.name",
+               f"must be a non-empty name without '/' or ':', got {self.name!r}")
+        _check(self.molecule in (None, "rna", "dna"), f"data.sources[{self.name}].molecule",
+               f"must be 'rna' or 'dna', got {self.molecule!r}")
+        _check(self.weight is None or self.weight >= 0, f"data.sources[{self.name}].weight",
+               f"must be >= 0, got {self.weight}")
+
+
+@dataclass
+class MixtureStageConfig:
+    """Stage of a mixture schedule over optimizer steps [previous until_step, until_step); see pipeline/data/mixture.py.
+
+    ``weights`` ({source: w}, unnormalized, missing sources 0) hold at the stage's start; ``ramp: linear`` moves them
+    linearly to ``end_weights`` at until_step, ``ramp: stepped`` in ``ramp_levels`` equal plateaus.
+    """
+
+    until_step: int | None = None  # exclusive end; null only for the last stage (then it runs to the end)
+    weights: Any = None  # {source name: weight}
+    ramp: str = "constant"  # constant | linear | stepped
+    end_weights: Any = None  # {source name: weight} reached at until_step (linear / stepped)
+    ramp_levels: int = 4  # stepped: number of plateaus from weights to end_weights, both included
+
+    def __post_init__(self):
+        for name in ("weights", "end_weights"):
+            w = getattr(self, name)
+            if w is None:
+                continue
+            _check(isinstance(w, dict) and all(isinstance(k, str) for k in w), f"data.schedule.{name}",
+                   f"expected a mapping of source name to weight, got {w!r}")
+            for k, v in w.items():
+                _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                       f"data.schedule.{name}.{k}", f"expected a number >= 0, got {v!r}")
+        _check(self.weights is not None, "data.schedule.weights", "every stage needs weights")
+        _check(self.until_step is None or self.until_step >= 1, "data.schedule.until_step",
+               f"must be >= 1, got {self.until_step}")
+
+
+@dataclass
 class DataConfig:
-    train_shards: str = "data/shards/rfam_demo"  # directory with manifest.json (relative to the repo root or cwd)
+    # Single source: a directory with manifest.json (relative to the repo root or cwd), or brace-notation tar paths.
+    # Ignored when ``sources`` is set.
+    train_shards: str = "data/shards/rfam_demo"
     molecule: str = "rna"  # 'rna' | 'dna': which canonical bases random replacement draws from
     context_length: int = 128  # tokens including <cls> and <eos>; longer records are randomly cropped
     num_workers: int = 0  # DataLoader worker processes per rank
     masking: MaskingConfig = field(default_factory=MaskingConfig)
+    sources: list[SourceConfig] = field(default_factory=list)  # a mixture; empty = train_shards alone
+    schedule: list[MixtureStageConfig] = field(default_factory=list)  # empty = constant sources[].weight
+    pack: bool = False  # pack whole documents, <eos>-separated, into rows of context_length (causal LMs)
 
     def __post_init__(self):
         _check(self.molecule in ("rna", "dna"), "data.molecule", f"must be 'rna' or 'dna', got {self.molecule!r}")
         _check(self.context_length >= 8, "data.context_length", f"must be >= 8, got {self.context_length}")
         _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
+        names = [s.name for s in self.sources]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        _check(not dup, "data.sources", f"duplicate source name {dup[0]!r}" if dup else "")
+        _check(bool(self.sources) or not self.schedule, "data.schedule", "needs data.sources")
+        if self.sources and not self.schedule:
+            _check(all(s.weight is not None for s in self.sources) or len(self.sources) == 1, "data.sources.weight",
+                   "every source needs a weight when there is no data.schedule")
+        if self.schedule:
+            _check(all(s.weight is None for s in self.sources), "data.sources.weight",
+                   "give weights either per source or in data.schedule, not both")
+        if self.sources:
+            self.mixture()  # validates stage order, ramps and source names
+
+    def mixture(self):
+        """The MixtureSchedule of ``sources`` / ``schedule`` (ValueErrors name the field)."""
+        from pipeline.data.mixture import MixtureSchedule
+
+        names = [s.name for s in self.sources]
+        try:
+            if not self.schedule:
+                return MixtureSchedule.constant(names, {s.name: (s.weight if s.weight is not None else 1.0)
+                                                        for s in self.sources})
+            return MixtureSchedule.from_stages(names, [dataclasses.asdict(st) for st in self.schedule])
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -97,6 +176,9 @@ class TrainConfig:
     log_every: int = 10
     log_samples: bool = False  # write the sample ids of every step to RUN_DIR/samples-rankN.jsonl
     peak_flops_per_device: float | None = None  # e.g. 989e12 for H100/H200 bf16 dense; enables the MFU metric
+    # Dynamic batch size: a microbatch takes sequences until one more would make B x max_len (padded tokens) exceed
+    # this budget; micro_batch_size is then unused by the loader. Must be >= data.context_length.
+    max_tokens_per_microbatch: int | None = None
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
@@ -105,6 +187,8 @@ class TrainConfig:
         _check(self.precision in ("auto", "fp32", "bf16"), "train.precision",
                f"must be auto, fp32 or bf16, got {self.precision!r}")
         _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
+        _check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
+               "train.max_tokens_per_microbatch", f"must be >= 1, got {self.max_tokens_per_microbatch}")
 
 
 @dataclass
@@ -149,6 +233,11 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def __post_init__(self):
+        budget = self.train.max_tokens_per_microbatch
+        _check(budget is None or budget >= self.data.context_length, "train.max_tokens_per_microbatch",
+               f"{budget} < data.context_length {self.data.context_length}: a cropped sequence would not fit")
 
     def check_world_size(self, world_size: int):
         """Batch arithmetic: global = micro x accumulation x world size."""

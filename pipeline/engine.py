@@ -10,6 +10,7 @@ One optimizer step:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,8 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import ConfigError, RunConfig, dump_yaml
-from pipeline.data.loader import ShardStream, make_loader
-from pipeline.data.shards import load_manifest
+from pipeline.data.loader import ShardStream, Source, is_url_pattern, make_loader, resolve_shards
 from pipeline.families import get_family
 from pipeline.tracking import Tracker
 
@@ -136,12 +136,38 @@ class Trainer:
         self.ds_config = resolve_ds_config(load_ds_config(ds_config_path), cfg, world_size, ds_config_path,
                                            torch.cuda.is_available())
         self.ds_config_path = ds_config_path
-        self.manifest = load_manifest(cfg.data.train_shards)
         n_streams = max(1, cfg.data.num_workers)
-        if len(self.manifest.shards) < world_size * n_streams:
-            raise ConfigError(f"data.train_shards: {cfg.data.train_shards} has {len(self.manifest.shards)} shards, "
-                              f"fewer than {world_size} ranks x {n_streams} loader streams")
+        for key, spec in self._shard_specs():
+            n = len(resolve_shards(spec))  # reads the manifest (or, for brace URLs, every tar once)
+            if n < world_size * n_streams:
+                raise ConfigError(f"{key}: {spec} has {n} shards, fewer than {world_size} ranks x {n_streams} "
+                                  "loader streams")
         self.resume_tag = self._find_resume_tag()
+
+    def _shard_specs(self) -> list[tuple[str, str]]:
+        """(config key, shard spec) of every source the loader reads."""
+        d = self.cfg.data
+        if not d.sources:
+            return [("data.train_shards", d.train_shards)]
+        return [(f"data.sources[{s.name}].shards", s.shards) for s in d.sources]
+
+    def build_dataset(self) -> ShardStream:
+        """This rank's loader dataset from data.* and train.* (a mixture when data.sources is set)."""
+        cfg, d = self.cfg, self.cfg.data
+        kwargs = dict(rank=self.rank, world_size=self.world, num_workers=d.num_workers,
+                      micro_batch_size=cfg.train.micro_batch_size, seed=cfg.seed,
+                      transform=self.family.make_transform(cfg), pad_id=self.family.pad_id,
+                      grad_accum_steps=cfg.train.grad_accum_steps, max_tokens=cfg.train.max_tokens_per_microbatch,
+                      pack=d.pack, row_length=d.context_length)
+        if not d.sources:
+            return ShardStream(d.train_shards, **kwargs)
+        sources = []
+        for s in d.sources:
+            # A source's molecule picks its random-replacement pool (DNA sources draw T, RNA sources U).
+            own = (self.family.make_transform(dataclasses.replace(cfg, data=dataclasses.replace(d, molecule=s.molecule)))
+                   if s.molecule not in (None, d.molecule) else None)
+            sources.append(Source(s.name, s.shards, own))
+        return ShardStream(sources, mixture=d.mixture(), **kwargs)
 
     def _find_resume_tag(self) -> str | None:
         if self.resume == "never":
@@ -181,7 +207,7 @@ class Trainer:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
 
-        self.step, self.batches_consumed, run_id = 0, 0, None
+        self.step, self.batches_consumed, self.loader_states, run_id = 0, 0, None, None
         if self.resume_tag:
             run_id = self._load(self.resume_tag)
         if self.rank == 0:
@@ -194,13 +220,17 @@ class Trainer:
         if not self.resume_tag:
             self.tracker.log_artifact(self.run_dir / "config.yaml")
             self.tracker.log_artifact(self.run_dir / "ds_config.json")
-            self.tracker.log_artifact(Path(self.cfg.data.train_shards) / "manifest.json", "data")
+            single = not self.cfg.data.sources
+            for (_, spec), name in zip(self._shard_specs(), [s.name for s in self.cfg.data.sources] or [""]):
+                if not is_url_pattern(spec):
+                    self.tracker.log_artifact(Path(spec) / "manifest.json", "data" if single else f"data/{name}")
 
-        self.dataset = ShardStream(self.cfg.data.train_shards, rank=self.rank, world_size=self.world,
-                                   num_workers=self.cfg.data.num_workers,
-                                   micro_batch_size=self.cfg.train.micro_batch_size, seed=self.cfg.seed,
-                                   transform=self.family.make_transform(self.cfg), pad_id=self.family.pad_id,
-                                   batches_consumed=self.batches_consumed)
+        self.dataset = self.build_dataset()
+        if self.loader_states is not None:  # the exact per-stream position of this rank
+            self.dataset.load_state_dict(self.loader_states[self.rank])
+        elif self.batches_consumed:  # a checkpoint from before loader state_dicts: the count alone
+            self.dataset.load_state_dict({"batches_consumed": self.batches_consumed})
+        self.data = make_loader(self.dataset, self.cfg.data.num_workers)
 
     def _load(self, tag: str) -> str | None:
         ckpt_cfg_path = self.ckpt_dir / tag / "client_state.json"
@@ -218,6 +248,7 @@ class Trainer:
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.ckpt_dir / tag}")
         self.step, self.batches_consumed = client["step"], client["batches_consumed"]
+        self.loader_states = client.get("loader")  # [world] loader state_dicts, one per rank
         if self.rank == 0:
             print(f"resumed from {self.ckpt_dir / tag} at step {self.step}", flush=True)
         return client.get("mlflow_run_id")
@@ -231,8 +262,10 @@ class Trainer:
 
     def save(self):
         tag = f"step{self.step:08d}"
+        # DeepSpeed stores client_state from rank 0 only, and every rank's loader is somewhere else: gather them.
+        loader = _all_gather_object(self.data.state_dict())
         client = {"step": self.step, "batches_consumed": self.batches_consumed, "world_size": self.world,
-                  "mlflow_run_id": self.tracker.run_id, "config": self.cfg.to_dict()}
+                  "loader": loader, "mlflow_run_id": self.tracker.run_id, "config": self.cfg.to_dict()}
         # save_latest=False: DeepSpeed writes 'latest' on rank 0 before the other ranks finish their shards; we write
         # it ourselves after save_checkpoint's closing barrier, atomically, so 'latest' only ever names a whole one.
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
@@ -247,10 +280,27 @@ class Trainer:
                 shutil.rmtree(self.ckpt_dir / old, ignore_errors=True)
         dist.barrier()
 
+    def mixture_metrics(self, step: int) -> dict:
+        """mix/weight/<source> in force at 0-based ``step``; mix/samples|tokens/<source> consumed so far, all ranks.
+
+        One all-reduce (SUM) of 2 x sources numbers; every rank calls it once per step.
+        """
+        seen = self.data.seen()  # name -> (samples, tokens) of this rank; tokens = sequence lengths incl. framing
+        names = list(seen)
+        vec = torch.tensor([seen[n][0] for n in names] + [seen[n][1] for n in names], dtype=torch.float64)
+        dist.all_reduce(vec)
+        weights = self.dataset.mixture.weights(step)
+        out = {}
+        for i, n in enumerate(names):
+            out[f"mix/weight/{n}"] = float(weights[i])
+            out[f"mix/samples/{n}"] = int(vec[i])
+            out[f"mix/tokens/{n}"] = int(vec[len(names) + i])
+        return out
+
     # ---------------------------------------------------------------------------------------------------------------
     def train(self):
         cfg = self.cfg
-        data = make_loader(self.dataset, cfg.data.num_workers)
+        data = self.data
         metrics_file = open(self.run_dir / "metrics.jsonl", "a") if self.rank == 0 else None
         samples_file = (open(self.run_dir / f"samples-rank{self.rank}.jsonl", "a") if cfg.train.log_samples else None)
         peak = cfg.train.peak_flops_per_device
@@ -262,6 +312,7 @@ class Trainer:
                 self.batches_consumed += len(micro)
                 lr = self.optimizer.param_groups[0]["lr"]
                 rec = train_step(self.engine, self.family, cfg, micro, self.step, self.device)
+                rec.update(self.mixture_metrics(self.step))
                 self.step += 1
                 dt = time.perf_counter() - t0
                 rec.update(step=self.step, lr=lr, step_time=dt, tokens_per_s=rec["tokens"] / dt,

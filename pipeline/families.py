@@ -10,6 +10,8 @@ from typing import Callable
 from pipeline.config import ConfigError
 from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig
 from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
+from pipeline.models.recursive_gpt import RecursiveGPT, RecursiveGPTConfig, StandardGPT, StandardGPTConfig
+from pipeline.objectives import causal_lm
 from pipeline.objectives import eco_rna as eco_rna_objective
 
 
@@ -32,6 +34,11 @@ FAMILIES = {
     "eco_rna_control": Family("eco_rna_control", FixedDepthConfig, FixedDepthMLM,
                               eco_rna_objective.EcoRNAObjectiveConfig, eco_rna_objective.make_transform,
                               eco_rna_objective.plan, eco_rna_objective.recurrent_loss),
+    # Paper 003: recursive causal decoder and its 12-layer standard baseline, causal LM on sentencepiece text.
+    "recursive_gpt": Family("recursive_gpt", RecursiveGPTConfig, RecursiveGPT, causal_lm.CausalLMObjectiveConfig,
+                            causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=causal_lm.PAD_ID),
+    "standard_gpt": Family("standard_gpt", StandardGPTConfig, StandardGPT, causal_lm.CausalLMObjectiveConfig,
+                           causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=causal_lm.PAD_ID),
 }
 
 

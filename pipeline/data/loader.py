@@ -1,20 +1,46 @@
-"""Resumable shard loader: deterministic per-rank sample streams with an exact position.
+"""Resumable shard loader: deterministic per-rank sample streams with an exact, small position.
 
-Streams. The shards of epoch ``e`` are permuted with seed (seed, e); with R ranks and W streams per rank (one per
-DataLoader worker, or one without workers), stream w of rank r owns the shards at positions r*W + w, r*W + w + R*W,
-... of that permutation. Inside a shard the samples are permuted with seed (seed, e, shard). Streams never end: after
-its shards a stream continues with the next epoch. Every random choice for a sample (crop, masking) is seeded by
-(seed, epoch, shard, index), so a sample's content never depends on who read it or when.
+Sources. A loader reads one source (``data.train_shards``) or a mixture of named sources (``data.sources``), each a
+shard directory with manifest.json or brace-notation tar paths (``data/x/x-{000000..000007}.tar``). Without a
+manifest the per-shard sample and token counts are obtained by reading every tar once when the loader is built (one
+full read + decode of the source, per process; cached for the process) -- use a manifest for large sources.
 
-Position. The only state is the number of microbatches this rank has consumed, N. torch's DataLoader takes batches
-from its workers in strict rotation, so batch j came from stream j mod W; after N batches stream w has given
-ceil((N - w) / W) of them. A resumed loader therefore skips that many batches per stream, using the manifest's
-per-shard counts to jump over whole epochs and shards without opening them, and rotates the streams so that the
-next batch comes from stream N mod W.
+Streams. The shards of a source in epoch ``e`` are permuted with seed (key, e), key = (seed,) for the single-source
+loader and (seed, crc32(name)) for a mixture source; with R ranks and W streams per rank (one per DataLoader worker,
+or one without workers), stream w of rank r owns the shards at positions r*W + w, r*W + w + R*W, ... of that
+permutation. Inside a shard the samples are permuted with seed (key, e, shard). This two-level permutation is the
+shuffle: there is no cross-shard shuffle buffer, because a buffer's contents would be extra state to checkpoint;
+mixing several sources (and several shards per stream over the epochs) interleaves them instead. Every source is an
+infinite stream: after its shards it continues with its next epoch, independently of the other sources (sampling
+with replacement across epochs). Every random choice for a sample (crop, masking) is seeded by (key, epoch, shard,
+index), so a sample's content never depends on who read it or when.
+
+Mixture. Draw k of stream (rank r, stream w) picks its source from u_k = U(seed, r, w, k) and the weights of the
+optimizer step of the microbatch being filled (pipeline/data/mixture.py): stateless in k.
+
+Batching. A microbatch holds ``micro_batch_size`` samples, or with a token budget as many as fit: a sample is added
+unless (rows + 1) x max_len would exceed the budget, in which case it is held and opens the next microbatch. With
+``pack`` each of the ``micro_batch_size`` rows concatenates whole documents as the transform framed them (both
+families' transforms end a document with <eos>; ``pack_separator`` appends one more token after each) until the next
+one would not fit in ``row_length``; a document longer than a row keeps its start. The row carries ``document_ids``
+and ``position_ids`` (restarting at 0 per document) so attention and positions can keep documents apart.
+
+Position. Per stream the state is a handful of integers: draws made, microbatches emitted, samples and tokens taken
+from each source, and the source of a drawn-but-held sample (-1 if none). A source's sample stream resumes from its
+count alone (the manifest counts jump over whole epochs and shards without opening them), and the held sample is
+re-read from its source's position. Each Batch carries its stream's state after it; the loader in the main process
+keeps the state of the last batch it handed out per stream plus N, the microbatches consumed. torch's DataLoader
+takes batches from its workers in strict rotation, so batch j came from stream j mod W; a resumed loader rotates the
+streams so that the next batch comes from stream N mod W. State size: W x (3 + 2 x sources) integers per rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import io
+import tarfile
+import zlib
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -22,11 +48,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.data.shards import ShardError, load_manifest, read_shard
+from pipeline.data.mixture import MixtureSchedule, SourceChooser
+from pipeline.data.shards import ShardError, load_manifest
 from pipeline.objectives.masking import IGNORE_INDEX
 
 # (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}
 SampleTransform = Callable[[np.ndarray, np.random.Generator], dict]
+STATE_VERSION = 1
 
 
 @dataclass
@@ -34,15 +62,21 @@ class Batch:
     input_ids: torch.Tensor  # [B, L] int64
     labels: torch.Tensor  # [B, L] int64, IGNORE_INDEX where unsupervised
     attention_mask: torch.Tensor  # [B, L] bool, True at real tokens
-    sample_ids: list  # B strings "shard/key@epoch"
+    sample_ids: list  # strings "[source:]shard/key@epoch", one per sample (packed rows: several per row)
+    sources: list | None = None  # source name per sample, aligned with sample_ids
+    document_ids: torch.Tensor | None = None  # [B, L] int64 packed rows: document index in its row, -1 at padding
+    position_ids: torch.Tensor | None = None  # [B, L] int64 packed rows: position within its document, 0 at padding
+    stream: int = 0  # loader stream that produced it
+    state: dict | None = None  # that stream's position after this batch (see the module docstring)
 
     @property
     def num_supervised(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def to(self, device):
+        opt = [t.to(device) if t is not None else None for t in (self.document_ids, self.position_ids)]
         return Batch(self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device),
-                     self.sample_ids)
+                     self.sample_ids, self.sources, *opt, self.stream, self.state)
 
 
 def collate(samples: list[dict], pad_id: int) -> Batch:
@@ -54,27 +88,134 @@ def collate(samples: list[dict], pad_id: int) -> Batch:
         n = len(s["input_ids"])
         ids[i, :n], labels[i, :n], mask[i, :n] = s["input_ids"], s["labels"], True
     return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask),
-                 [s["sample_id"] for s in samples])
+                 [s["sample_id"] for s in samples], [s.get("source") for s in samples])
 
 
-class ShardStream(IterableDataset):
-    def __init__(self, shard_dir: str | Path, *, rank: int, world_size: int, num_workers: int, micro_batch_size: int,
-                 seed: int, transform: SampleTransform, pad_id: int, batches_consumed: int = 0):
-        self.shard_dir = Path(shard_dir)
-        self.manifest = load_manifest(self.shard_dir)
-        self.rank, self.world_size = rank, world_size
-        self.num_streams = max(1, num_workers)
-        self.micro_batch_size, self.seed = micro_batch_size, seed
-        self.transform, self.pad_id = transform, pad_id
-        self.batches_consumed = batches_consumed
-        n_shards, needed = len(self.manifest.shards), world_size * self.num_streams
+def pack_rows(rows: list[list[dict]], row_length: int, pad_id: int, separator: int | None = None) -> Batch:
+    """rows: per row, whole documents ({"input_ids", "labels"} [n]) -> Batch [B, row_length], padded at the end.
+
+    ``separator`` (e.g. <eos>) is appended after each document as input and label, so the model learns to end
+    documents; ``document_ids`` (document index within the row, -1 at padding) lets an attention mask keep documents
+    apart and ``position_ids`` restarts at 0 for each document.
+    """
+    B = len(rows)
+    ids = np.full((B, row_length), pad_id, dtype=np.int64)
+    labels = np.full((B, row_length), IGNORE_INDEX, dtype=np.int64)
+    doc = np.full((B, row_length), -1, dtype=np.int64)
+    pos = np.zeros((B, row_length), dtype=np.int64)
+    sample_ids, sources = [], []
+    extra = int(separator is not None)
+    for r, docs in enumerate(rows):
+        at = 0
+        for d, s in enumerate(docs):
+            n = len(s["input_ids"])
+            if at + n + extra > row_length:
+                raise ValueError(f"row {r}: documents need more than row_length {row_length} tokens")
+            ids[r, at:at + n], labels[r, at:at + n] = s["input_ids"], s["labels"]
+            if extra:
+                ids[r, at + n] = labels[r, at + n] = separator
+            doc[r, at:at + n + extra], pos[r, at:at + n + extra] = d, np.arange(n + extra)
+            at += n + extra
+            sample_ids.append(s["sample_id"])
+            sources.append(s.get("source"))
+    return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(doc >= 0), sample_ids, sources,
+                 torch.from_numpy(doc), torch.from_numpy(pos))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------------------------------
+def read_tokens(path: Path, expected_samples: int | None = None) -> list[tuple[str, np.ndarray]]:
+    """(key, tokens) of every sample of a shard, in file order: the loader's hot path.
+
+    Plain tarfile iteration + np.load of the ``.tokens.npy`` members only (``meta.json`` is not needed to train and is
+    skipped; shards.read_shard and tools/inspect_shards.py check it). About 3x faster than webdataset's
+    tar_file_iterator + group_by_keys, which bench/data.py measures against the bare read floor. A truncated tar, a
+    corrupt tokens member or a count differing from the manifest is a ShardError naming the file (and member).
+    """
+    out, last = [], None
+    try:
+        with tarfile.open(path, "r:") as tf:
+            for m in tf:
+                if not m.isfile() or not m.name.endswith(".tokens.npy"):
+                    continue
+                key = m.name[:-len(".tokens.npy")]
+                try:
+                    tokens = np.load(io.BytesIO(tf.extractfile(m).read()), allow_pickle=False)
+                    if tokens.ndim != 1 or tokens.dtype.kind != "u":
+                        raise ValueError(f"holds {tokens.dtype} {tokens.shape}, expected 1-D unsigned ids")
+                except (ValueError, EOFError) as e:
+                    raise ShardError(f"{path}: corrupt member {m.name} ({e})") from None
+                out.append((key, tokens))
+                last = m.name
+    except (tarfile.TarError, EOFError, OSError) as e:
+        after = f" after member {last}" if last else " at its first member"
+        raise ShardError(f"{path}: truncated or corrupt shard{after} ({e})") from None
+    if expected_samples is not None and len(out) != expected_samples:
+        raise ShardError(f"{path}: holds {len(out)} samples but the manifest says {expected_samples} "
+                         "(truncated shard?)")
+    return out
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    path: Path  # file to open
+    name: str  # shown in sample ids: the manifest's relative path, or the file name for brace URLs
+    samples: int
+    tokens: int
+
+
+def is_url_pattern(spec: str) -> bool:
+    return "{" in spec or spec.endswith(".tar")
+
+
+@lru_cache(maxsize=None)
+def resolve_shards(spec: str) -> tuple[ShardRef, ...]:
+    """A manifest directory, or brace-notation tar paths counted by reading each tar once (no manifest)."""
+    if not is_url_pattern(spec):
+        directory = Path(spec)
+        manifest = load_manifest(directory)
+        return tuple(ShardRef(directory / s.path, s.path, s.samples, s.tokens) for s in manifest.shards)
+    from braceexpand import braceexpand
+
+    paths = [Path(p) for p in braceexpand(spec)]
+    refs = []
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"{spec}: shard {p} does not exist")
+        records = read_tokens(p)
+        refs.append(ShardRef(p, p.name, len(records), sum(len(t) for _, t in records)))
+    if not refs:
+        raise ShardError(f"{spec}: the pattern names no shards")
+    return tuple(refs)
+
+
+@dataclass
+class Source:
+    """A named mixture source; ``transform`` overrides the loader's (e.g. another molecule's replacement pool)."""
+
+    name: str
+    shards: str | Path
+    transform: SampleTransform | None = None
+
+
+class SourceStream:
+    """The infinite sample streams of one source for one rank (one stream per loader stream)."""
+
+    def __init__(self, source: Source, key: tuple, *, rank: int, world_size: int, num_streams: int,
+                 transform: SampleTransform, id_prefix: str):
+        self.name, self.spec = source.name, str(source.shards)
+        self.shards = resolve_shards(self.spec)
+        self.key, self.rank, self.world_size, self.num_streams = key, rank, world_size, num_streams
+        self.transform, self.id_prefix = source.transform or transform, id_prefix
+        n_shards, needed = len(self.shards), world_size * num_streams
         if n_shards < needed:
-            raise ShardError(f"{self.shard_dir}: {n_shards} shards < {world_size} ranks x {self.num_streams} "
+            raise ShardError(f"{self.spec}: {n_shards} shards < {world_size} ranks x {num_streams} "
                              f"loader streams; reshard with a smaller --shard-size or use fewer workers")
-        self.counts = np.array([s.samples for s in self.manifest.shards])
+        self.counts = np.array([s.samples for s in self.shards])
 
     def stream_shards(self, stream: int, epoch: int) -> np.ndarray:
-        perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.counts))
+        perm = np.random.default_rng([*self.key, epoch]).permutation(len(self.counts))
         return perm[self.rank * self.num_streams + stream::self.world_size * self.num_streams]
 
     def samples(self, stream: int, skip: int) -> Iterator[dict]:
@@ -84,8 +225,8 @@ class ShardStream(IterableDataset):
             shards = self.stream_shards(stream, epoch)
             total = int(self.counts[shards].sum())
             if total == 0:
-                raise ShardError(f"{self.shard_dir}: stream {stream} of rank {self.rank} owns only empty shards")
-            if skip >= total:  # jump a whole epoch by counts alone
+                raise ShardError(f"{self.spec}: stream {stream} of rank {self.rank} owns only empty shards")
+            if skip >= total:  # jump a whole epoch by counts alone (each epoch deals this stream other shards)
                 skip -= total
                 epoch += 1
                 continue
@@ -94,31 +235,233 @@ class ShardStream(IterableDataset):
                 if skip >= n:
                     skip -= n
                     continue
-                info = self.manifest.shards[sid]
-                records = read_shard(self.shard_dir / info.path, expected_samples=n)
-                order = np.random.default_rng([self.seed, epoch, int(sid)]).permutation(n)
+                ref = self.shards[sid]
+                records = read_tokens(ref.path, expected_samples=n)
+                order = np.random.default_rng([*self.key, epoch, int(sid)]).permutation(n)
                 for j in order[skip:]:
-                    key, tokens, _ = records[j]
-                    rng = np.random.default_rng([self.seed, epoch, int(sid), int(j)])
+                    key, tokens = records[j]
+                    rng = np.random.default_rng([*self.key, epoch, int(sid), int(j)])
                     sample = self.transform(tokens, rng)
-                    sample["sample_id"] = f"{info.path}/{key}@{epoch}"
+                    sample["sample_id"] = f"{self.id_prefix}{ref.name}/{key}@{epoch}"
+                    sample["source"] = self.name
                     yield sample
                 skip = 0
             epoch += 1
 
+
+# --------------------------------------------------------------------------------------------------------------------
+# The dataset
+# --------------------------------------------------------------------------------------------------------------------
+@dataclass
+class StreamState:
+    draws: int = 0  # samples placed into emitted batches (the mixture's k)
+    batches: int = 0  # microbatches emitted by this stream
+    pending: int = -1  # source of the drawn sample that did not fit the last batch; -1 = none
+    taken: list = field(default_factory=list)  # [S] samples placed, per source
+    tokens: list = field(default_factory=list)  # [S] tokens (len(input_ids)) placed, per source
+
+    def as_dict(self) -> dict:
+        return {"draws": self.draws, "batches": self.batches, "pending": self.pending, "taken": list(self.taken),
+                "tokens": list(self.tokens)}
+
+
+class ShardStream(IterableDataset):
+    """Microbatch stream of one rank. ``shards``: a shard spec (one source) or a list of :class:`Source`.
+
+    ``mixture`` (required for several sources) gives the weights per optimizer step; ``grad_accum_steps`` maps
+    microbatches to steps. ``max_tokens`` turns on token-budget batching, ``pack`` packing into rows of
+    ``row_length`` (optionally with ``pack_separator`` after each document). ``batches_consumed`` resumes a single-source, fixed-size loader from that count alone (what
+    checkpoints before loader state_dicts stored); otherwise use :meth:`load_state_dict`.
+    """
+
+    def __init__(self, shards: str | Path | list[Source], *, rank: int, world_size: int, num_workers: int,
+                 micro_batch_size: int, seed: int, transform: SampleTransform, pad_id: int,
+                 batches_consumed: int = 0, mixture: MixtureSchedule | None = None, grad_accum_steps: int = 1,
+                 max_tokens: int | None = None, pack: bool = False, pack_separator: int | None = None,
+                 row_length: int | None = None):
+        self.rank, self.world_size = rank, world_size
+        self.num_streams = max(1, num_workers)
+        self.micro_batch_size, self.seed = micro_batch_size, seed
+        self.pad_id, self.grad_accum_steps = pad_id, grad_accum_steps
+        self.max_tokens, self.pack, self.pack_separator, self.row_length = max_tokens, pack, pack_separator, row_length
+        if pack and (row_length is None or row_length < 2):
+            raise ValueError(f"data.context_length: packing needs a row length >= 2, got {row_length}")
+        single = not isinstance(shards, list)
+        sources = [Source(Path(str(shards)).name, shards)] if single else shards
+        if not sources:
+            raise ValueError("data.sources: empty")
+        self.names = [s.name for s in sources]
+        self.mixture = mixture or MixtureSchedule.constant(self.names)
+        if self.mixture.names != self.names:
+            raise ValueError(f"data.schedule: weights are for sources {self.mixture.names}, loader has {self.names}")
+        # The single-source key (seed,) and unprefixed ids keep streams identical to loaders before mixtures.
+        self.sources = [SourceStream(s, (seed,) if single else (seed, zlib.crc32(s.name.encode())), rank=rank,
+                                     world_size=world_size, num_streams=self.num_streams, transform=transform,
+                                     id_prefix="" if single else f"{s.name}:") for s in sources]
+        self.shard_dir = Path(str(shards)) if single else None
+        self.counts = self.sources[0].counts
+        self.state = self._fresh_state()
+        if batches_consumed:
+            self.load_state_dict({"batches_consumed": batches_consumed})
+
+    # -- single-source helpers kept for callers that inspect one source's streams
+    def stream_shards(self, stream: int, epoch: int) -> np.ndarray:
+        return self.sources[0].stream_shards(stream, epoch)
+
+    def samples(self, stream: int, skip: int) -> Iterator[dict]:
+        return self.sources[0].samples(stream, skip)
+
+    # -- state
+    def _fresh_state(self) -> dict:
+        S = len(self.sources)
+        return {"version": STATE_VERSION, "rank": self.rank, "world_size": self.world_size, "sources": self.names,
+                "batches_consumed": 0,
+                "streams": [StreamState(taken=[0] * S, tokens=[0] * S).as_dict() for _ in range(self.num_streams)]}
+
+    def state_dict(self) -> dict:
+        """The position iteration starts from (the loader's :meth:`StreamLoader.state_dict` is the live one)."""
+        return copy.deepcopy(self.state)
+
+    def load_state_dict(self, state: dict):
+        """Accepts a full state, or ``{"batches_consumed": N}`` alone for a single-source fixed-size loader."""
+        if set(state) == {"batches_consumed"}:
+            state = self._legacy_state(int(state["batches_consumed"]))
+        for key, ours in (("sources", self.names), ("world_size", self.world_size), ("rank", self.rank)):
+            if state.get(key) != ours:
+                raise ValueError(f"loader state: {key} {state.get(key)!r} differs from this loader's {ours!r}")
+        if len(state["streams"]) != self.num_streams:
+            raise ValueError(f"loader state: {len(state['streams'])} streams, this loader has {self.num_streams} "
+                             "(data.num_workers must not change on resume)")
+        self.state = copy.deepcopy(state)
+
+    def _legacy_state(self, n: int) -> dict:
+        if len(self.sources) > 1 or self.max_tokens or self.pack:
+            raise ValueError("loader state: a batches_consumed count alone only resumes a single-source loader with "
+                             "fixed-size batches")
+        st = self._fresh_state()
+        W, mb = self.num_streams, self.micro_batch_size
+        for w in range(W):
+            b = max(0, -(-(n - w) // W))  # ceil((n - w) / W) batches taken from stream w
+            st["streams"][w].update(draws=b * mb, batches=b, taken=[b * mb])
+        st["batches_consumed"] = n
+        return st
+
+    # -- iteration
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         physical = info.id if info is not None else 0
-        n, W = self.batches_consumed, self.num_streams
-        stream = (physical + n) % W
-        already = max(0, -(-(n - stream) // W))  # ceil((n - stream) / W) batches taken from this stream
-        it = self.samples(stream, already * self.micro_batch_size)
+        W = self.num_streams
+        stream = (physical + self.state["batches_consumed"]) % W
+        return self._batches(stream, StreamState(**copy.deepcopy(self.state["streams"][stream])))
+
+    def _batches(self, w: int, st: StreamState) -> Iterator[Batch]:
+        chooser = SourceChooser(self.seed, self.rank, w)
+        iters: dict[int, Iterator[dict]] = {}
+        held: list = []  # [(source, sample)] at most one: drawn, not placed yet
+        weights = None
+
+        def draw() -> dict:
+            if not held:
+                s = st.pending if st.pending >= 0 else chooser.choose(st.draws, weights)
+                if s not in iters:  # a source's stream resumes from the count of samples already placed
+                    iters[s] = self.sources[s].samples(w, st.taken[s])
+                held.append((s, next(iters[s])))
+                st.pending = s
+            return held[0][1]
+
+        def place() -> dict:
+            s, sample = held.pop()
+            st.taken[s] += 1
+            st.tokens[s] += len(sample["input_ids"])
+            st.draws += 1
+            st.pending = -1
+            return sample
+
         while True:
-            yield collate([next(it) for _ in range(self.micro_batch_size)], self.pad_id)
+            step = (st.batches * self.num_streams + w) // self.grad_accum_steps  # rank-local microbatch -> step
+            weights = self.mixture.weights(step)
+            if self.pack:
+                extra = int(self.pack_separator is not None)
+                body = self.row_length - extra  # most document tokens one row holds
+                rows = []
+                for _ in range(self.micro_batch_size):
+                    row, used = [], 0
+                    while True:
+                        n = min(len(draw()["input_ids"]), body) + extra
+                        if row and used + n > self.row_length:
+                            break  # the held document opens the next row
+                        sample = place()
+                        if len(sample["input_ids"]) > body:  # longer than a row: keep its start
+                            sample = {**sample, "input_ids": sample["input_ids"][:body],
+                                      "labels": sample["labels"][:body]}
+                        row.append(sample)
+                        used += n
+                    rows.append(row)
+                batch = pack_rows(rows, self.row_length, self.pad_id, self.pack_separator)
+            elif self.max_tokens:
+                samples, longest = [], 0
+                while True:
+                    n = len(draw()["input_ids"])
+                    if samples and (len(samples) + 1) * max(longest, n) > self.max_tokens:
+                        break  # the held sample opens the next microbatch
+                    samples.append(place())
+                    longest = max(longest, n)
+                batch = collate(samples, self.pad_id)
+            else:
+                samples = []
+                for _ in range(self.micro_batch_size):
+                    draw()
+                    samples.append(place())
+                batch = collate(samples, self.pad_id)
+            st.batches += 1
+            batch.stream, batch.state = w, st.as_dict()
+            yield batch
 
 
-def make_loader(dataset: ShardStream, num_workers: int) -> Iterator[Batch]:
-    if num_workers == 0:
-        return iter(dataset)
-    return iter(DataLoader(dataset, batch_size=None, num_workers=num_workers, prefetch_factor=4,
-                           persistent_workers=False))
+class StreamLoader:
+    """Iterator over a ShardStream's microbatches (through DataLoader workers if any) with a live position.
+
+    ``state_dict()`` is the position after the last batch handed out; ``load_state_dict()`` (before iterating, or to
+    restart) makes the next batch the one that followed it.
+    """
+
+    def __init__(self, dataset: ShardStream, num_workers: int):
+        self.dataset, self.num_workers = dataset, num_workers
+        self._it = None
+        self._state = dataset.state_dict()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        if self._it is None:
+            self.dataset.load_state_dict(self._state)
+            if self.num_workers == 0:
+                self._it = iter(self.dataset)
+            else:
+                self._it = iter(DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers,
+                                           prefetch_factor=4, persistent_workers=False))
+        batch = next(self._it)
+        self._state["batches_consumed"] += 1
+        self._state["streams"][batch.stream] = batch.state
+        return batch
+
+    def state_dict(self) -> dict:
+        return copy.deepcopy(self._state)
+
+    def load_state_dict(self, state: dict):
+        self.dataset.load_state_dict(state)  # validates
+        self._state = self.dataset.state_dict()
+        self._it = None  # a running DataLoader is dropped; its workers exit with it
+
+    def seen(self) -> dict[str, tuple[int, int]]:
+        """Per source (samples, tokens) this rank has consumed, summed over streams."""
+        out = {}
+        for i, name in enumerate(self._state["sources"]):
+            out[name] = (sum(s["taken"][i] for s in self._state["streams"]),
+                         sum(s["tokens"][i] for s in self._state["streams"]))
+        return out
+
+
+def make_loader(dataset: ShardStream, num_workers: int) -> StreamLoader:
+    return StreamLoader(dataset, num_workers)

@@ -51,13 +51,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def use_flash(backend: str, x: torch.Tensor) -> bool:
+    """Whether ``backend`` runs flash-attn for activations ``x``; 'flash' without flash-attn/CUDA is an error."""
+    if backend == "flash":
+        if not flash_available() or not x.is_cuda:
+            raise RuntimeError("attention backend 'flash' needs flash-attn and CUDA tensors "
+                               "(install with scripts/install_gpu_kernels.sh, or use 'sdpa')")
+        return True
+    return backend == "auto" and flash_attn_varlen_func is not None and x.is_cuda and x.dtype in (
+        torch.float16, torch.bfloat16)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, *, backend: str = "auto",
+           causal: bool = False) -> torch.Tensor:
+    """Softmax attention with a padding mask, through SDPA or flash-attn. q: [B, H, L, hd]; k/v: [B, Hkv, L, hd];
+    key_mask: [B, L] bool, True at real tokens (rows right-padded) -> [B, H, L, hd].
+
+    ``causal``: position i attends to keys j <= i. With right padding a real query never sees a padded key (they all
+    come after it), so the causal mask and the padding mask combine without any fully masked real row.
+    """
+    if use_flash(backend, q):
+        return flash_varlen(q, k, v, key_mask, causal)
+    if causal:
+        if bool(key_mask.all()):  # no padding: SDPA's own causal kernel, no [L, L] mask materialized
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        L = q.shape[2]
+        tri = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # [L, L]: query i sees keys j <= i
+        # Padded query rows still see the real keys before them, so no softmax row is empty (no NaN).
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=tri[None, None] & key_mask[:, None, None, :],
+                                              enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :], enable_gqa=True)
+
+
+def flash_varlen(q, k, v, key_mask, causal: bool = False):
+    """Unpad to the real tokens and run flash-attn's varlen kernel; rows are right-padded."""
+    B, H, L, hd = q.shape
+    lengths = key_mask.sum(-1, dtype=torch.int32)
+    cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    idx = key_mask.reshape(-1).nonzero().squeeze(-1)
+    flat = lambda t: t.transpose(1, 2).reshape(B * L, t.shape[1], hd)[idx]  # noqa: E731  [T, heads, hd]
+    max_len = int(lengths.max())
+    out = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu, cu, max_len, max_len, causal=causal)
+    full = q.new_zeros(B * L, H, hd)
+    full[idx] = out
+    return full.view(B, L, H, hd).transpose(1, 2)
+
+
 class Attention(nn.Module):
-    """Bidirectional grouped-query attention with QK RMSNorm and RoPE.
+    """Grouped-query attention with QK RMSNorm and RoPE; bidirectional unless ``causal``.
 
     q: [B, H, L, hd], k/v: [B, Hkv, L, hd]; the padding mask keeps padded keys out of every softmax.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, norm_eps: float, backend: str = "auto"):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, norm_eps: float, backend: str = "auto",
+                 causal: bool = False):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
@@ -68,6 +115,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
         self.backend = backend
+        self.causal = causal
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
@@ -76,13 +124,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, norm_eps)
 
     def _use_flash(self, x: torch.Tensor) -> bool:
-        if self.backend == "flash":
-            if not flash_available() or not x.is_cuda:
-                raise RuntimeError("attention backend 'flash' needs flash-attn and CUDA tensors "
-                                   "(install with scripts/install_gpu_kernels.sh, or use 'sdpa')")
-            return True
-        return self.backend == "auto" and flash_attn_varlen_func is not None and x.is_cuda and x.dtype in (
-            torch.float16, torch.bfloat16)
+        return use_flash(self.backend, x)
 
     def forward(self, x: torch.Tensor, rope: tuple, key_mask: torch.Tensor) -> torch.Tensor:
         """x: [B, L, d]; key_mask: [B, L] bool, True at real tokens."""
@@ -92,25 +134,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self._use_flash(x):
-            out = self._flash(q, k, v, key_mask)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :], enable_gqa=True)
+        out = attend(q, k, v, key_mask, backend=self.backend, causal=self.causal)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
 
     @staticmethod
-    def _flash(q, k, v, key_mask):
-        """Unpad to the real tokens and run flash-attn's varlen kernel; rows are right-padded."""
-        B, H, L, hd = q.shape
-        lengths = key_mask.sum(-1, dtype=torch.int32)
-        cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-        idx = key_mask.reshape(-1).nonzero().squeeze(-1)
-        flat = lambda t: t.transpose(1, 2).reshape(B * L, t.shape[1], hd)[idx]  # noqa: E731  [T, heads, hd]
-        max_len = int(lengths.max())
-        out = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu, cu, max_len, max_len, causal=False)
-        full = q.new_zeros(B * L, H, hd)
-        full[idx] = out
-        return full.view(B, L, H, hd).transpose(1, 2)
+    def _flash(q, k, v, key_mask, causal: bool = False):
+        return flash_varlen(q, k, v, key_mask, causal)
 
 
 class SwiGLU(nn.Module):

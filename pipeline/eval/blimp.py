@@ -1,0 +1,197 @@
+"""BLiMP-style minimal-pair evaluation (paper 003, Sec. 3; Warstadt et al., 2020), model-agnostic.
+
+A pair is correct when the model gives the good item a strictly higher summed log-probability than the bad one.
+Three comparisons, as in the BLiMP release (each record says which it supports):
+
+* ``full`` (``simple_LM_method``): log P(sentence_good) vs log P(sentence_bad), whole sentences after <s>;
+* ``one_prefix``: log P(one_prefix_word_good | one_prefix_prefix) vs log P(one_prefix_word_bad | same prefix);
+* ``two_prefix``: log P(two_prefix_word | two_prefix_prefix_good) vs log P(two_prefix_word | two_prefix_prefix_bad).
+
+The model enters only through ``score_fn``: a callable mapping a list of ``(context, continuation)`` string pairs to
+the summed log-probability of each continuation given its context (context "" = start of text). Adapters build one
+from a whole-text scorer ``logprob_fn(list[str]) -> list[float]`` (:func:`from_text_logprob`) or from a causal LM
+and a sentencepiece processor (:func:`model_score_fn`). Accuracy is reported per phenomenon (``UID``) and as the
+macro average over phenomena.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+METHODS = ("full", "one_prefix", "two_prefix")
+ScoreFn = Callable[[list[tuple[str, str]]], list[float]]
+
+_FIELDS = {
+    "full": ("simple_LM_method", ("sentence_good", "sentence_bad")),
+    "one_prefix": ("one_prefix_method", ("one_prefix_prefix", "one_prefix_word_good", "one_prefix_word_bad")),
+    "two_prefix": ("two_prefix_method", ("two_prefix_prefix_good", "two_prefix_prefix_bad", "two_prefix_word")),
+}
+
+
+@dataclass(frozen=True)
+class MinimalPair:
+    uid: str  # phenomenon
+    field: str  # morphology / syntax / semantics / ...
+    good: tuple[str, str]  # (context, continuation) scored for the good item
+    bad: tuple[str, str]
+    where: str  # file:line, for messages
+
+
+def read_records(path) -> list[tuple[str, dict]]:
+    """A BLiMP JSONL file, or a directory of them (sorted) -> [(file:line, record)]."""
+    path = Path(path)
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.jsonl files")
+    out = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            for i, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{f}:{i}: invalid JSON ({e.msg})") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{f}:{i}: expected a JSON object")
+                out.append((f"{f}:{i}", rec))
+    return out
+
+
+def make_pairs(records: Sequence[tuple[str, dict]], method: str = "full") -> list[MinimalPair]:
+    """Records -> pairs for ``method``; records whose ``<method>_method`` flag is false are skipped (a missing flag
+    counts as supported when the fields are present). A supported record missing a field is an error."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    flag, fields = _FIELDS[method]
+    pairs = []
+    for where, rec in records:
+        if rec.get(flag) is False:
+            continue
+        missing = [k for k in fields if not isinstance(rec.get(k), str)]
+        if missing:
+            if flag not in rec and method != "full":
+                continue  # a file without the prefix variants at all
+            raise ValueError(f"{where}: field {missing[0]!r} missing or not a string (method {method})")
+        uid = str(rec.get("UID") or Path(where.rsplit(":", 1)[0]).stem)
+        if method == "full":
+            good, bad = ("", rec["sentence_good"]), ("", rec["sentence_bad"])
+        elif method == "one_prefix":
+            good = (rec["one_prefix_prefix"], rec["one_prefix_word_good"])
+            bad = (rec["one_prefix_prefix"], rec["one_prefix_word_bad"])
+        else:
+            good = (rec["two_prefix_prefix_good"], rec["two_prefix_word"])
+            bad = (rec["two_prefix_prefix_bad"], rec["two_prefix_word"])
+        pairs.append(MinimalPair(uid, str(rec.get("field", "")), good, bad, where))
+    return pairs
+
+
+def evaluate_pairs(pairs: Sequence[MinimalPair], score_fn: ScoreFn) -> dict:
+    """Score every item once and aggregate: {"per_phenomenon": {uid: {accuracy, n, field}}, "macro_accuracy",
+    "micro_accuracy", "n_pairs"}. A tie (equal scores) counts as wrong."""
+    if not pairs:
+        raise ValueError("no minimal pairs to evaluate")
+    items = [x for p in pairs for x in (p.good, p.bad)]
+    scores = np.asarray(score_fn(items), dtype=np.float64)
+    if scores.shape != (len(items),):
+        raise ValueError(f"score_fn returned {scores.shape} scores for {len(items)} items")
+    correct = scores[0::2] > scores[1::2]  # [n_pairs]
+    per: dict[str, dict] = {}
+    for p, ok in zip(pairs, correct):
+        d = per.setdefault(p.uid, {"correct": 0, "n": 0, "field": p.field})
+        d["correct"] += int(ok)
+        d["n"] += 1
+    for d in per.values():
+        d["accuracy"] = d["correct"] / d["n"]
+    return {"per_phenomenon": dict(sorted(per.items())),
+            "macro_accuracy": float(np.mean([d["accuracy"] for d in per.values()])),
+            "micro_accuracy": float(correct.mean()), "n_pairs": len(pairs)}
+
+
+def evaluate_blimp(path, score_fn: ScoreFn, method: str = "full") -> dict:
+    """Read ``path`` (file or directory), build the ``method`` pairs, evaluate."""
+    out = evaluate_pairs(make_pairs(read_records(path), method), score_fn)
+    out["method"] = method
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Adapters: ways to obtain a score_fn
+# ------------------------------------------------------------------------------------------------------------------
+def join(context: str, continuation: str) -> str:
+    """The text a (context, continuation) pair stands for: one space between words unless either side has it."""
+    if not context or continuation[:1].isspace() or context[-1:].isspace():
+        return context + continuation
+    return context + " " + continuation
+
+
+def from_text_logprob(logprob_fn: Callable[[list[str]], list[float]]) -> ScoreFn:
+    """Whole-text log P(text) -> conditional scores by the chain rule: log P(c | x) = log P(x c) - log P(x)."""
+
+    def score(items: list[tuple[str, str]]) -> list[float]:
+        contexts = sorted({c for c, _ in items if c})
+        full = logprob_fn([join(c, w) for c, w in items])
+        ctx = dict(zip(contexts, logprob_fn(contexts))) if contexts else {}
+        return [f - (ctx[c] if c else 0.0) for f, (c, _) in zip(full, items)]
+
+    return score
+
+
+def split_tokens(encode: Callable[[str], list[int]], context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) such that their concatenation is the tokenization of the joined text when
+    the context's tokens are a prefix of it (the usual case at a word boundary); otherwise the two parts are
+    tokenized separately, so the continuation is always scored in full."""
+    ctx = list(encode(context)) if context else []
+    full = list(encode(join(context, continuation)))
+    if full[:len(ctx)] == ctx and len(full) > len(ctx):
+        return ctx, full[len(ctx):]
+    return ctx, list(encode(continuation))
+
+
+def iter_next_token_logprobs(model, sequences: Sequence[Sequence[int]], *, depth: int | None = None,
+                             batch_size: int = 16, device=None) -> Iterator[np.ndarray]:
+    """For each sequence of n ids, log-probabilities [n, V] (fp32) of the next token at every position; rows are
+    right-padded into batches with an attention mask (a causal model's real positions never see the padding)."""
+    import torch
+
+    device = device or next(model.parameters()).device
+    for s in range(0, len(sequences), batch_size):
+        chunk = sequences[s:s + batch_size]
+        L = max(len(x) for x in chunk)
+        ids = torch.zeros(len(chunk), L, dtype=torch.long)
+        mask = torch.zeros(len(chunk), L, dtype=torch.bool)
+        for i, x in enumerate(chunk):
+            ids[i, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+            mask[i, :len(x)] = True
+        with torch.no_grad():
+            kw = {} if depth is None else {"depth": depth}
+            logits = model(ids.to(device), mask.to(device), **kw)  # [b, L, V]
+            logp = torch.log_softmax(logits.float(), -1).cpu()
+        for i, x in enumerate(chunk):
+            yield logp[i, :len(x)].numpy()
+
+
+def model_score_fn(model, encode: Callable[[str], list[int]], *, bos_id: int = 1, depth: int | None = None,
+                   batch_size: int = 16, device=None) -> ScoreFn:
+    """A causal LM (``model(ids [B, L], mask [B, L], depth=...) -> logits [B, L, V]``) and a tokenizer -> score_fn.
+    Every sequence starts with <s>; the continuation's tokens are summed given <s> + context."""
+
+    def score(items: list[tuple[str, str]]) -> list[float]:
+        seqs, spans = [], []
+        for c, w in items:
+            ctx, cont = split_tokens(encode, c, w)
+            seqs.append([bos_id] + ctx + cont)
+            spans.append((1 + len(ctx), cont))
+        out = []
+        for logp, (start, cont) in zip(iter_next_token_logprobs(model, seqs, depth=depth, batch_size=batch_size,
+                                                                device=device), spans):
+            # token at position p is predicted at position p - 1
+            out.append(float(sum(logp[start + j - 1, t] for j, t in enumerate(cont))))
+        return out
+
+    return score
