@@ -179,6 +179,9 @@ class TrainConfig:
     # Dynamic batch size: a microbatch takes sequences until one more would make B x max_len (padded tokens) exceed
     # this budget; micro_batch_size is then unused by the loader. Must be >= data.context_length.
     max_tokens_per_microbatch: int | None = None
+    # BabyLM-style budget: stop once the objective's running "words" total reaches it (e.g. 10_000_000).
+    max_words: int | None = None
+    max_epochs: float | None = None  # stop after this many passes over the training data (BabyLM: at most 10)
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
@@ -195,6 +198,7 @@ class TrainConfig:
 class CheckpointConfig:
     every_steps: int = 50  # also saved at the end of training
     keep_last: int = 3  # older step checkpoints are deleted; 0 keeps all
+    at_words: list = field(default_factory=list)  # also save when the running words total first reaches each
 
     def __post_init__(self):
         _check(self.every_steps >= 1, "checkpoint.every_steps", f"must be >= 1, got {self.every_steps}")

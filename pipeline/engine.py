@@ -27,6 +27,7 @@ from pipeline.data.loader import ShardStream, Source, is_url_pattern, make_loade
 from pipeline.families import get_family
 from pipeline.tracking import Tracker
 
+CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations")  # logged as total/<name>
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 LATEST = "latest"
 
@@ -137,8 +138,11 @@ class Trainer:
                                            torch.cuda.is_available())
         self.ds_config_path = ds_config_path
         n_streams = max(1, cfg.data.num_workers)
+        self.dataset_samples = 0  # one epoch: every sample of every source once (for train.max_epochs)
         for key, spec in self._shard_specs():
-            n = len(resolve_shards(spec))  # reads the manifest (or, for brace URLs, every tar once)
+            shards = resolve_shards(spec)  # reads the manifest (or, for brace URLs, every tar once)
+            n = len(shards)
+            self.dataset_samples += sum(sh.samples for sh in shards)
             if n < world_size * n_streams:
                 raise ConfigError(f"{key}: {spec} has {n} shards, fewer than {world_size} ranks x {n_streams} "
                                   "loader streams")
@@ -208,6 +212,7 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
 
         self.step, self.batches_consumed, self.loader_states, run_id = 0, 0, None, None
+        self.cumulative = {}  # running totals over the whole run (all ranks): tokens, words, FLOPs, ...
         if self.resume_tag:
             run_id = self._load(self.resume_tag)
         if self.rank == 0:
@@ -248,6 +253,7 @@ class Trainer:
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.ckpt_dir / tag}")
         self.step, self.batches_consumed = client["step"], client["batches_consumed"]
+        self.cumulative = dict(client.get("cumulative", {}))
         self.loader_states = client.get("loader")  # [world] loader state_dicts, one per rank
         if self.rank == 0:
             print(f"resumed from {self.ckpt_dir / tag} at step {self.step}", flush=True)
@@ -265,7 +271,7 @@ class Trainer:
         # DeepSpeed stores client_state from rank 0 only, and every rank's loader is somewhere else: gather them.
         loader = _all_gather_object(self.data.state_dict())
         client = {"step": self.step, "batches_consumed": self.batches_consumed, "world_size": self.world,
-                  "loader": loader, "mlflow_run_id": self.tracker.run_id, "config": self.cfg.to_dict()}
+                  "cumulative": self.cumulative, "loader": loader, "mlflow_run_id": self.tracker.run_id, "config": self.cfg.to_dict()}
         # save_latest=False: DeepSpeed writes 'latest' on rank 0 before the other ranks finish their shards; we write
         # it ourselves after save_checkpoint's closing barrier, atomically, so 'latest' only ever names a whole one.
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
@@ -279,6 +285,11 @@ class Trainer:
             for old in tags[:-keep] if keep else []:
                 shutil.rmtree(self.ckpt_dir / old, ignore_errors=True)
         dist.barrier()
+
+    def _budget_spent(self) -> bool:
+        t, c = self.cfg.train, self.cumulative
+        return ((t.max_words is not None and c.get("words", 0) >= t.max_words)
+                or (t.max_epochs is not None and c.get("samples", 0) >= t.max_epochs * self.dataset_samples))
 
     def mixture_metrics(self, step: int) -> dict:
         """mix/weight/<source> in force at 0-based ``step``; mix/samples|tokens/<source> consumed so far, all ranks.
@@ -307,6 +318,8 @@ class Trainer:
         status = "FAILED"
         try:
             while self.step < cfg.train.max_steps:
+                if self._budget_spent():
+                    break  # resumed after the word or epoch budget was spent
                 t0 = time.perf_counter()
                 micro = [next(data) for _ in range(cfg.train.grad_accum_steps)]
                 self.batches_consumed += len(micro)
@@ -319,6 +332,16 @@ class Trainer:
                            tflops_per_device=rec.get("flops", 0.0) / self.world / dt / 1e12)
                 if peak:
                     rec["mfu"] = rec["tflops_per_device"] * 1e12 / peak
+                words_before = self.cumulative.get("words", 0.0)
+                for k in CUMULATIVE:  # identical on every rank: the per-step values are already all-reduced
+                    if k in rec:
+                        self.cumulative[k] = self.cumulative.get(k, 0.0) + rec[k]
+                        rec[f"total/{k}"] = self.cumulative[k]
+                words = self.cumulative.get("words", 0.0)
+                milestone = any(words_before < w <= words for w in cfg.checkpoint.at_words)
+                rec["epochs"] = self.cumulative["samples"] / self.dataset_samples
+                out_of_words = cfg.train.max_words is not None and words >= cfg.train.max_words
+                out_of_epochs = cfg.train.max_epochs is not None and rec["epochs"] >= cfg.train.max_epochs
                 if samples_file:
                     samples_file.write(json.dumps({"step": self.step, "ids": [s for b in micro for s in b.sample_ids]})
                                        + "\n")
@@ -331,10 +354,16 @@ class Trainer:
                         print(f"step {self.step}/{cfg.train.max_steps} | loss {rec['loss']:.4f} | lr {lr:.3e} | "
                               f"grad_norm {rec['grad_norm']:.3f} | tok/s {rec['tokens_per_s']:.0f} | "
                               f"TFLOP/s/dev {rec['tflops_per_device']:.3f} | step {dt * 1000:.0f} ms", flush=True)
-                if self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps:
+                if (self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps or milestone
+                        or out_of_words or out_of_epochs):
                     if samples_file:
                         samples_file.flush()
                     self.save()
+                if out_of_words or out_of_epochs:
+                    if self.rank == 0:
+                        print(f"budget reached: {words:.0f} words (train.max_words {cfg.train.max_words}), "
+                              f"{rec['epochs']:.3f} epochs (train.max_epochs {cfg.train.max_epochs})", flush=True)
+                    break
             status = "FINISHED"
         finally:
             for f in (metrics_file, samples_file):
@@ -354,17 +383,18 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     plans = [family.plan(b, cfg, step=step, micro=i, rank=rank) for i, b in enumerate(micro)]
-    counts = torch.tensor([sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro)],
-                          dtype=torch.float64)
+    counts = torch.tensor([sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro),
+                           sum(len(b.sample_ids) for b in micro)], dtype=torch.float64)
     dist.all_reduce(counts)
-    n_global, tokens_global = int(counts[0]), int(counts[1])
+    n_global, tokens_global, samples_global = int(counts[0]), int(counts[1]), int(counts[2])
     sync_keys = sorted(plans[0].sync_max) if plans else []
     if sync_keys:  # e.g. K_max: every rank must call the shared core equally often
         sync = torch.tensor([[p.sync_max[k] for k in sync_keys] for p in plans], dtype=torch.int64)
         dist.all_reduce(sync, op=dist.ReduceOp.MAX)
         for p, row in zip(plans, sync.tolist()):
             p.sync_max = dict(zip(sync_keys, row))
-    rec = {"supervised_tokens": n_global, "tokens": tokens_global, "skipped": int(n_global == 0)}
+    rec = {"supervised_tokens": n_global, "tokens": tokens_global, "samples": samples_global,
+           "skipped": int(n_global == 0)}
     if n_global == 0:  # an update needs a positive token count (A.2); skip it rather than divide by zero
         rec.update(loss=float("nan"), grad_norm=0.0)
         return rec

@@ -45,9 +45,12 @@ def rope_cache(length: int, head_dim: int, theta: float, device, dtype=torch.flo
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, L, hd]; rotate interleaved halves (GPT-NeoX layout: first half with second half)."""
+    """x: [B, H, L, hd]; rotate interleaved halves (GPT-NeoX layout: first half with second half).
+
+    cos/sin: [L, hd/2] shared by every row, or [B, L, hd/2] per row (packed rows: positions restart per document).
+    """
     x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[None, None], sin[None, None]
+    cos, sin = (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos[None, None], sin[None, None])
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -63,15 +66,23 @@ def use_flash(backend: str, x: torch.Tensor) -> bool:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, *, backend: str = "auto",
-           causal: bool = False) -> torch.Tensor:
+           causal: bool = False, segments: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention with a padding mask, through SDPA or flash-attn. q: [B, H, L, hd]; k/v: [B, Hkv, L, hd];
     key_mask: [B, L] bool, True at real tokens (rows right-padded) -> [B, H, L, hd].
 
     ``causal``: position i attends to keys j <= i. With right padding a real query never sees a padded key (they all
     come after it), so the causal mask and the padding mask combine without any fully masked real row.
+    ``segments``: [B, L] int64 document index of each position in a packed row (-1 at padding); a query then sees
+    only keys of its own document.
     """
     if use_flash(backend, q):
-        return flash_varlen(q, k, v, key_mask, causal)
+        return flash_varlen(q, k, v, key_mask, causal, segments)
+    if segments is not None:
+        L = q.shape[2]
+        allowed = (segments[:, :, None] == segments[:, None, :]) | (segments[:, :, None] < 0)  # [B, Lq, Lk]
+        if causal:  # padded queries see every earlier key, so no softmax row is empty
+            allowed = allowed & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True)
     if causal:
         if bool(key_mask.all()):  # no padding: SDPA's own causal kernel, no [L, L] mask materialized
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -83,12 +94,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
     return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :], enable_gqa=True)
 
 
-def flash_varlen(q, k, v, key_mask, causal: bool = False):
-    """Unpad to the real tokens and run flash-attn's varlen kernel; rows are right-padded."""
+def flash_varlen(q, k, v, key_mask, causal: bool = False, segments: torch.Tensor | None = None):
+    """Unpad to the real tokens and run flash-attn's varlen kernel, one sequence per row (rows right-padded) or, with
+    ``segments``, one per document of a packed row (documents contiguous in their row)."""
     B, H, L, hd = q.shape
-    lengths = key_mask.sum(-1, dtype=torch.int32)
+    if segments is None:
+        segments = torch.where(key_mask, 0, -1)
+    real = segments.reshape(-1) >= 0
+    idx = real.nonzero().squeeze(-1)
+    row = torch.arange(B, device=q.device).repeat_interleave(L)
+    seq_id = (row * (L + 1) + segments.reshape(-1))[idx]  # unique per (row, document), in token order
+    lengths = torch.unique_consecutive(seq_id, return_counts=True)[1].to(torch.int32)
     cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    idx = key_mask.reshape(-1).nonzero().squeeze(-1)
     flat = lambda t: t.transpose(1, 2).reshape(B * L, t.shape[1], hd)[idx]  # noqa: E731  [T, heads, hd]
     max_len = int(lengths.max())
     out = flash_attn_varlen_func(flat(q), flat(k), flat(v), cu, cu, max_len, max_len, causal=causal)
@@ -136,10 +153,6 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attend(q, k, v, key_mask, backend=self.backend, causal=self.causal)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
-
-    @staticmethod
-    def _flash(q, k, v, key_mask, causal: bool = False):
-        return flash_varlen(q, k, v, key_mask, causal)
 
 
 class SwiGLU(nn.Module):

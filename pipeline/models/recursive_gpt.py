@@ -192,15 +192,17 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(H, H, bias=False)
         self.o_proj = nn.Linear(H, H, bias=False)
 
-    def forward(self, x: torch.Tensor, norms: StepNorms, rope: tuple, key_mask: torch.Tensor) -> torch.Tensor:
-        """x: [B, L, H]; key_mask: [B, L] bool (True at real tokens, right-padded) -> [B, L, H]."""
+    def forward(self, x: torch.Tensor, norms: StepNorms, rope: tuple, key_mask: torch.Tensor,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, L, H]; key_mask: [B, L] bool (True at real tokens, right-padded); segments: [B, L] document ids of
+        packed rows (-1 at padding) or None -> [B, L, H]."""
         B, L, H = x.shape
         heads = lambda t: t.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # noqa: E731  [B, nh, L, hd]
         q = heads(norms.q_norm(self.q_proj(x)))
         k = heads(norms.k_norm(self.k_proj(x)))
         v = heads(self.v_proj(x))
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attend(q, k, v, key_mask, backend=self.backend, causal=True)  # [B, nh, L, hd]
+        out = attend(q, k, v, key_mask, backend=self.backend, causal=True, segments=segments)  # [B, nh, L, hd]
         return self.o_proj(out.transpose(1, 2).reshape(B, L, H))
 
 
@@ -224,8 +226,8 @@ class DecoderBlock(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.mlp = MLP(cfg.d_model, cfg.d_ff)
 
-    def forward(self, h, norms: StepNorms, rope, key_mask):
-        h = h + self.attn(norms.attn_norm(h), norms, rope, key_mask)
+    def forward(self, h, norms: StepNorms, rope, key_mask, segments=None):
+        h = h + self.attn(norms.attn_norm(h), norms, rope, key_mask, segments)
         return h + self.mlp(norms.mlp_norm(h))
 
 
@@ -260,12 +262,16 @@ class _Decoder(nn.Module):
         # Residual outputs (o_proj, down_proj) scaled by the effective depth: R applications or n_layers blocks.
         init_linear_(self, cfg.init_std, residual_std(cfg.init_std, n_blocks))
 
-    def _inputs(self, tokens, attention_mask):
+    def _inputs(self, tokens, attention_mask, position_ids=None):
+        """Embeddings [B, L, H], RoPE tables ([L, hd/2], or [B, L, hd/2] from per-document ``position_ids``) and
+        the padding mask [B, L]."""
         key_mask = (torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None
                     else attention_mask.bool())
         h = self.embed(tokens)  # [B, L, H]
-        rope = rope_cache(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device, h.dtype)
-        return h, rope, key_mask
+        cos, sin = rope_cache(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device, h.dtype)
+        if position_ids is not None:
+            cos, sin = cos[position_ids], sin[position_ids]
+        return h, (cos, sin), key_mask
 
 
 class RecursiveGPT(_Decoder):
@@ -285,15 +291,17 @@ class RecursiveGPT(_Decoder):
         return self.norms[min(r, len(self.norms) - 1)]
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                depth: int | None = None) -> torch.Tensor:
-        """tokens, attention_mask: [B, L] (mask True at real tokens, right-padded); depth R' >= 1 (default R).
+                depth: int | None = None, document_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, attention_mask: [B, L] (mask True at real tokens, right-padded); depth R' >= 1 (default R);
+        document_ids, position_ids: [B, L] for packed rows (attention stays within a document, positions restart).
         Returns next-token logits [B, L, V]: position t predicts token t + 1 from tokens <= t."""
         depth = self.cfg.recurrence if depth is None else int(depth)
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
-        h, rope, key_mask = self._inputs(tokens, attention_mask)
+        h, rope, key_mask = self._inputs(tokens, attention_mask, position_ids)
         for r in range(depth):
-            h = self.block(h, self.step_norms(r), rope, key_mask)
+            h = self.block(h, self.step_norms(r), rope, key_mask, document_ids)
         return self.head(self.final_norm(h))
 
 
@@ -311,11 +319,12 @@ class StandardGPT(_Decoder):
         self._init_weights(cfg.n_layers)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                depth: int | None = None) -> torch.Tensor:
+                depth: int | None = None, document_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Same interface as RecursiveGPT; ``depth`` must be None or n_layers (a standard stack has one depth)."""
         if depth is not None and int(depth) != self.cfg.n_layers:
             raise ValueError(f"a standard decoder runs its {self.cfg.n_layers} layers, got depth {depth}")
-        h, rope, key_mask = self._inputs(tokens, attention_mask)
+        h, rope, key_mask = self._inputs(tokens, attention_mask, position_ids)
         for block, norms in zip(self.blocks, self.norms):
-            h = block(h, norms, rope, key_mask)
+            h = block(h, norms, rope, key_mask, document_ids)
         return self.head(self.final_norm(h))

@@ -83,8 +83,9 @@ def count_words(labels: torch.Tensor, table: torch.Tensor) -> int:
 def loss(model, batch, cfg, p: Plan) -> LossOutput:
     """batch on the model's device; model: the DeepSpeed engine or a bare RecursiveGPT / StandardGPT."""
     depth = cfg.objective.train_depth
-    logits = model(batch.input_ids, batch.attention_mask) if depth is None else \
-        model(batch.input_ids, batch.attention_mask, depth)  # [B, L, V]
+    # packed rows carry document_ids / position_ids: attention and positions stay within each document
+    logits = model(batch.input_ids, batch.attention_mask, depth, document_ids=batch.document_ids,
+                   position_ids=batch.position_ids)  # [B, L, V]
     S = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
                         reduction="sum")
     m = int((batch.labels != IGNORE_INDEX).sum())

@@ -164,3 +164,21 @@ def test_count_words_counts_word_initial_targets():
     table = torch.tensor([False, False, False, False, True, False, True])  # ids 4 and 6 start words
     labels = torch.tensor([[4, 5, 6, 2], [6, 5, -100, -100]])
     assert causal_lm.count_words(labels, table) == 3
+
+
+@pytest.mark.parametrize("family", ["recursive", "standard"])
+def test_packed_row_equals_documents_run_alone(family):
+    """A packed row [doc A | doc B | pad] gives each document the logits it gets alone (masking and positions)."""
+    rec, std = small_pair(3)
+    model = rec if family == "recursive" else std
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, 40, (7,), generator=g), torch.randint(3, 40, (5,), generator=g)
+    row = torch.cat([a, b, torch.zeros(3, dtype=torch.long)])[None]  # [1, 15]
+    docs = torch.tensor([[0] * 7 + [1] * 5 + [-1] * 3])
+    pos = torch.tensor([list(range(7)) + list(range(5)) + [0] * 3])
+    mask = docs >= 0
+    with torch.no_grad():
+        packed = model(row, mask, document_ids=docs, position_ids=pos)
+        alone_a, alone_b = model(a[None]), model(b[None])
+    torch.testing.assert_close(packed[0, :7], alone_a[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[0, 7:12], alone_b[0], atol=1e-5, rtol=1e-5)
