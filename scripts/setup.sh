@@ -16,4 +16,4 @@ fi
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
 .venv/bin/python -m pip install -q -e ".[dev]"
 echo "$want" > "$stamp"
-echo "installed into .venv: $(.venv/bin/python -c 'import torch, deepspeed; print("torch", torch.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null)"
+echo "installed into .venv: $(.venv/bin/python -c 'from importlib.metadata import version as v; print("torch", v("torch"), "deepspeed", v("deepspeed"))')"
