@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.data.tokenizer import CharTokenizer
+
 VOCAB = ("<cls>", "<pad>", "<eos>", "<unk>",
          "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q", "N", "F", "Y", "M", "H", "W", "C",
          "X", "B", "U", "Z", "O", ".", "-", "<null_1>", "<mask>")
@@ -26,38 +28,20 @@ RESIDUES = VOCAB[4:31]  # single-character tokens
 STANDARD_AMINO_ACIDS = VOCAB[4:24]
 
 
-class ProteinTokenizer:
-    """Maps amino-acid strings to uint8 ids (ESM-2 numbering) and back."""
+class ProteinTokenizer(CharTokenizer):
+    """Maps amino-acid strings to uint8 ids (ESM-2 numbering) and back; ``add_special`` frames like
+    EsmTokenizer.encode. Lowercase is outside the alphabet, as in EsmTokenizer."""
 
     vocab = VOCAB
     vocab_size = len(VOCAB)
     cls_id, pad_id, eos_id, unk_id, mask_id = CLS_ID, PAD_ID, EOS_ID, UNK_ID, MASK_ID
+    alphabet_name = "an ESM amino-acid token"
 
     def __init__(self):
         table = np.full(256, 255, dtype=np.uint8)  # 255 = not in the alphabet
         for tok in RESIDUES:
             table[ord(tok)] = VOCAB.index(tok)
         self._table = table
-
-    def invalid_positions(self, seq: str | bytes) -> np.ndarray:
-        """0-based positions of characters outside the alphabet (lowercase included)."""
-        raw = np.frombuffer(seq.encode("ascii", "replace") if isinstance(seq, str) else seq, dtype=np.uint8)
-        return np.flatnonzero(self._table[raw] == 255)
-
-    def encode(self, seq: str | bytes, add_special: bool = False) -> np.ndarray:
-        """Residues to ids (uint8); ``add_special`` frames them as ``<cls> ... <eos>`` like EsmTokenizer.encode."""
-        raw = np.frombuffer(seq.encode("ascii", "replace") if isinstance(seq, str) else seq, dtype=np.uint8)
-        ids = self._table[raw]
-        bad = np.flatnonzero(ids == 255)
-        if bad.size:
-            pos = int(bad[0])
-            raise ValueError(f"character {chr(raw[pos])!r} at position {pos + 1} is not an ESM amino-acid token")
-        if add_special:
-            ids = np.concatenate([[CLS_ID], ids, [EOS_ID]]).astype(np.uint8)
-        return ids
-
-    def decode(self, ids) -> str:
-        return "".join(VOCAB[int(i)] for i in ids)
 
     @staticmethod
     def residue_ids() -> np.ndarray:

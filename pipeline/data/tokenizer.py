@@ -29,7 +29,42 @@ PAD_ID, CLS_ID, EOS_ID, UNK_ID, MASK_ID, SEP_ID = range(len(SPECIAL_TOKENS))
 NUM_SPECIAL = len(SPECIAL_TOKENS)
 
 
-class NucleotideTokenizer:
+class CharTokenizer:
+    """One character, one token, through a 256-entry byte table (255 = not in the alphabet). Subclasses fill
+    ``_table`` and set ``vocab``, ``cls_id``, ``eos_id`` and ``alphabet_name``."""
+
+    vocab: tuple
+    cls_id: int
+    eos_id: int
+    alphabet_name: str
+    _table: np.ndarray
+
+    @staticmethod
+    def _bytes(seq: str | bytes) -> np.ndarray:
+        return np.frombuffer(seq.encode("ascii", "replace") if isinstance(seq, str) else seq, dtype=np.uint8)
+
+    def invalid_positions(self, seq: str | bytes) -> np.ndarray:
+        """0-based positions of characters outside the alphabet."""
+        return np.flatnonzero(self._table[self._bytes(seq)] == 255)
+
+    def encode(self, seq: str | bytes, add_special: bool = False) -> np.ndarray:
+        """Residues to ids (uint8); ``add_special`` frames them as <cls> ... <eos>. Raises ValueError naming the first
+        character outside the alphabet."""
+        raw = self._bytes(seq)
+        ids = self._table[raw]
+        bad = np.flatnonzero(ids == 255)
+        if bad.size:
+            pos = int(bad[0])
+            raise ValueError(f"character {chr(raw[pos])!r} at position {pos + 1} is not {self.alphabet_name}")
+        if add_special:
+            ids = np.concatenate([[self.cls_id], ids, [self.eos_id]]).astype(np.uint8)
+        return ids
+
+    def decode(self, ids) -> str:
+        return "".join(self.vocab[int(i)] for i in ids)
+
+
+class NucleotideTokenizer(CharTokenizer):
     """Maps nucleotide strings to uint8 ids and back.
 
     ``alphabet='rna'`` writes T as U, ``'dna'`` writes U as T; ``None`` keeps both as given.
@@ -39,6 +74,7 @@ class NucleotideTokenizer:
     vocab_size = len(VOCAB)
     pad_id, cls_id, eos_id, unk_id, mask_id, sep_id = PAD_ID, CLS_ID, EOS_ID, UNK_ID, MASK_ID, SEP_ID
     num_special = NUM_SPECIAL
+    alphabet_name = "a nucleotide or IUPAC code"
 
     def __init__(self, alphabet: str | None = None):
         if alphabet not in (None, "rna", "dna"):
@@ -53,26 +89,6 @@ class NucleotideTokenizer:
         elif alphabet == "dna":
             table[ord("U")] = table[ord("u")] = VOCAB.index("T")
         self._table = table
-
-    def invalid_positions(self, seq: str | bytes) -> np.ndarray:
-        """0-based positions of characters outside the alphabet."""
-        raw = np.frombuffer(seq.encode("ascii", "replace") if isinstance(seq, str) else seq, dtype=np.uint8)
-        return np.flatnonzero(self._table[raw] == 255)
-
-    def encode(self, seq: str | bytes, add_special: bool = False) -> np.ndarray:
-        """Residues to ids (uint8). Raises ValueError naming the first character outside the alphabet."""
-        raw = np.frombuffer(seq.encode("ascii", "replace") if isinstance(seq, str) else seq, dtype=np.uint8)
-        ids = self._table[raw]
-        bad = np.flatnonzero(ids == 255)
-        if bad.size:
-            pos = int(bad[0])
-            raise ValueError(f"character {chr(raw[pos])!r} at position {pos + 1} is not a nucleotide or IUPAC code")
-        if add_special:
-            ids = np.concatenate([[CLS_ID], ids, [EOS_ID]]).astype(np.uint8)
-        return ids
-
-    def decode(self, ids) -> str:
-        return "".join(VOCAB[int(i)] for i in ids)
 
     @staticmethod
     def residue_ids(molecule: str) -> np.ndarray:
