@@ -378,8 +378,8 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
     """One optimizer step over the microbatches ``micro`` of this rank (see the module docstring).
 
     Collectives, in order: one all-reduce (SUM) of the token counts, one (MAX) of the plans' sync values, then the
-    microbatches' forward/backward, then one all-reduce (SUM) of the logged statistics. Every rank makes the same
-    calls in the same order, whatever its data.
+    microbatches' forward/backward, then one all-gather of the statistic names and one all-reduce (SUM) of their
+    values. Every rank makes the same calls in the same order, whatever its data.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     plans = [family.plan(b, cfg, step=step, micro=i, rank=rank) for i, b in enumerate(micro)]
