@@ -140,9 +140,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, norm_eps)
         self.k_norm = RMSNorm(self.head_dim, norm_eps)
 
-    def _use_flash(self, x: torch.Tensor) -> bool:
-        return use_flash(self.backend, x)
-
     def forward(self, x: torch.Tensor, rope: tuple, key_mask: torch.Tensor) -> torch.Tensor:
         """x: [B, L, d]; key_mask: [B, L] bool, True at real tokens."""
         B, L, _ = x.shape
