@@ -210,3 +210,24 @@ def test_brace_urls_without_manifest_give_the_same_stream(sample_shards, tmp_pat
     assert all(same(x, y) for x, y in zip(a, b))
     with pytest.raises(FileNotFoundError, match="shard .*rnacentral-000008.tar does not exist"):
         stream(str(plain / "rnacentral-{000000..000009}.tar"))
+
+
+def test_fast_token_decode_equals_np_load_and_rejects_corrupt_members():
+    import io
+
+    from pipeline.data.loader import decode_tokens
+
+    def npy(a):
+        buf = io.BytesIO()
+        np.save(buf, a, allow_pickle=False)
+        return buf.getvalue()
+
+    for a in (np.array([], np.uint8), np.arange(7, dtype=np.uint8), np.arange(70000) % 65535,
+              (np.arange(300) * 7919).astype(np.uint16), np.arange(5, dtype=np.uint32), np.arange(6, dtype=np.int64)):
+        got = decode_tokens(npy(a))
+        assert got.dtype == a.dtype and np.array_equal(got, a)
+    raw = npy(np.arange(100, dtype=np.uint8))
+    with pytest.raises(ValueError, match="99 data bytes for 100"):
+        decode_tokens(raw[:-1])
+    with pytest.raises(ValueError):  # a non-npy member goes to np.load, which refuses it
+        decode_tokens(b"garbage, not an array")
