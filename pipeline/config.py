@@ -111,11 +111,16 @@ class DataConfig:
     sources: list[SourceConfig] = field(default_factory=list)  # a mixture; empty = train_shards alone
     schedule: list[MixtureStageConfig] = field(default_factory=list)  # empty = constant sources[].weight
     pack: bool = False  # pack whole documents, <eos>-separated, into rows of context_length (causal LMs)
+    # Cross-shard shuffle: each loader stream's epoch is permuted in consecutive windows of this many samples (on top
+    # of the shard and in-shard permutations); stateless, so resume stays exact. Holds ~this many samples in memory.
+    # 0 = off. Must not change on resume.
+    shuffle_buffer: int = 0
 
     def __post_init__(self):
         _check(self.molecule in ("rna", "dna"), "data.molecule", f"must be 'rna' or 'dna', got {self.molecule!r}")
         _check(self.context_length >= 8, "data.context_length", f"must be >= 8, got {self.context_length}")
         _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
+        _check(self.shuffle_buffer >= 0, "data.shuffle_buffer", f"must be >= 0, got {self.shuffle_buffer}")
         names = [s.name for s in self.sources]
         dup = sorted({n for n in names if names.count(n) > 1})
         _check(not dup, "data.sources", f"duplicate source name {dup[0]!r}" if dup else "")

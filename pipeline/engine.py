@@ -162,7 +162,7 @@ class Trainer:
                       micro_batch_size=cfg.train.micro_batch_size, seed=cfg.seed,
                       transform=self.family.make_transform(cfg), pad_id=self.family.pad_id,
                       grad_accum_steps=cfg.train.grad_accum_steps, max_tokens=cfg.train.max_tokens_per_microbatch,
-                      pack=d.pack, row_length=d.context_length)
+                      pack=d.pack, row_length=d.context_length, shuffle_buffer=d.shuffle_buffer)
         if not d.sources:
             return ShardStream(d.train_shards, **kwargs)
         sources = []

@@ -8,9 +8,10 @@ full read + decode of the source, per process; cached for the process) -- use a 
 Streams. The shards of a source in epoch ``e`` are permuted with seed (key, e), key = (seed,) for the single-source
 loader and (seed, crc32(name)) for a mixture source; with R ranks and W streams per rank (one per DataLoader worker,
 or one without workers), stream w of rank r owns the shards at positions r*W + w, r*W + w + R*W, ... of that
-permutation. Inside a shard the samples are permuted with seed (key, e, shard). This two-level permutation is the
-shuffle: there is no cross-shard shuffle buffer, because a buffer's contents would be extra state to checkpoint;
-mixing several sources (and several shards per stream over the epochs) interleaves them instead. Every source is an
+permutation. Inside a shard the samples are permuted with seed (key, e, shard). With ``shuffle_buffer`` N the stream's
+epoch is then cut into consecutive windows of N samples, each permuted with seed (key, e, rank, stream, window, N),
+so samples of neighbouring shards mix as in a shuffle buffer; unlike a reservoir buffer it holds no state to
+checkpoint (a position is still one count) and every window is a uniform permutation. Every source is an
 infinite stream: after its shards it continues with its next epoch, independently of the other sources (sampling
 with replacement across epochs). Every random choice for a sample (crop, masking) is seeded by (key, epoch, shard,
 index), so a sample's content never depends on who read it or when.
@@ -242,8 +243,9 @@ class SourceStream:
     """The infinite sample streams of one source for one rank (one stream per loader stream)."""
 
     def __init__(self, source: Source, key: tuple, *, rank: int, world_size: int, num_streams: int,
-                 transform: SampleTransform, id_prefix: str):
+                 transform: SampleTransform, id_prefix: str, shuffle_buffer: int = 0):
         self.name, self.spec = source.name, str(source.shards)
+        self.shuffle_buffer = shuffle_buffer
         self.shards = resolve_shards(self.spec)
         self.key, self.rank, self.world_size, self.num_streams = key, rank, world_size, num_streams
         self.transform, self.id_prefix = source.transform or transform, id_prefix
@@ -269,22 +271,50 @@ class SourceStream:
                 skip -= total
                 epoch += 1
                 continue
-            for sid in shards:
-                n = int(self.counts[sid])
-                if skip >= n:
-                    skip -= n
-                    continue
-                ref = self.shards[sid]
-                records = read_tokens(ref.path, expected_samples=n)
-                order = np.random.default_rng([*self.key, epoch, int(sid)]).permutation(n)
-                for j in order[skip:]:
-                    key, tokens = records[j]
-                    sample = self.transform(tokens, LazyRng([*self.key, epoch, int(sid), int(j)]))
-                    sample["sample_id"] = f"{self.id_prefix}{ref.name}/{key}@{epoch}"
+            records: dict[int, list] = {}  # shard index -> its (key, tokens), for the shards of the current window
+            for window in self._epoch_windows(stream, epoch, shards, skip):
+                for sid in set(records) - {sid for sid, _ in window}:
+                    del records[sid]
+                for sid, j in window:
+                    if sid not in records:
+                        records[sid] = read_tokens(self.shards[sid].path, expected_samples=int(self.counts[sid]))
+                    key, tokens = records[sid][j]
+                    sample = self.transform(tokens, LazyRng([*self.key, epoch, sid, j]))
+                    sample["sample_id"] = f"{self.id_prefix}{self.shards[sid].name}/{key}@{epoch}"
                     sample["source"] = self.name
                     yield sample
-                skip = 0
+            skip = 0
             epoch += 1
+
+    def _epoch_windows(self, stream: int, epoch: int, shards: np.ndarray, start: int) -> Iterator[list]:
+        """The stream's epoch from position ``start`` on, as lists of (shard, index in shard).
+
+        The epoch is the stream's shards in order, each in its own permutation. With ``shuffle_buffer`` N > 1 that
+        sequence is cut into consecutive windows of N samples and each window is permuted again, so samples of the
+        ~N / shard_size neighbouring shards mix; without it each shard is one window. Both permutations are seeded
+        by their coordinates alone, so any position is reached from its count: a shuffle buffer with no state to
+        checkpoint, and resume stays exact.
+        """
+        ends = np.cumsum(self.counts[shards])  # [shards] epoch position after each shard
+
+        def span(lo: int, hi: int) -> list[tuple[int, int]]:  # epoch positions [lo, hi)
+            out = []
+            for i in range(int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(ends, hi - 1, "right")) + 1):
+                sid, n = int(shards[i]), int(self.counts[shards[i]])
+                at = int(ends[i]) - n
+                order = np.random.default_rng([*self.key, epoch, sid]).permutation(n)
+                out += [(sid, int(j)) for j in order[max(lo - at, 0):min(hi - at, n)]]
+            return out
+
+        total, N = int(ends[-1]), self.shuffle_buffer
+        if N <= 1:
+            for i in range(int(np.searchsorted(ends, start, "right")), len(shards)):
+                yield span(max(start, int(ends[i] - self.counts[shards[i]])), int(ends[i]))
+            return
+        for w in range(start // N, -(-total // N)):
+            window = span(w * N, min((w + 1) * N, total))
+            perm = np.random.default_rng([*self.key, epoch, self.rank, stream, w, N]).permutation(len(window))
+            yield [window[i] for i in perm[start - w * N if w == start // N else 0:]]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -308,7 +338,8 @@ class ShardStream(IterableDataset):
 
     ``mixture`` (required for several sources) gives the weights per optimizer step; ``grad_accum_steps`` maps
     microbatches to steps. ``max_tokens`` turns on token-budget batching, ``pack`` packing into rows of
-    ``row_length`` (optionally with ``pack_separator`` after each document). ``batches_consumed`` resumes a single-source, fixed-size loader from that count alone (what
+    ``row_length`` (optionally with ``pack_separator`` after each document), ``shuffle_buffer`` the cross-shard
+    window shuffle. ``batches_consumed`` resumes a single-source, fixed-size loader from that count alone (what
     checkpoints before loader state_dicts stored); otherwise use :meth:`load_state_dict`.
     """
 
@@ -316,9 +347,9 @@ class ShardStream(IterableDataset):
                  micro_batch_size: int, seed: int, transform: SampleTransform, pad_id: int,
                  batches_consumed: int = 0, mixture: MixtureSchedule | None = None, grad_accum_steps: int = 1,
                  max_tokens: int | None = None, pack: bool = False, pack_separator: int | None = None,
-                 row_length: int | None = None):
+                 row_length: int | None = None, shuffle_buffer: int = 0):
         self.rank, self.world_size = rank, world_size
-        self.num_streams = max(1, num_workers)
+        self.num_streams, self.shuffle_buffer = max(1, num_workers), shuffle_buffer
         self.micro_batch_size, self.seed = micro_batch_size, seed
         self.pad_id, self.grad_accum_steps = pad_id, grad_accum_steps
         self.max_tokens, self.pack, self.pack_separator, self.row_length = max_tokens, pack, pack_separator, row_length
@@ -335,7 +366,8 @@ class ShardStream(IterableDataset):
         # The single-source key (seed,) and unprefixed ids keep streams identical to loaders before mixtures.
         self.sources = [SourceStream(s, (seed,) if single else (seed, zlib.crc32(s.name.encode())), rank=rank,
                                      world_size=world_size, num_streams=self.num_streams, transform=transform,
-                                     id_prefix="" if single else f"{s.name}:") for s in sources]
+                                     id_prefix="" if single else f"{s.name}:", shuffle_buffer=shuffle_buffer)
+                        for s in sources]
         self.shard_dir = Path(str(shards)) if single else None
         self.counts = self.sources[0].counts
         self.state = self._fresh_state()
@@ -353,7 +385,7 @@ class ShardStream(IterableDataset):
     def _fresh_state(self) -> dict:
         S = len(self.sources)
         return {"version": STATE_VERSION, "rank": self.rank, "world_size": self.world_size, "sources": self.names,
-                "batches_consumed": 0,
+                "shuffle_buffer": self.shuffle_buffer, "batches_consumed": 0,
                 "streams": [StreamState(taken=[0] * S, tokens=[0] * S).as_dict() for _ in range(self.num_streams)]}
 
     def state_dict(self) -> dict:
@@ -364,7 +396,9 @@ class ShardStream(IterableDataset):
         """Accepts a full state, or ``{"batches_consumed": N}`` alone for a single-source fixed-size loader."""
         if set(state) == {"batches_consumed"}:
             state = self._legacy_state(int(state["batches_consumed"]))
-        for key, ours in (("sources", self.names), ("world_size", self.world_size), ("rank", self.rank)):
+        state = {"shuffle_buffer": 0, **state}  # states written before the shuffle buffer existed
+        for key, ours in (("sources", self.names), ("world_size", self.world_size), ("rank", self.rank),
+                          ("shuffle_buffer", self.shuffle_buffer)):
             if state.get(key) != ours:
                 raise ValueError(f"loader state: {key} {state.get(key)!r} differs from this loader's {ours!r}")
         if len(state["streams"]) != self.num_streams:

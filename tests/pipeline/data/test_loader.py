@@ -13,10 +13,10 @@ from pipeline.objectives.eco_rna import make_transform
 from pipeline.objectives.masking import IGNORE_INDEX
 
 
-def stream(shards, rank=0, world=1, workers=0, consumed=0, ctx=64, mb=4):
+def stream(shards, rank=0, world=1, workers=0, consumed=0, ctx=64, mb=4, shuffle=0):
     cfg = load_config(None, [f"data.context_length={ctx}"])
     return ShardStream(shards, rank=rank, world_size=world, num_workers=workers, micro_batch_size=mb, seed=7,
-                       transform=make_transform(cfg), pad_id=0, batches_consumed=consumed)
+                       transform=make_transform(cfg), pad_id=0, batches_consumed=consumed, shuffle_buffer=shuffle)
 
 
 def take(ds, workers, n):
@@ -64,6 +64,25 @@ def test_ranks_partition_each_epoch(sample_shards):
         seen.update(next(it)["sample_id"] for _ in range(total))
     assert len(seen) == manifest.total_samples and set(seen.values()) == {1}
     assert all(s.endswith("@0") for s in seen)
+
+
+def test_shuffle_buffer_mixes_neighbouring_shards_and_keeps_each_epoch_a_permutation(sample_shards):
+    """Windows of 500 samples over a stream's two 300-sample shards: the epoch holds the same samples, reordered
+    across the shard boundary; the stream resumes from a mid-window count alone."""
+    def epoch(shuffle, skip=0):
+        ds = stream(sample_shards, shuffle=shuffle, world=4)  # 8 shards / 4 ranks: 2 shards in the stream's epoch
+        total = sum(int(ds.counts[s]) for s in ds.stream_shards(0, 0))
+        return list(itertools.islice((s["sample_id"] for s in ds.samples(0, skip)), total - skip))
+
+    plain, mixed = epoch(0), epoch(500)
+    assert sorted(plain) == sorted(mixed) and plain != mixed and len(plain) > 500
+    shard_of = [sid.split("/")[0] for sid in mixed]
+    first, second = plain[0].split("/")[0], plain[-1].split("/")[0]
+    assert first != second
+    assert {first, second} <= set(shard_of[:100])  # both shards early in the shuffled epoch, not one after the other
+    assert epoch(500, skip=321) == mixed[321:]
+    with pytest.raises(ValueError, match="shuffle_buffer 0 differs from this loader's 500"):
+        stream(sample_shards, shuffle=500).load_state_dict(stream(sample_shards).state_dict())
 
 
 def test_batch_contents_are_framed_masked_and_cropped(sample_shards):
@@ -123,14 +142,14 @@ def resumed_equals_uninterrupted(make, workers, total, cut):
     return full
 
 
-@pytest.mark.parametrize("kind", ["single", "mixture"])
+@pytest.mark.parametrize("kind", ["single", "shuffle_buffer", "mixture"])
 def test_state_dict_resume_2_workers_x_2_ranks_yields_exactly_the_rest(sample_shards, kind):
     """Acceptance 3: resumed mid-epoch from a state_dict, each of 2 ranks x 2 workers continues its exact stream."""
     per_rank = []
     for rank in (0, 1):
-        if kind == "single":
-            def make():
-                return stream(sample_shards, rank=rank, world=2, workers=2)
+        if kind != "mixture":
+            def make():  # a 500-sample shuffle window: the cut at batch 37 lies inside the first window
+                return stream(sample_shards, rank=rank, world=2, workers=2, shuffle=500 * (kind == "shuffle_buffer"))
         else:
             def make():
                 return mixture(sample_shards, rank=rank)
