@@ -141,14 +141,6 @@ def _fingerprint(source: Source, encoder: Encoder, inputs: list[Path], prefix: s
         "inputs": [stat(p) for p in inputs], "members": stat(members) if members else None}))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 class WorkDir:
     """``DIR.partial`` (or a job's hidden folder): finished shards + ``progress.jsonl`` (fingerprint, then one line
     per shard renamed into place). Locked while a run writes it, so two runs never share one."""
@@ -170,7 +162,7 @@ class WorkDir:
 
     def _verify(self) -> list:
         """Shards of a previous run that are listed, in sequence and intact; everything else is removed."""
-        from pipeline.data.shards import ShardInfo  # dataclass only; shards.py is imported lazily for torch's sake
+        from pipeline.data.shards import ShardInfo, sha256_file  # imported lazily for torch's sake
         done: list = []
         prog = self.path / self.PROGRESS
         lines = prog.read_text().splitlines() if prog.is_file() else []
@@ -185,7 +177,7 @@ class WorkDir:
                 except (ValueError, TypeError):
                     break  # the line being appended when the run was killed
                 p = self.path / info.path
-                if info.path != f"{self.prefix}-{len(done):06d}.tar" or not p.is_file() or _sha256(p) != info.sha256:
+                if info.path != f"{self.prefix}-{len(done):06d}.tar" or not p.is_file() or sha256_file(p) != info.sha256:
                     break
                 done.append(info)
         elif lines:
@@ -255,12 +247,17 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
                     pending_bytes = 0
                 if rec.error is not None and s.strict:
                     raise FastaError(rec.error)
-                seq = rec.seq if encoder.text else rec.seq.upper()
-                digest = hashlib.sha1(seq).digest() if s.dedup else None
-                # With --dedup a record's job follows its hash, so every copy of a sequence meets in one job.
+                # With --dedup a record's job follows its hash, so every copy of a sequence meets in one job;
+                # otherwise ownership is decided first and other jobs' records cost nothing more.
+                seq = digest = None
+                if s.dedup:
+                    seq = rec.seq if encoder.text else rec.seq.upper()
+                    digest = hashlib.sha1(seq).digest()
                 owner = int.from_bytes(digest[:8], "little") if digest is not None else i
                 if owner % s.num_jobs != s.job_index:
                     continue
+                if seq is None:
+                    seq = rec.seq if encoder.text else rec.seq.upper()
                 inp["records"] += 1
                 if rec.error is not None:
                     filtered[rec.reason] = filtered.get(rec.reason, 0) + 1
@@ -280,7 +277,7 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
                         filtered["duplicate"] += 1
                         continue
                     seen_hashes.add(digest)
-                if not encoder.text and seq is not rec.seq:
+                if not encoder.text and seq != rec.seq:  # soft-masked (lowercase) residues present
                     stats["lowercase_residues"] += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
                 inp["kept"] += 1
                 inp["residues"] += n
@@ -354,7 +351,7 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
 
 def _copy_model(encoder: Encoder, directory: Path) -> None:
     if encoder.spm_path is not None:
-        tmp = directory / f".{SPM_NAME}.tmp"
+        tmp = directory / f".{SPM_NAME}.{os.getpid()}.tmp"  # per process: the jobs of an array share DIR
         shutil.copyfile(encoder.spm_path, tmp)
         os.replace(tmp, directory / SPM_NAME)
 
@@ -380,8 +377,8 @@ def _run_single(source, encoder, inputs, output: Path, settings: Settings, overw
             raise PrepError(f"no records written: all {seen} records filtered {manifest.filtered}")
         from pipeline.data.shards import write_manifest
         _copy_model(encoder, tmp)
-        work.finish()
         write_manifest(tmp, manifest)
+        work.finish()  # only now: a failed manifest write leaves the resumable work directory intact
         if output.exists():
             old = output.with_name(f"{output.name}.old-{os.getpid()}")
             os.rename(output, old)
