@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
-from pipeline.data.tokenizer import SEP_ID, VOCAB, NucleotideTokenizer
+from pipeline.data.tokenizer import SEP_ID, SPM_NAME, VOCAB, NucleotideTokenizer
 
 from . import Source
 from .fasta import FastaError
@@ -83,7 +83,6 @@ def summary(source: str, m: Manifest, location: Path, records_seen: int | None =
 
 
 # ------------------------------------------------------------------------------------------------------ tokenizers
-SPM_NAME = "tokenizer.model"  # the sentencepiece model's name beside the shards
 
 
 class Encoder:

@@ -14,10 +14,13 @@ from typing import Iterator
 
 import numpy as np
 
+from pipeline.data.tokenizer import SPM_BOS_ID as BOS_ID
+from pipeline.data.tokenizer import SPM_EOS_ID as EOS_ID
+from pipeline.data.tokenizer import SPM_PAD_ID as PAD_ID
+from pipeline.data.tokenizer import SPM_UNK_ID as UNK_ID
+
 from .fasta import FastaError
 from .sources import Context, expand_text_inputs, iter_text_lines
-
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 
 
 def _sentences(paths: list[Path]) -> Iterator[str]:

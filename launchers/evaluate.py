@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,7 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
     import torch
 
     from pipeline.eval.reconstruction import state_table
-    from pipeline.eval.rnagym import evaluate_assays, load_reference_sheet
+    from pipeline.eval.rnagym import load_assays, load_reference_sheet, score_assays
     from pipeline.models.eco_rna import initial_state
 
     paths = sorted(data.glob("*.csv")) if data.is_dir() else [data]
@@ -84,6 +85,7 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
     sheet = load_reference_sheet(sheet_path)
     cfg, model = trained.cfg, trained.model
     table = state_table(cfg.model, cfg.data.context_length, seed)
+    assays = load_assays(paths, sheet)  # parsed once: nothing in an assay depends on K
     per_depth = {}
     for k in depths:
         @torch.no_grad()
@@ -93,11 +95,12 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
             logits = model(tokens, mask, k, initial_state(cfg.model, mask, table=table)).logits[0]
             return torch.log_softmax(logits.float(), -1).numpy()
 
-        res = evaluate_assays(paths, sheet, forward, cfg.data.context_length)
+        res = score_assays(assays, sheet, forward, cfg.data.context_length)
         per_depth[str(k)] = {"aggregate": res["aggregate"], "per_type": res["per_type"],
                              "per_assay": res["per_assay"], "n_variants": res["n_variants"]}
     agg = lambda k, m: per_depth[str(k)]["aggregate"][m]  # noqa: E731
-    return {"assays": [p.stem for p in paths], "per_depth": per_depth,
+    return {"assays": list(assays), "notes": {i: list(a.notes) for i, a in assays.items()},
+            "per_depth": per_depth,
             "table": [(k, agg(k, "spearman"), agg(k, "auc"), agg(k, "mcc")) for k in depths],
             "columns": ("K", "|spearman|", "AUC", "|MCC|")}
 
@@ -106,7 +109,9 @@ def text_setup(trained, depths, spm: Path | None):
     """(encode, [(K, depth argument)]) for the causal-LM families: a standard stack has only its own depth."""
     import sentencepiece
 
-    path = spm or Path(trained.cfg.data.train_shards) / "tokenizer.model"
+    from pipeline.data.tokenizer import SPM_NAME
+
+    path = spm or Path(trained.cfg.data.train_shards) / SPM_NAME
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: sentencepiece model not found (pass --spm)")
     sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
@@ -159,7 +164,8 @@ def log_to_mlflow(trained, task: str, result: dict) -> str | None:
 
     client = MlflowClient(tracking_uri=uri)
     cols, rows = result["columns"], result["table"]
-    metrics = [Metric(f"eval/{task}/{name.strip('|')}", float(row[j]), 0, int(row[0]))
+    now_ms = int(time.time() * 1000)
+    metrics = [Metric(f"eval/{task}/{name.strip('|')}", float(row[j]), now_ms, int(row[0]))
                for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
     client.log_batch(run_id, metrics=metrics)
     fig, ax = plt.subplots(figsize=(5, 3.5))

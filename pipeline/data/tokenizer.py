@@ -28,6 +28,11 @@ assert len(VOCAB) == 23
 PAD_ID, CLS_ID, EOS_ID, UNK_ID, MASK_ID, SEP_ID = range(len(SPECIAL_TOKENS))
 NUM_SPECIAL = len(SPECIAL_TOKENS)
 
+# The sentencepiece (BabyLM) convention shared by data_prep/spm.py, the causal-LM objective and the text evaluators:
+# the model file beside the shards and its special ids (0 <pad>, 1 <s>, 2 </s>, 3 <unk>).
+SPM_NAME = "tokenizer.model"
+SPM_PAD_ID, SPM_BOS_ID, SPM_EOS_ID, SPM_UNK_ID = 0, 1, 2, 3
+
 
 class CharTokenizer:
     """One character, one token, through a 256-entry byte table (255 = not in the alphabet). Subclasses fill

@@ -22,6 +22,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from pipeline.data.tokenizer import SPM_BOS_ID
+
 METHODS = ("full", "one_prefix", "two_prefix")
 ScoreFn = Callable[[list[tuple[str, str]]], list[float]]
 
@@ -176,7 +178,7 @@ def iter_next_token_logprobs(model, sequences: Sequence[Sequence[int]], *, depth
             yield logp[i, :len(x)].numpy()
 
 
-def model_score_fn(model, encode: Callable[[str], list[int]], *, bos_id: int = 1, depth: int | None = None,
+def model_score_fn(model, encode: Callable[[str], list[int]], *, bos_id: int = SPM_BOS_ID, depth: int | None = None,
                    batch_size: int = 16, device=None) -> ScoreFn:
     """A causal LM (``model(ids [B, L], mask [B, L], depth=...) -> logits [B, L, V]``) and a tokenizer -> score_fn.
     Every sequence starts with <s>; the continuation's tokens are summed given <s> + context."""

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from pipeline.data.tokenizer import SPM_BOS_ID
 from pipeline.eval.blimp import split_tokens
 
 LogprobsFn = Callable[[list[list[int]]], Sequence[np.ndarray]]
@@ -70,7 +71,7 @@ def target_ranks(logp: np.ndarray, start: int, target: Sequence[int]) -> list[in
 
 
 def evaluate_lambada(passages: Sequence[str], encode: Callable[[str], list[int]], logprobs_fn: LogprobsFn, *,
-                     k: int = 5, bos_id: int = 1) -> dict:
+                     k: int = 5, bos_id: int = SPM_BOS_ID) -> dict:
     """{"pass_at_k", "accuracy" (pass@1), "k", "n", "mean_target_tokens", "per_passage": [{rank_max, n_tokens}]}."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")

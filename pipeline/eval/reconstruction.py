@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.data.loader import collate
+from pipeline.data.tokenizer import PAD_ID
 from pipeline.models.eco_rna import initial_state
 from pipeline.objectives.masking import IGNORE_INDEX
 
@@ -35,7 +36,7 @@ def reconstruction_sweep(model, cfg, samples: list[dict], depths: list[int], bat
                          seed: int = 0) -> dict[int, dict]:
     """{K: {"loss": token-mean CE, "accuracy": top-1 on supervised tokens, "tokens": n}} for each K."""
     table = state_table(cfg.model, cfg.data.context_length, seed)
-    batches = [collate(samples[i:i + batch_size], pad_id=0) for i in range(0, len(samples), batch_size)]
+    batches = [collate(samples[i:i + batch_size], pad_id=PAD_ID) for i in range(0, len(samples), batch_size)]
     results = {}
     for k in depths:
         ce_sum, correct, n = 0.0, 0, 0

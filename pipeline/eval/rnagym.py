@@ -440,32 +440,43 @@ def aggregate(per_assay: Mapping[str, Mapping[str, float]], sheet: Mapping[str, 
     return {"per_type": per_type, "overall": overall}
 
 
-def evaluate_assays(paths: Iterable, sheet: Mapping[str, Mapping], forward: Callable[[np.ndarray], np.ndarray],
-                    context_length: int) -> dict:
-    """Load, score and aggregate assays with one model ``forward`` (see :func:`wildtype_logprobs`).
+def load_assays(paths: Iterable, sheet: Mapping[str, Mapping]) -> dict[str, Assay]:
+    """{DMS_id: Assay} of ``paths`` (file stem = DMS_id, which must be in the reference sheet, once)."""
+    assays: dict[str, Assay] = {}
+    for path in paths:
+        dms_id = Path(path).stem
+        if dms_id not in sheet:
+            raise ValueError(f"assay {dms_id!r} ({path}) is not in the reference sheet")
+        if dms_id in assays:
+            raise ValueError(f"assay {dms_id!r} given twice")
+        assays[dms_id] = load_assay(path, sheet, dms_id)
+    return assays
+
+
+def score_assays(assays: Mapping[str, Assay], sheet: Mapping[str, Mapping],
+                 forward: Callable[[np.ndarray], np.ndarray], context_length: int) -> dict:
+    """Score and aggregate loaded assays with one model ``forward`` (see :func:`wildtype_logprobs`).
 
     Returns ``{"per_assay": {id: {spearman, auc, mcc, rna_type, n_variants, dropped, wt_source}},
     "per_type": ..., "aggregate": overall numbers (Eq. A.12), "n_variants": total, "notes": {id: [...]},
     "scores": {id: F [N] float64}}``.
     """
     per_assay: dict[str, dict] = {}
-    notes: dict[str, list[str]] = {}
     scores: dict[str, np.ndarray] = {}
-    for path in paths:
-        dms_id = Path(path).stem
-        if dms_id not in sheet:
-            raise ValueError(f"assay {dms_id!r} ({path}) is not in the reference sheet")
-        if dms_id in per_assay:
-            raise ValueError(f"assay {dms_id!r} given twice")
-        assay = load_assay(path, sheet, dms_id)
+    for dms_id, assay in assays.items():
         lp = wildtype_logprobs(assay.wt_ids(), forward, context_length)
         f = score_variants(assay, lp)
         per_assay[dms_id] = {**assay_metrics(f, assay.dms_score), "rna_type": sheet[dms_id]["rna_type"],
                              "n_variants": assay.n_variants, "dropped": assay.dropped,
                              "wt_source": assay.wt_source}
-        notes[dms_id] = list(assay.notes)
         scores[dms_id] = f
     agg = aggregate(per_assay, sheet)
     return {"per_assay": per_assay, "per_type": agg["per_type"], "aggregate": agg["overall"],
             "n_variants": int(sum(v["n_variants"] for v in per_assay.values())),
-            "notes": notes, "scores": scores}
+            "notes": {dms_id: list(a.notes) for dms_id, a in assays.items()}, "scores": scores}
+
+
+def evaluate_assays(paths: Iterable, sheet: Mapping[str, Mapping], forward: Callable[[np.ndarray], np.ndarray],
+                    context_length: int) -> dict:
+    """Load, score and aggregate assays: :func:`load_assays` then :func:`score_assays`."""
+    return score_assays(load_assays(paths, sheet), sheet, forward, context_length)

@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import ConfigError
+from pipeline.data.tokenizer import SPM_BOS_ID as BOS_ID
+from pipeline.data.tokenizer import SPM_EOS_ID as EOS_ID
+from pipeline.data.tokenizer import SPM_NAME
+from pipeline.data.tokenizer import SPM_PAD_ID as PAD_ID
 from pipeline.objectives.eco_rna import LossOutput
 from pipeline.objectives.masking import IGNORE_INDEX
-
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # data_prep/spm.py
-SPM_NAME = "tokenizer.model"  # data_prep/jobs.py: the sentencepiece model's name beside the shards
 
 
 @dataclass
