@@ -109,9 +109,14 @@ def text_setup(trained, depths, spm: Path | None):
     """(encode, [(K, depth argument)]) for the causal-LM families: a standard stack has only its own depth."""
     import sentencepiece
 
-    from pipeline.data.tokenizer import SPM_NAME
+    from pipeline.objectives.causal_lm import spm_model_path
 
-    path = spm or Path(trained.cfg.data.train_shards) / SPM_NAME
+    if spm is None:
+        try:
+            spm = spm_model_path(trained.cfg)
+        except (FileNotFoundError, ValueError) as e:  # the training shards are not on this machine
+            raise FileNotFoundError(f"{e}; pass --spm with the run's sentencepiece model") from None
+    path = spm
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: sentencepiece model not found (pass --spm)")
     sp = sentencepiece.SentencePieceProcessor(model_file=str(path))

@@ -61,6 +61,14 @@ def make_transform(cfg):
     return transform
 
 
+def spm_model_path(cfg) -> Path:
+    """The sentencepiece model data_prep wrote beside the (first) training source's shards."""
+    from pipeline.data.loader import resolve_shards
+
+    spec = cfg.data.sources[0].shards if cfg.data.sources else cfg.data.train_shards
+    return resolve_shards(str(spec))[0].path.parent / SPM_NAME
+
+
 @functools.lru_cache(maxsize=4)
 def word_start_table(model_path: str) -> torch.Tensor | None:
     """bool [V]: True for pieces that begin a word ("▁..."); None without a model file."""
@@ -93,7 +101,10 @@ def loss(model, batch, cfg, p: Plan) -> LossOutput:
     B, L = batch.input_ids.shape
     totals = {"flops": 3 * B * cfg.model.forward_flops(L, depth)}  # forward + backward (twice the forward)
     if cfg.objective.count_words:
-        table = word_start_table(str(Path(cfg.data.train_shards) / SPM_NAME))
+        path = spm_model_path(cfg)
+        table = word_start_table(str(path))
         if table is not None:
             totals["words"] = count_words(batch.labels, table)
+        elif cfg.train.max_words is not None or cfg.checkpoint.at_words:
+            raise ConfigError(f"train.max_words / checkpoint.at_words: word counting needs {path}")
     return LossOutput(S, m, {"lm_loss": (float(S.detach()), m)}, totals)
