@@ -28,14 +28,22 @@ class TrainedModel:
     client_state: dict  # step, mlflow_run_id, ... ({} for an export)
 
 
+LATEST = "latest"  # RUN_DIR/checkpoints/latest names the newest complete checkpoint (written by the engine)
+
+
+def latest_tag(ckpt_dir: Path) -> str | None:
+    f = ckpt_dir / LATEST
+    return f.read_text().strip() if f.is_file() else None
+
+
 def resolve_tag_dir(path: str | Path) -> Path:
     p = Path(path)
     if (p / EXPORTED_WEIGHTS).is_file() or (p / "client_state.json").is_file():
         return p
     for ckpts in (p, p / "checkpoints"):
-        latest = ckpts / "latest"
-        if latest.is_file():
-            return ckpts / latest.read_text().strip()
+        tag = latest_tag(ckpts)
+        if tag:
+            return ckpts / tag
     raise ConfigError(f"{path}: not a checkpoint (no latest, client_state.json or {EXPORTED_WEIGHTS})")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline.checkpoint import LATEST, latest_tag
 from pipeline.config import ConfigError, RunConfig, dump_yaml
 from pipeline.data.loader import ShardStream, Source, is_url_pattern, make_loader, resolve_shards
 from pipeline.families import get_family
@@ -29,7 +30,6 @@ from pipeline.tracking import Tracker
 
 CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations")  # logged as total/<name>
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-LATEST = "latest"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -113,11 +113,6 @@ def _ensure_dist_env():
 # --------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 # --------------------------------------------------------------------------------------------------------------------
-def latest_tag(ckpt_dir: Path) -> str | None:
-    f = ckpt_dir / LATEST
-    return f.read_text().strip() if f.is_file() else None
-
-
 def _write_atomic(path: Path, text: str):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -340,8 +335,7 @@ class Trainer:
                 words = self.cumulative.get("words", 0.0)
                 milestone = any(words_before < w <= words for w in cfg.checkpoint.at_words)
                 rec["epochs"] = self.cumulative["samples"] / self.dataset_samples
-                out_of_words = cfg.train.max_words is not None and words >= cfg.train.max_words
-                out_of_epochs = cfg.train.max_epochs is not None and rec["epochs"] >= cfg.train.max_epochs
+                budget_spent = self._budget_spent()
                 if samples_file:
                     samples_file.write(json.dumps({"step": self.step, "ids": [s for b in micro for s in b.sample_ids]})
                                        + "\n")
@@ -355,11 +349,11 @@ class Trainer:
                               f"grad_norm {rec['grad_norm']:.3f} | tok/s {rec['tokens_per_s']:.0f} | "
                               f"TFLOP/s/dev {rec['tflops_per_device']:.3f} | step {dt * 1000:.0f} ms", flush=True)
                 if (self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps or milestone
-                        or out_of_words or out_of_epochs):
+                        or budget_spent):
                     if samples_file:
                         samples_file.flush()
                     self.save()
-                if out_of_words or out_of_epochs:
+                if budget_spent:
                     if self.rank == 0:
                         print(f"budget reached: {words:.0f} words (train.max_words {cfg.train.max_words}), "
                               f"{rec['epochs']:.3f} epochs (train.max_epochs {cfg.train.max_epochs})", flush=True)
