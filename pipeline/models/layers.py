@@ -115,13 +115,12 @@ def flash_varlen(q, k, v, key_mask, causal: bool = False, segments: torch.Tensor
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with QK RMSNorm and RoPE; bidirectional unless ``causal``.
+    """Bidirectional grouped-query attention with QK RMSNorm and RoPE (the masked LMs' blocks).
 
     q: [B, H, L, hd], k/v: [B, Hkv, L, hd]; the padding mask keeps padded keys out of every softmax.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, norm_eps: float, backend: str = "auto",
-                 causal: bool = False):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, norm_eps: float, backend: str = "auto"):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model {d_model} is not divisible by n_heads {n_heads}")
@@ -132,7 +131,6 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = d_model // n_heads
         self.backend = backend
-        self.causal = causal
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
@@ -148,7 +146,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attend(q, k, v, key_mask, backend=self.backend, causal=self.causal)
+        out = attend(q, k, v, key_mask, backend=self.backend)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
 
 
