@@ -32,7 +32,7 @@ FAMILIES = {
                       eco_rna_objective.make_transform, eco_rna_objective.plan, eco_rna_objective.recurrent_loss),
     # The matched fixed-depth control (A.6): same data, masking and loss code; depth fixed, auxiliary terms off.
     "eco_rna_control": Family("eco_rna_control", FixedDepthConfig, FixedDepthMLM,
-                              eco_rna_objective.EcoRNAObjectiveConfig, eco_rna_objective.make_transform,
+                              eco_rna_objective.FixedDepthObjectiveConfig, eco_rna_objective.make_transform,
                               eco_rna_objective.plan, eco_rna_objective.recurrent_loss),
     # Paper 003: recursive causal decoder and its 12-layer standard baseline, causal LM on sentencepiece text.
     "recursive_gpt": Family("recursive_gpt", RecursiveGPTConfig, RecursiveGPT, causal_lm.CausalLMObjectiveConfig,

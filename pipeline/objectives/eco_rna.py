@@ -56,6 +56,22 @@ class EcoRNAObjectiveConfig:
 
 
 @dataclass
+class FixedDepthObjectiveConfig(EcoRNAObjectiveConfig):
+    """The fixed-depth control's objective (A.6): the same masking and MLM loss, one pass, no auxiliary terms.
+    The anchor needs a recurrent trajectory, so a run that asks for it fails at configuration, not at step 1."""
+
+    depth_law: str = "fixed"
+    lambda_fp: float = 0.0
+    lambda_anchor: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lambda_anchor != 0:
+            raise ConfigError(f"objective.lambda_anchor: the fixed-depth control has no recurrent trajectory to "
+                              f"anchor; must be 0, got {self.lambda_anchor}")
+
+
+@dataclass
 class LossOutput:
     sum_loss: torch.Tensor  # scalar to backpropagate after division by Z_acc: S + m * A
     num_tokens: int  # supervised tokens m

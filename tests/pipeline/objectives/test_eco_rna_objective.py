@@ -96,3 +96,12 @@ def test_displacement_term_and_empty_sets():
     num, den = out.stats["displacement"]
     assert den == 4 and num == pytest.approx(float(r[depths >= 2].detach().sum()), rel=1e-5)
     assert out.totals["row_iterations"] == int(depths.sum())
+
+
+def test_the_control_family_refuses_an_anchor_at_configuration():
+    from pipeline.config import ConfigError
+
+    cfg = load_config(None, ["family=eco_rna_control"])
+    assert (cfg.objective.depth_law, cfg.objective.lambda_fp, cfg.objective.lambda_anchor) == ("fixed", 0.0, 0.0)
+    with pytest.raises(ConfigError, match="objective.lambda_anchor: the fixed-depth control"):
+        load_config(None, ["family=eco_rna_control", "objective.lambda_anchor=0.1"])
