@@ -63,10 +63,10 @@ def make_transform(cfg):
 
 def spm_model_path(cfg) -> Path:
     """The sentencepiece model data_prep wrote beside the (first) training source's shards."""
-    from pipeline.data.loader import resolve_shards
+    from pipeline.data.loader import is_url_pattern, resolve_shards
 
-    spec = cfg.data.sources[0].shards if cfg.data.sources else cfg.data.train_shards
-    return resolve_shards(str(spec))[0].path.parent / SPM_NAME
+    spec = str(cfg.data.sources[0].shards if cfg.data.sources else cfg.data.train_shards)
+    return (resolve_shards(spec)[0].path.parent if is_url_pattern(spec) else Path(spec)) / SPM_NAME
 
 
 @functools.lru_cache(maxsize=4)
