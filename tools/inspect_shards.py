@@ -65,13 +65,11 @@ def main(argv: list[str] | None = None) -> int:
                     break
         if args.verify:
             for s in m.shards:
+                read_shard(d / s.path, s.samples)  # first: damage that breaks a member is named by that member
                 digest = sha256_file(d / s.path)
                 if digest != s.sha256:
-                    # name the member too when the damage makes one unreadable
-                    read_shard(d / s.path, s.samples)
                     raise ShardError(f"{d / s.path}: sha256 {digest[:16]}... differs from the manifest's "
                                      f"{s.sha256[:16]}...")
-                read_shard(d / s.path, s.samples)
             print(f"  verified {len(m.shards)} shards: sha256 and sample counts match the manifest")
     except (ShardError, FileNotFoundError, OSError) as e:
         print(f"inspect_shards: error: {e}", file=sys.stderr)
