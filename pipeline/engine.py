@@ -110,6 +110,23 @@ def _ensure_dist_env():
                       MASTER_PORT=str(port))
 
 
+def init_distributed():
+    """``deepspeed.init_distributed`` (nccl on GPU hosts, gloo on CPU) without DeepSpeed's shared-memory all-reduce op.
+
+    On CPU hosts DeepSpeed's TorchBackend JIT-compiles that op (35-50 s on a fresh machine) and every rank creates a
+    69 MB ``/dev/shm/deepspeed_allreduce_buffer_*`` segment that nothing ever unlinks. /dev/shm is RAM, so each run
+    leaked 138 MB on two ranks until the host ran out of memory; and a rank whose segment cannot be created leaves its
+    peers spinning on ``shm_open`` forever. The op serves only ``inference_all_reduce`` (AutoTP inference), which
+    training never calls: its collectives go through torch.distributed. ``__compatible_ops__`` is DeepSpeed's one
+    cached dict of buildable ops (``deepspeed/ops/__init__.py``), so marking the op unbuildable there is enough.
+    """
+    import deepspeed
+
+    _ensure_dist_env()
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 # --------------------------------------------------------------------------------------------------------------------
@@ -186,8 +203,7 @@ class Trainer:
     def setup(self):
         import deepspeed  # imported here so config errors surface without DeepSpeed's start-up cost
 
-        _ensure_dist_env()
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

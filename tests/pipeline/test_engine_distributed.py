@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +19,12 @@ def overrides(shards, run_dir, steps, *more):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_stage_trains_tracks_and_checkpoints(sample_shards, tmp_path, stage):
     run_dir = tmp_path / "run"
+    shm_before = set(Path("/dev/shm").glob("deepspeed_*"))
     proc = run_pretrain(2, f"ds_configs/zero{stage}.json",
                         overrides(sample_shards, run_dir, 12, "train.grad_accum_steps=2", "checkpoint.every_steps=6"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # DeepSpeed's CPU all-reduce op would leave a 69 MB segment per rank in RAM-backed /dev/shm (engine.init_distributed)
+    assert set(Path("/dev/shm").glob("deepspeed_*")) <= shm_before
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 13))
     first, last = sum(m["loss"] for m in metrics[:3]) / 3, sum(m["loss"] for m in metrics[-3:]) / 3

@@ -50,9 +50,9 @@ def main():
     import deepspeed
     import torch.distributed as dist
 
-    from pipeline.engine import train_step
+    from pipeline.engine import init_distributed, train_step
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed()
     rank = dist.get_rank()
     cfg = run_config(args.aux)
     family = get_family("eco_rna")
