@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/python tools/reclaim_shm.py  # segments leaked by DeepSpeed runs before the engine stopped making them
 exec .venv/bin/python -m pytest -q "$@"
