@@ -1,6 +1,7 @@
 """Shared fixtures: the repository root on sys.path, sample shards, and a runner for real DeepSpeed launches."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,10 +50,23 @@ def launch_env() -> dict:
     return env
 
 
+def run_launch(cmd: list, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a training or evaluation launch, in a process group of its own: on a timeout (or a
+    pytest-timeout) every rank is killed, not only the launcher, so a stalled training cannot keep two cores and
+    its memory for the rest of the suite."""
+    with subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_pretrain(nproc: int, ds_config: str, overrides: list, extra: list = (), timeout: int = 600):
-    proc = subprocess.run(deepspeed_cmd(nproc, ds_config, overrides, extra), cwd=REPO, env=launch_env(),
-                          capture_output=True, text=True, timeout=timeout)
-    return proc
+    return run_launch(deepspeed_cmd(nproc, ds_config, overrides, extra), timeout)
 
 
 def read_jsonl(path: Path) -> list:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import HELDOUT_FASTA, REPO, SHARED_DATA, TINY, launch_env
+from conftest import HELDOUT_FASTA, REPO, SHARED_DATA, TINY, launch_env, run_launch
 
 pytestmark = pytest.mark.slow
 RNAGYM = SHARED_DATA / "eval" / "rnagym"
@@ -17,14 +17,13 @@ def trained_run(sample_shards, tmp_path_factory):
     cmd = [sys.executable, str(REPO / "launchers/pretrain.py"), "--ds_config", str(REPO / "ds_configs/zero1.json")]
     for o in [f"data.train_shards={sample_shards}", f"run_dir={run_dir}", "train.max_steps=6", *TINY]:
         cmd += ["--set", o]
-    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    proc = run_launch(cmd, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir
 
 
 def evaluate(*args):
-    return subprocess.run([sys.executable, str(REPO / "launchers/evaluate.py"), *args], cwd=REPO, env=launch_env(),
-                          capture_output=True, text=True, timeout=300)
+    return run_launch([sys.executable, str(REPO / "launchers/evaluate.py"), *args], timeout=300)
 
 
 def test_reconstruction_sweep(trained_run, tmp_path):
@@ -51,6 +50,7 @@ def test_reconstruction_sweep(trained_run, tmp_path):
     # same seed -> identical numbers (fixed initial-state table and masks)
     again = evaluate("--checkpoint", str(trained_run), "--task", "reconstruction", "--data", str(HELDOUT_FASTA),
                      "--depths", "1-3", "--output", str(tmp_path / "again.json"), "--no-mlflow")
+    assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "again.json").read_text())["per_depth"] == res["per_depth"]
 
 

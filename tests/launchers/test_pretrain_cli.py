@@ -1,10 +1,9 @@
 """Bad input to the launcher: one clear error line, non-zero exit, no training step, nothing written."""
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, TINY, deepspeed_cmd, launch_env
+from conftest import REPO, TINY, deepspeed_cmd, run_launch
 
 PRETRAIN = str(REPO / "launchers" / "pretrain.py")
 
@@ -12,7 +11,7 @@ PRETRAIN = str(REPO / "launchers" / "pretrain.py")
 def launch(args, tmp_path):
     cmd = [sys.executable, PRETRAIN, "--ds_config", str(REPO / "ds_configs/zero2.json"),
            "--set", f"run_dir={tmp_path / 'run'}", *args]
-    return subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=120)
+    return run_launch(cmd, timeout=120)
 
 
 def assert_one_error(proc, pattern, tmp_path):
@@ -48,7 +47,7 @@ def test_missing_shard_directory(tmp_path):
 def test_missing_ds_config(sample_shards, tmp_path):
     cmd = [sys.executable, PRETRAIN, "--ds_config", "ds_configs/zero9.json", "--set", f"run_dir={tmp_path / 'run'}",
            "--set", f"data.train_shards={sample_shards}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=120)
+    proc = run_launch(cmd, timeout=120)
     assert_one_error(proc, "ds_configs/zero9.json: ds_config file not found", tmp_path)
 
 
@@ -57,7 +56,7 @@ def test_batch_arithmetic_mismatch_under_two_ranks(sample_shards, tmp_path):
     cmd = deepspeed_cmd(2, "ds_configs/zero2.json", [f"data.train_shards={sample_shards}", f"run_dir={tmp_path / 'run'}",
                                                      "train.global_batch_size=32", "train.micro_batch_size=8",
                                                      "train.grad_accum_steps=1", *TINY[:4]])
-    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    proc = run_launch(cmd, timeout=300)
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert errors == ["error: train.global_batch_size: 32 != micro_batch_size 8 x grad_accum_steps 1 x world size 2 "

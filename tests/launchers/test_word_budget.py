@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SHARED_DATA, launch_env, read_jsonl
+from conftest import REPO, SHARED_DATA, read_jsonl, run_launch
 
 TEXT = SHARED_DATA / "text"
 
@@ -39,7 +39,7 @@ def demo_command(run_dir, shards, *overrides):
 def test_word_budget_and_milestones(babylm_shards, tmp_path):
     run_dir = tmp_path / "run"
     launch = demo_command(run_dir, babylm_shards, "train.max_words=2500", "checkpoint.at_words=[1000,2000]")
-    proc = subprocess.run(launch, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
+    proc = run_launch(launch)
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     totals = [m["total/words"] for m in metrics]
@@ -49,14 +49,13 @@ def test_word_budget_and_milestones(babylm_shards, tmp_path):
     tags = sorted(p.name for p in (run_dir / "checkpoints").glob("step*"))
     assert tags == [f"step{first(1000):08d}", f"step{first(2000):08d}", f"step{metrics[-1]['step']:08d}"]
     # resuming after the budget is spent trains nothing more
-    again = subprocess.run(launch, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
+    again = run_launch(launch)
     assert again.returncode == 0 and read_jsonl(run_dir / "metrics.jsonl") == metrics
 
 
 def test_epoch_budget(babylm_shards, tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.run(demo_command(run_dir, babylm_shards, "train.max_epochs=0.01"), cwd=REPO, env=launch_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = run_launch(demo_command(run_dir, babylm_shards, "train.max_epochs=0.01"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert metrics[-1]["epochs"] >= 0.01 > metrics[-2]["epochs"]

@@ -1,11 +1,10 @@
 """Exact token normalization (paper A.7) under real 2-process DeepSpeed, ZeRO 1-3, against single-process references."""
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import REPO, free_port, launch_env
+from conftest import REPO, free_port, run_launch
 from pipeline.data.loader import Batch
 from pipeline.objectives.eco_rna import per_row_ce, plan, relative_displacement
 from pipeline.objectives.masking import IGNORE_INDEX
@@ -19,7 +18,7 @@ def deepspeed_step(stage, shards, tmp_path, aux):
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
            str(REPO / "tests/pipeline/token_norm_worker.py"), "--stage", str(stage), "--shards", str(shards),
            "--out", str(out)] + (["--aux"] if aux else [])
-    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    proc = run_launch(cmd, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=True)
 
