@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pipeline.config import ConfigError
+from pipeline.data.tokenizer import SPM_PAD_ID
 from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig
 from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
 from pipeline.models.recursive_gpt import RecursiveGPT, RecursiveGPTConfig, StandardGPT, StandardGPTConfig
@@ -36,9 +37,9 @@ FAMILIES = {
                               eco_rna_objective.plan, eco_rna_objective.recurrent_loss),
     # Paper 003: recursive causal decoder and its 12-layer standard baseline, causal LM on sentencepiece text.
     "recursive_gpt": Family("recursive_gpt", RecursiveGPTConfig, RecursiveGPT, causal_lm.CausalLMObjectiveConfig,
-                            causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=causal_lm.PAD_ID),
+                            causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID),
     "standard_gpt": Family("standard_gpt", StandardGPTConfig, StandardGPT, causal_lm.CausalLMObjectiveConfig,
-                           causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=causal_lm.PAD_ID),
+                           causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID),
 }
 
 

@@ -23,7 +23,6 @@ from pipeline.config import ConfigError
 from pipeline.data.tokenizer import SPM_BOS_ID as BOS_ID
 from pipeline.data.tokenizer import SPM_EOS_ID as EOS_ID
 from pipeline.data.tokenizer import SPM_NAME
-from pipeline.data.tokenizer import SPM_PAD_ID as PAD_ID
 from pipeline.objectives.eco_rna import LossOutput
 from pipeline.objectives.masking import IGNORE_INDEX
 

@@ -1,6 +1,5 @@
 """tools/inspect_shards.py on a real prepared directory: summary, decoded samples, verification, and a corrupt
 member named in one error line."""
-import io
 import subprocess
 import sys
 import tarfile
