@@ -86,16 +86,20 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
     cfg, model = trained.cfg, trained.model
     table = state_table(cfg.model, cfg.data.context_length, seed)
     assays = load_assays(paths, sheet)  # parsed once: nothing in an assay depends on K
-    per_depth = {}
-    for k in depths:
-        @torch.no_grad()
-        def forward(ids: np.ndarray, k=k) -> np.ndarray:  # framed ids [n] -> log-probs [n, V], wild-type input
+    trajectories = {}  # framed window bytes -> {K: log-probs [n, V]}: one trajectory per window serves every K
+
+    @torch.no_grad()
+    def at_all_depths(ids: np.ndarray) -> dict:  # framed wild-type ids [n] -> {K: log-probs [n, V]}
+        if ids.tobytes() not in trajectories:
             tokens = torch.from_numpy(ids).long()[None]
             mask = torch.ones_like(tokens, dtype=torch.bool)
-            logits = model(tokens, mask, k, initial_state(cfg.model, mask, table=table)).logits[0]
-            return torch.log_softmax(logits.float(), -1).numpy()
+            logits = model.logits_at_depths(tokens, mask, depths, initial_state(cfg.model, mask, table=table))
+            trajectories[ids.tobytes()] = {k: torch.log_softmax(v[0].float(), -1).numpy() for k, v in logits.items()}
+        return trajectories[ids.tobytes()]
 
-        res = score_assays(assays, sheet, forward, cfg.data.context_length)
+    per_depth = {}
+    for k in depths:
+        res = score_assays(assays, sheet, lambda ids, k=k: at_all_depths(ids)[k], cfg.data.context_length)
         per_depth[str(k)] = {"aggregate": res["aggregate"], "per_type": res["per_type"],
                              "per_assay": res["per_assay"], "n_variants": res["n_variants"]}
     agg = lambda k, m: per_depth[str(k)]["aggregate"][m]  # noqa: E731

@@ -34,18 +34,22 @@ def heldout_samples(sequences: list, transform, seed: int) -> list[dict]:
 @torch.no_grad()
 def reconstruction_sweep(model, cfg, samples: list[dict], depths: list[int], batch_size: int = 32,
                          seed: int = 0) -> dict[int, dict]:
-    """{K: {"loss": token-mean CE, "accuracy": top-1 on supervised tokens, "tokens": n}} for each K."""
+    """{K: {"loss": token-mean CE, "accuracy": top-1 on supervised tokens, "tokens": n}} for each K.
+
+    Each batch runs one trajectory read out at every K (``model.logits_at_depths``): max(depths) core calls, not
+    sum(depths).
+    """
     table = state_table(cfg.model, cfg.data.context_length, seed)
-    batches = [collate(samples[i:i + batch_size], pad_id=PAD_ID) for i in range(0, len(samples), batch_size)]
-    results = {}
-    for k in depths:
-        ce_sum, correct, n = 0.0, 0, 0
-        for b in batches:
-            s0 = initial_state(cfg.model, b.attention_mask, table=table)
-            logits = model(b.input_ids, b.attention_mask, k, s0).logits.float()
-            sup = b.labels != IGNORE_INDEX
-            ce_sum += float(F.cross_entropy(logits[sup], b.labels[sup], reduction="sum"))
-            correct += int((logits[sup].argmax(-1) == b.labels[sup]).sum())
-            n += int(sup.sum())
-        results[k] = {"loss": ce_sum / n, "accuracy": correct / n, "tokens": n}
-    return results
+    sums = {k: [0.0, 0, 0] for k in depths}  # K -> [CE sum, correct, supervised tokens]
+    for i in range(0, len(samples), batch_size):
+        b = collate(samples[i:i + batch_size], pad_id=PAD_ID)
+        s0 = initial_state(cfg.model, b.attention_mask, table=table)
+        sup = b.labels != IGNORE_INDEX
+        labels = b.labels[sup]  # [n_sup]
+        for k, logits in model.logits_at_depths(b.input_ids, b.attention_mask, depths, s0).items():
+            logits = logits[sup].float()  # [n_sup, V]
+            acc = sums[k]
+            acc[0] += float(F.cross_entropy(logits, labels, reduction="sum"))
+            acc[1] += int((logits.argmax(-1) == labels).sum())
+            acc[2] += int(sup.sum())
+    return {k: {"loss": ce / n, "accuracy": correct / n, "tokens": n} for k, (ce, correct, n) in sums.items()}

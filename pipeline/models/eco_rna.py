@@ -226,6 +226,34 @@ class EcoRNA(nn.Module):
     def rope(self, length: int, device, dtype):
         return rope_cache(length, self.cfg.head_dim, self.cfg.rope_theta, device, dtype)
 
+    def _prelude(self, tokens: torch.Tensor, attention_mask: torch.Tensor):
+        """(e [B, L, d]: the normalized prelude output the core re-injects, rope cache, key_mask [B, L] bool)."""
+        key_mask = attention_mask.bool()
+        x = self.embed(tokens)
+        rope = self.rope(tokens.shape[1], x.device, x.dtype)
+        return self.prelude_norm(self.prelude(x, rope, key_mask)), rope, key_mask
+
+    def logits_at_depths(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths,
+                         init_state: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{K: logits [B, L, V]} with every row at depth K, for each K in ``depths``, from one trajectory.
+
+        The state after k core applications does not depend on how many follow, so reading one trajectory out after
+        each requested K equals ``forward(tokens, attention_mask, K, init_state).logits`` for every K, at max(depths)
+        core calls and one prelude instead of sum(depths) core calls and len(depths) preludes. For depth sweeps
+        (evaluation); it neither needs nor disables autograd.
+        """
+        wanted = sorted({int(k) for k in depths})
+        if not wanted or wanted[0] < 1:
+            raise ValueError(f"depths must be >= 1, got {list(depths)}")
+        e, rope, key_mask = self._prelude(tokens, attention_mask)
+        s = init_state.to(e.dtype)
+        out = {}
+        for t in range(1, wanted[-1] + 1):
+            s = self.core(s, e, rope, key_mask)
+            if t in wanted:
+                out[t] = self.embed(self.readout(s, rope, key_mask), as_head=True)
+        return out
+
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths, init_state: torch.Tensor, *,
                 k_max: int | None = None, backward_window: int | None = None,
                 anchor_depth: int | None = None) -> "EcoRNAOutput":
@@ -247,15 +275,12 @@ class EcoRNA(nn.Module):
         if B and (int(depths.min()) < 1 or int(depths.max()) > k_max):
             raise ValueError(f"depths must lie in [1, k_max={k_max}], got {depths.tolist()}")
         window = k_max if backward_window is None else min(int(backward_window), k_max)
-        key_mask = attention_mask.bool()
-        x = self.embed(tokens)
-        rope = self.rope(L, x.device, x.dtype)
-        e = self.prelude_norm(self.prelude(x, rope, key_mask))
+        e, rope, key_mask = self._prelude(tokens, attention_mask)
 
         order = torch.argsort(depths, descending=True, stable=True)
         k_sorted = depths[order]
         e_s, mask_s = e[order], key_mask[order]
-        s = init_state.to(x.dtype)[order]
+        s = init_state.to(e.dtype)[order]
         prev = s  # s^(K_i - 1): after step k_max - 1, or s_0 for rows with K_i = 1 (never used: they have no K-1)
         anchor = torch.zeros_like(s) if anchor_depth is not None else None
         row_iterations = 0

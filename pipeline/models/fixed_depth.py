@@ -43,6 +43,12 @@ class FixedDepthMLM(nn.Module):
         nn.init.normal_(self.embed.weight, 0.0, cfg.init_std)
         init_linear_(self, cfg.init_std, residual_std(cfg.init_std, cfg.n_blocks))
 
+    def logits_at_depths(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths,
+                         init_state=None) -> dict[int, torch.Tensor]:
+        """Eco-RNA's depth-sweep interface: one forward; every K gets the same logits [B, L, V]."""
+        logits = self(tokens, attention_mask).logits
+        return {int(k): logits for k in depths}
+
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths=None, init_state=None, *,
                 k_max: int | None = None, backward_window: int | None = None,
                 anchor_depth: int | None = None) -> EcoRNAOutput:

@@ -96,3 +96,34 @@ def test_depths_outside_k_max_are_refused():
     mask = torch.ones(1, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match="depths must lie in"):
         m(torch.randint(6, 12, (1, 4)), mask, torch.tensor([3]), torch.zeros(1, 4, 32), k_max=2)
+
+
+def test_one_trajectory_read_out_at_each_depth_equals_a_forward_per_depth():
+    """logits_at_depths (the depth sweeps) against forward(K) for each K, on a padded batch; max(depths) core calls."""
+    m = small_model(6)
+    mask = torch.ones(3, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    tokens = torch.randint(6, 12, (3, 9)).masked_fill(~mask, 0)
+    s0 = initial_state(m.cfg, mask, generator=torch.Generator().manual_seed(1))
+    calls = []
+    m.core.register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape[0]))
+    with torch.no_grad():
+        swept = m.logits_at_depths(tokens, mask, [4, 1, 2], s0)
+        assert sorted(swept) == [1, 2, 4] and len(calls) == 4
+        for k, logits in swept.items():
+            assert torch.equal(logits, m(tokens, mask, k, s0).logits), k
+    with pytest.raises(ValueError, match="depths must be >= 1"):
+        m.logits_at_depths(tokens, mask, [0, 2], s0)
+
+
+def test_fixed_depth_control_sweep_is_its_one_forward():
+    from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
+
+    torch.manual_seed(0)
+    m = FixedDepthMLM(FixedDepthConfig(d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_prelude=1, n_core=1, n_coda=1))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    tokens = torch.randint(6, 12, (2, 5))
+    with torch.no_grad():
+        swept = m.logits_at_depths(tokens, mask, [1, 3], None)
+        ref = m(tokens, mask).logits
+    assert sorted(swept) == [1, 3] and all(torch.equal(v, ref) for v in swept.values())
