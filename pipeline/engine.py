@@ -123,8 +123,12 @@ def init_distributed():
     import deepspeed
 
     _ensure_dist_env()
+    if torch.cuda.is_available():
+        deepspeed.init_distributed(dist_backend="nccl")
+        return
+    # Reading __compatible_ops__ probes every op (compiler subprocesses); DeepSpeed does that here on CPU anyway.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend="gloo")
 
 
 # --------------------------------------------------------------------------------------------------------------------

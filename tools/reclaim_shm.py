@@ -1,4 +1,4 @@
-"""python tools/reclaim_shm.py [--dry-run]
+"""python tools/reclaim_shm.py [--dry-run]   (--dry-run: list the segments, remove nothing)
 
 Removes the ``/dev/shm/deepspeed_allreduce_buffer_*`` segments that DeepSpeed runs on CPU left behind and that no
 live process still maps. DeepSpeed's CPU backend creates one 69 MB segment per rank and never unlinks it; /dev/shm is
@@ -51,7 +51,9 @@ def main(argv=None) -> int:
     for seg in orphaned_segments(args.shm_dir):
         try:
             n = seg.stat().st_size
-            if not args.dry_run:
+            if args.dry_run:
+                print(seg)
+            else:
                 seg.unlink()
         except FileNotFoundError:  # another cleaner was faster
             continue

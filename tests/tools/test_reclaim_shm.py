@@ -18,7 +18,8 @@ def test_reclaims_only_unmapped_deepspeed_segments(tmp_path):
 
     with open(live, "r+b") as fh, mmap.mmap(fh.fileno(), 4096):  # a training in progress maps its segment
         dry = subprocess.run(TOOL + ["--shm-dir", str(shm), "--dry-run"], capture_output=True, text=True, check=True)
-        assert "would reclaim 1 orphaned" in dry.stdout and leaked.exists()
+        assert dry.stdout.splitlines()[0] == str(leaked) and "would reclaim 1 orphaned" in dry.stdout
+        assert leaked.exists()
         # The tool runs in another process: it must see this process's mapping through /proc.
         run = subprocess.run(TOOL + ["--shm-dir", str(shm)], capture_output=True, text=True, check=True)
         assert "reclaimed 1 orphaned" in run.stdout, run.stdout
