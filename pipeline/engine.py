@@ -313,7 +313,8 @@ class Trainer:
         """
         seen = self.data.seen()  # name -> (samples, tokens) of this rank; tokens = sequence lengths incl. framing
         names = list(seen)
-        vec = torch.tensor([seen[n][0] for n in names] + [seen[n][1] for n in names], dtype=torch.float64)
+        vec = torch.tensor([seen[n][0] for n in names] + [seen[n][1] for n in names], dtype=torch.float64,
+                           device=self.device)  # NCCL reduces only CUDA tensors
         dist.all_reduce(vec)
         weights = self.dataset.mixture.weights(step)
         out = {}
@@ -393,17 +394,18 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
 
     Collectives, in order: one all-reduce (SUM) of the token counts, one (MAX) of the plans' sync values, then the
     microbatches' forward/backward, then one all-gather of the statistic names and one all-reduce (SUM) of their
-    values. Every rank makes the same calls in the same order, whatever its data.
+    values. Every rank makes the same calls in the same order, whatever its data. The reduced tensors live on
+    ``device``: an NCCL process group reduces only CUDA tensors.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     plans = [family.plan(b, cfg, step=step, micro=i, rank=rank) for i, b in enumerate(micro)]
     counts = torch.tensor([sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro),
-                           sum(len(b.sample_ids) for b in micro)], dtype=torch.float64)
+                           sum(len(b.sample_ids) for b in micro)], dtype=torch.float64, device=device)
     dist.all_reduce(counts)
     n_global, tokens_global, samples_global = int(counts[0]), int(counts[1]), int(counts[2])
     sync_keys = sorted(plans[0].sync_max) if plans else []
     if sync_keys:  # e.g. K_max: every rank must call the shared core equally often
-        sync = torch.tensor([[p.sync_max[k] for k in sync_keys] for p in plans], dtype=torch.int64)
+        sync = torch.tensor([[p.sync_max[k] for k in sync_keys] for p in plans], dtype=torch.int64, device=device)
         dist.all_reduce(sync, op=dist.ReduceOp.MAX)
         for p, row in zip(plans, sync.tolist()):
             p.sync_max = dict(zip(sync_keys, row))
@@ -412,13 +414,13 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
     if n_global == 0:  # an update needs a positive token count (A.2); skip it rather than divide by zero
         rec.update(loss=float("nan"), grad_norm=0.0)
         return rec
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     stats, totals = {}, {}
     for batch, p in zip(micro, plans):
         out = family.loss(engine, batch.to(device), cfg, p)
         engine.backward(out.sum_loss * (world / n_global), scale_wrt_gas=False)
         engine.step()
-        loss_sum += out.sum_loss.detach().double().cpu()
+        loss_sum += out.sum_loss.detach().double()
         for k, (num, den) in out.stats.items():
             a, b = stats.get(k, (0.0, 0.0))
             stats[k] = (a + num, b + den)
@@ -429,7 +431,7 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
     names = sorted(set().union(*(g[0] for g in gathered)))
     tnames = sorted(set().union(*(g[1] for g in gathered)))
     vec = torch.tensor([float(loss_sum)] + [v for k in names for v in stats.get(k, (0.0, 0.0))]
-                       + [totals.get(k, 0.0) for k in tnames], dtype=torch.float64)
+                       + [totals.get(k, 0.0) for k in tnames], dtype=torch.float64, device=device)
     dist.all_reduce(vec)
     rec.update(loss=float(vec[0]) / n_global, grad_norm=_grad_norm(engine))
     for i, k in enumerate(names):

@@ -91,3 +91,14 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(sample_shards, tmp_path
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert len(runs) == 1
     assert [h.step for h in client.get_metric_history(runs[0].info.run_id, "loss")][-2:] == [steps + 1, steps + 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (NCCL)")
+def test_trains_on_cuda_with_nccl(sample_shards, tmp_path):
+    """The engine's own collectives (token counts, K_max, statistics, mixture counts) on an NCCL group, which reduces
+    only CUDA tensors; bf16 by `train.precision: auto`."""
+    run_dir = tmp_path / "run"
+    proc = run_pretrain(1, "ds_configs/zero2.json", overrides(sample_shards, run_dir, 4))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
