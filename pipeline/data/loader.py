@@ -296,14 +296,19 @@ class SourceStream:
         checkpoint, and resume stays exact.
         """
         ends = np.cumsum(self.counts[shards])  # [shards] epoch position after each shard
+        orders: dict[int, np.ndarray] = {}  # shard position -> in-shard permutation; a shard can span several windows
 
         def span(lo: int, hi: int) -> list[tuple[int, int]]:  # epoch positions [lo, hi)
+            first, last = int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(ends, hi - 1, "right"))
+            for i in [i for i in orders if i < first]:  # windows only move forward
+                del orders[i]
             out = []
-            for i in range(int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(ends, hi - 1, "right")) + 1):
+            for i in range(first, last + 1):
                 sid, n = int(shards[i]), int(self.counts[shards[i]])
+                if i not in orders:
+                    orders[i] = np.random.default_rng([*self.key, epoch, sid]).permutation(n)
                 at = int(ends[i]) - n
-                order = np.random.default_rng([*self.key, epoch, sid]).permutation(n)
-                out += [(sid, int(j)) for j in order[max(lo - at, 0):min(hi - at, n)]]
+                out += [(sid, int(j)) for j in orders[i][max(lo - at, 0):min(hi - at, n)]]
             return out
 
         total, N = int(ends[-1]), self.shuffle_buffer
