@@ -115,15 +115,10 @@ def text_setup(trained, depths, spm: Path | None):
 
     from pipeline.objectives.causal_lm import spm_model_path
 
-    if spm is None:
-        try:
-            spm = spm_model_path(trained.cfg)
-        except (FileNotFoundError, ValueError) as e:  # the training shards are not on this machine
-            raise FileNotFoundError(f"{e}; pass --spm with the run's sentencepiece model") from None
-    path = spm
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{path}: sentencepiece model not found (pass --spm)")
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+    spm = spm or spm_model_path(trained.cfg)  # a path only: the training shards need not be on this machine
+    if not Path(spm).is_file():
+        raise FileNotFoundError(f"{spm}: sentencepiece model not found (pass --spm)")
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm))
     if getattr(trained.cfg.model, "n_layers", None) is not None:
         return sp.encode, [(trained.cfg.model.n_layers, None)]
     return sp.encode, [(k, k) for k in depths]

@@ -61,11 +61,14 @@ def make_transform(cfg):
 
 
 def spm_model_path(cfg) -> Path:
-    """The sentencepiece model data_prep wrote beside the (first) training source's shards."""
-    from pipeline.data.loader import is_url_pattern, resolve_shards
+    """The sentencepiece model data_prep wrote beside the (first) training source's shards: the shard directory, or
+    the folder of a brace pattern's first tar (found from the pattern, without reading any shard)."""
+    from braceexpand import braceexpand
+
+    from pipeline.data.loader import is_url_pattern
 
     spec = str(cfg.data.sources[0].shards if cfg.data.sources else cfg.data.train_shards)
-    return (resolve_shards(spec)[0].path.parent if is_url_pattern(spec) else Path(spec)) / SPM_NAME
+    return (Path(next(iter(braceexpand(spec)))).parent if is_url_pattern(spec) else Path(spec)) / SPM_NAME
 
 
 @functools.lru_cache(maxsize=4)
