@@ -225,6 +225,7 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
     filtered = filter_reasons(s.min_length, s.max_length, s.dedup)
     short, long = f"shorter_than_{s.min_length}", f"longer_than_{s.max_length}"
     seen_hashes: set[bytes] = set()
+    normalise = (lambda seq: seq) if encoder.text else bytes.upper  # residues are upper-cased; text is kept as is
     counts = []
     stats = {"records_kept": 0, "residues": 0, "lowercase_residues": 0}
     skip = sum(x.samples for x in work.completed)  # samples already in verified shards: counted, not rewritten
@@ -250,13 +251,13 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
                 # otherwise ownership is decided first and other jobs' records cost nothing more.
                 seq = digest = None
                 if s.dedup:
-                    seq = rec.seq if encoder.text else rec.seq.upper()
+                    seq = normalise(rec.seq)
                     digest = hashlib.sha1(seq).digest()
                 owner = int.from_bytes(digest[:8], "little") if digest is not None else i
                 if owner % s.num_jobs != s.job_index:
                     continue
                 if seq is None:
-                    seq = rec.seq if encoder.text else rec.seq.upper()
+                    seq = normalise(rec.seq)
                 inp["records"] += 1
                 if rec.error is not None:
                     filtered[rec.reason] = filtered.get(rec.reason, 0) + 1
