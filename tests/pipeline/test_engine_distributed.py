@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, TINY, deepspeed_cmd, read_jsonl, run_pretrain, launch_env
 
@@ -94,7 +95,7 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(sample_shards, tmp_path
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (NCCL)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL)")
 def test_trains_on_cuda_with_nccl(sample_shards, tmp_path):
     """The engine's own collectives (token counts, K_max, statistics, mixture counts) on an NCCL group, which reduces
     only CUDA tensors; bf16 by `train.precision: auto`."""
