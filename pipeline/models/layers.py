@@ -102,6 +102,13 @@ def flash_varlen(q, k, v, key_mask, causal: bool = False, segments: torch.Tensor
         segments = torch.where(key_mask, 0, -1)
     real = segments.reshape(-1) >= 0
     idx = real.nonzero().squeeze(-1)
+    if idx.numel() == 0:
+        # No real token: a zero-row call (the wavefront at a step where none of this rank's rows is active, the
+        # anchor readout with no eligible row) or rows that are all padding. The kernel cannot take an empty batch
+        # (and lengths.max() below has nothing to reduce); every position is padding, whose output is zero as on the
+        # path below. Built from q, k and v so that autograd still reaches their projections, as it does through
+        # the kernel: ZeRO-3 gathers each module's parameters in its backward, and every rank must do so equally.
+        return q * 0 + (k.sum() + v.sum()) * 0  # [B, H, L, hd]
     row = torch.arange(B, device=q.device).repeat_interleave(L)
     seq_id = (row * (L + 1) + segments.reshape(-1))[idx]  # unique per (row, document), in token order
     lengths = torch.unique_consecutive(seq_id, return_counts=True)[1].to(torch.int32)
