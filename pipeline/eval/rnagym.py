@@ -7,8 +7,29 @@ plain numpy/scipy/scikit-learn, so it runs the same on one process, in a test, o
 
 Data conventions (RNAGym ``fitness_processed_assays``): one CSV per assay named ``<DMS_ID>.csv`` with columns
 ``mutant,DMS_score,sequence``; ``mutant`` holds 1-based substitutions joined by commas (``"U6C,C74U"``), the
-wild-type row has an empty mutant; ncRNA assays use U and mRNA-coding assays use T. Both are normalised to U
-here (``alphabet='rna'``), so the model always sees the same alphabet for every assay.
+wild-type row has an empty mutant; ncRNA assays use U and mRNA-coding assays use T.
+
+U/T (alphabet convention, fixed for every assay and every depth, as A.6 requires): every sequence -- the sheet's
+RAW_CONSTRUCT_SEQ, each assay row and each mutation letter -- is upper-cased and T is written as U
+(:func:`_normalise`, tokenized with ``NucleotideTokenizer(alphabet='rna')``), so an mRNA-coding wild type that RNAGym
+writes in T reaches the model in U, exactly like the ncRNA assays. Why: Eco-RNA's vocabulary keeps U and T as
+different tokens because its pretraining writes RNA sources with U and DNA sources with T (A.3), and what these
+assays measure is the fitness of an RNA molecule (the mRNA, for the coding assays), so the RNA spelling is the one
+that says "this is RNA" to the model; one alphabet for all five types also means no type is scored in a token
+set the others are not. The price: the coding sequences the model saw in pretraining come mostly from DNA
+sources (OpenGenome2, in T), so a T-spelt coding wild type would be closer to that data. The paper does not say
+which spelling it used; this is our choice, and changing it is a different protocol, not a fix.
+
+RNA types (Eq. A.12): the reference sheet's RNA_TYPE must name one of the paper's five types, :data:`RNA_TYPES`
+(case, ``_`` and spaces are not significant). The older ``reference_sheet.csv`` writes the two splicing assays
+(Julien 2016, Ke 2017) as bare ``mRNA``; upstream's ``reference_sheet_final.csv`` calls them ``mRNA-splicing``
+and the coding assays ``mRNA-coding``, so bare ``mRNA`` is read as ``mRNA-splicing``. Any other value is an error
+naming the sheet, line, DMS_ID and value: an assay is never dropped or put in a type of its own.
+
+Undefined metrics (Eq. A.11; see :func:`assay_metrics`): when the median-binarised fitness or the median-binarised
+score has one class, MCC is 0 (scikit-learn's convention for a zero denominator) and the assay stays in every
+mean. AUC with one fitness class and Spearman with a constant F or y are undefined: they are NaN for that assay,
+left out of that metric's means and counted (``n_nan``).
 """
 from __future__ import annotations
 
@@ -28,6 +49,11 @@ from sklearn.metrics import matthews_corrcoef, roc_auc_score
 from pipeline.data.tokenizer import CLS_ID, EOS_ID, NUM_SPECIAL, VOCAB, NucleotideTokenizer
 
 METRICS = ("spearman", "auc", "mcc")
+# The paper's five RNA types (A.6), in its order; the report and the aggregate use these names.
+RNA_TYPES = ("mRNA-coding", "Ribozyme", "tRNA", "mRNA-splicing", "Aptamer")
+# Sheet spellings that are not a type name up to case/separators. Bare "mRNA" is the older sheet's name for the
+# splicing assays (upstream's final sheet renames them mRNA-splicing); nothing else is guessed.
+RNA_TYPE_ALIASES = {"mrna": "mRNA-splicing"}
 ASSAY_COLUMNS = ("mutant", "DMS_score", "sequence")
 SHEET_COLUMNS = ("DMS_ID", "RNA_TYPE", "RAW_CONSTRUCT_SEQ")
 _MUTATION = re.compile(r"^([A-Za-z])(\d+)([A-Za-z])$")
@@ -35,7 +61,8 @@ _TOKENIZER = NucleotideTokenizer(alphabet="rna")
 
 
 def _normalise(seq: str) -> str:
-    """Upper case, T -> U: RNAGym writes mRNA-coding assays in T and ncRNA assays in U."""
+    """Upper case, T -> U: RNAGym writes mRNA-coding assays in T and ncRNA assays in U; the model reads every assay
+    in U (the RNA spelling of Eco-RNA's pretraining, see the module docstring)."""
     return seq.strip().upper().replace("T", "U")
 
 
@@ -56,10 +83,29 @@ def _read_csv(path: Path, required: Iterable[str]) -> tuple[list[tuple[int, dict
 # Reference sheet
 # ----------------------------------------------------------------------------------------------------------
 
-def load_reference_sheet(path) -> dict[str, dict]:
-    """``reference_sheet.csv`` -> {DMS_ID: {"rna_type", "wt", <every other column, lower-cased name>}}.
+def _type_key(name: str) -> str:
+    """Case and separators are spelling, not meaning ("mRNA coding", "mrna_coding", "mRNA-coding")."""
+    return re.sub(r"[\s_-]+", "-", name.strip().lower())
 
-    ``wt`` is RAW_CONSTRUCT_SEQ normalised to the U alphabet, or None when the sheet leaves it empty.
+
+_TYPE_BY_KEY = {**{_type_key(t): t for t in RNA_TYPES}, **RNA_TYPE_ALIASES}
+
+
+def canonical_rna_type(value: str) -> str:
+    """A sheet RNA_TYPE -> one of :data:`RNA_TYPES`; ValueError (naming the value) for anything else."""
+    try:
+        return _TYPE_BY_KEY[_type_key(value)]
+    except KeyError:
+        raise ValueError(f"RNA_TYPE {value!r} is not one of the paper's five types {list(RNA_TYPES)} "
+                         "(bare 'mRNA' is read as 'mRNA-splicing')") from None
+
+
+def load_reference_sheet(path) -> dict[str, dict]:
+    """``reference_sheet.csv`` -> {DMS_ID: {"rna_type", "rna_type_sheet", "wt", <every other column, lower-cased>}}.
+
+    ``rna_type`` is RNA_TYPE mapped onto the paper's five types (:func:`canonical_rna_type`; an unknown value is a
+    ValueError naming file, line, DMS_ID and value), ``rna_type_sheet`` the value as the sheet writes it. ``wt`` is
+    RAW_CONSTRUCT_SEQ normalised to the U alphabet, or None when the sheet leaves it empty.
     """
     path = Path(path)
     rows, header = _read_csv(path, SHEET_COLUMNS)
@@ -74,6 +120,11 @@ def load_reference_sheet(path) -> dict[str, dict]:
         rna_type = entry["rna_type"]
         if not rna_type:
             raise ValueError(f"{path}: DMS_ID {dms_id!r} (line {line}) has an empty RNA_TYPE")
+        try:
+            entry["rna_type"] = canonical_rna_type(rna_type)
+        except ValueError as e:
+            raise ValueError(f"{path}: DMS_ID {dms_id!r} (line {line}): {e}") from None
+        entry["rna_type_sheet"] = rna_type
         raw = entry.pop("raw_construct_seq")
         entry["raw_construct_seq"] = raw
         entry["wt"] = _normalise(raw) if raw else None
@@ -116,7 +167,12 @@ class Assay:
         return np.bincount(self.sub_variant, minlength=self.n_variants).astype(np.int64)
 
     def wt_ids(self) -> np.ndarray:
-        """[L] uint8 token ids of the wild type, no specials."""
+        """[L] uint8 token ids of the wild type, no specials.
+
+        ``wt`` is already in U (T -> U at parsing), and the 'rna' tokenizer writes any T as U again, so an
+        mRNA-coding wild type is read with the U token (id 9), never T (id 10): one alphabet for every assay
+        (module docstring, "U/T").
+        """
         return _TOKENIZER.encode(self.wt)
 
 
@@ -377,13 +433,22 @@ def wildtype_logprobs(wt_ids: np.ndarray, forward: Callable[[np.ndarray], np.nda
 # Metrics (Eq. A.11) and aggregation (Eq. A.12)
 # ----------------------------------------------------------------------------------------------------------
 
+def _one_class(flags: np.ndarray) -> bool:
+    return not 0 < int(flags.sum()) < flags.size
+
+
 def assay_metrics(scores, y) -> dict[str, float]:
     """Orientation-invariant metrics of one assay: |Spearman|, max(AUC, 1 - AUC), |MCC| (Eq. A.11).
 
     y is binarised strictly above its median (AUC, MCC) and F strictly above its median (MCC).
-    Undefined values are NaN rather than an error or a conventional 0: Spearman when F or y is constant,
-    AUC when binarised y has one class, MCC when binarised y or binarised F has one class (sklearn would
-    return 0 for 0/0; NaN keeps "undefined" distinguishable from "no correlation" in the aggregate counts).
+    Degenerate assays keep their place in the aggregate; what each metric does there:
+      * MCC is 0 when binarised y or binarised F has one class (a single variant included): the MCC denominator
+        is 0, and 0 is what scikit-learn's ``matthews_corrcoef`` returns then (RNAGym's convention too). The
+        assay counts with 0 ("no agreement shown"); it is not skipped.
+      * AUC is NaN when binarised y has one class: there is no positive/negative pair to rank (scikit-learn
+        returns NaN with an UndefinedMetricWarning). A constant F with two classes is a genuine 0.5.
+      * Spearman is NaN when F or y is constant (scipy's result; the rank correlation divides by 0).
+    NaN metrics are left out of that metric's means by :func:`aggregate` and counted there (``n_nan``).
     Negating F leaves |Spearman| and the folded AUC exactly unchanged, and |MCC| too unless some score equals the
     median of F (with odd N the median element is "not above" under both signs, so the halves are not mirrored).
     """
@@ -391,40 +456,60 @@ def assay_metrics(scores, y) -> dict[str, float]:
     y = np.asarray(y, dtype=np.float64).ravel()
     if f.shape != y.shape:
         raise ValueError(f"scores {f.shape} and fitness {y.shape} differ in length")
+    if f.size == 0:
+        raise ValueError("an assay needs at least one scored variant")
     if not (np.isfinite(f).all() and np.isfinite(y).all()):
         raise ValueError("scores and fitness must be finite")
     out = {m: math.nan for m in METRICS}
-    if f.size < 2:
-        return out
-    if np.ptp(f) > 0 and np.ptp(y) > 0:
+    if np.ptp(f) > 0 and np.ptp(y) > 0:  # implies N >= 2
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConstantInputWarning)
             out["spearman"] = abs(float(spearmanr(f, y).statistic))
     y_bin = y > np.median(y)
     f_bin = f > np.median(f)
-    if 0 < y_bin.sum() < y_bin.size:
+    if not _one_class(y_bin):
         auc = float(roc_auc_score(y_bin, f))
         out["auc"] = max(auc, 1.0 - auc)
-        if 0 < f_bin.sum() < f_bin.size:
-            out["mcc"] = abs(float(matthews_corrcoef(y_bin, f_bin)))
+    # Decided here rather than by calling sklearn, whose one-class path also returns 0 but warns.
+    out["mcc"] = 0.0 if _one_class(y_bin) or _one_class(f_bin) else abs(float(matthews_corrcoef(y_bin, f_bin)))
     return out
 
 
-def aggregate(per_assay: Mapping[str, Mapping[str, float]], sheet: Mapping[str, Mapping]) -> dict:
-    """Type-balanced aggregate, Eq. A.12: mean over assays within each RNA_TYPE, then equal weight per type.
+def one_class_sides(scores, y) -> list[str]:
+    """Which median binarisations of one assay have a single class: a sublist of ["fitness", "score"].
 
-    NaN assay metrics are skipped by nanmean and counted (``n_nan``). Returns
+    Non-empty means that assay's MCC is 0 by convention (and, with "fitness", its AUC is NaN); reported per assay
+    so that a 0 MCC from the convention can be told apart from a measured one.
+    """
+    f = np.asarray(scores, dtype=np.float64).ravel()
+    y = np.asarray(y, dtype=np.float64).ravel()
+    return [name for name, x in (("fitness", y), ("score", f)) if _one_class(x > np.median(x))]
+
+
+def aggregate(per_assay: Mapping[str, Mapping[str, float]], sheet: Mapping[str, Mapping]) -> dict:
+    """Type-balanced aggregate, Eq. A.12: mean over assays within each RNA type, then equal weight per type.
+
+    Each assay's type is its sheet ``rna_type`` mapped by :func:`canonical_rna_type` (an assay missing from the
+    sheet or with an unknown type is a ValueError naming it). Only the types that have assays enter the overall
+    mean, so with fewer than five types it is not the paper's Q_m: ``types_missing`` says which are absent.
+    NaN assay metrics are skipped by the means and counted (``n_nan``). Returns
     ``{"per_type": {type: {metric: mean, "n_assays": k, "n_nan": {metric: c}}},
-       "overall": {metric: mean over types, "n_types": t, "n_assays": n, "n_nan": {metric: c}}}``
-    where the overall ``n_nan`` counts types whose mean is NaN (all their assays undefined).
+       "overall": {metric: mean over types, "n_types": t, "n_assays": n, "n_nan": {metric: c},
+                   "types": {type: n_assays}, "types_missing": [type, ...]}}``
+    with types in the paper's order (:data:`RNA_TYPES`); the overall ``n_nan`` counts types whose mean is NaN
+    (all their assays undefined).
     """
     by_type: dict[str, list[str]] = {}
     for dms_id in per_assay:
         if dms_id not in sheet:
             raise ValueError(f"assay {dms_id!r} is not in the reference sheet, so it has no RNA type")
-        by_type.setdefault(sheet[dms_id]["rna_type"], []).append(dms_id)
+        try:
+            rna_type = canonical_rna_type(sheet[dms_id]["rna_type"])
+        except ValueError as e:
+            raise ValueError(f"assay {dms_id!r}: {e}") from None
+        by_type.setdefault(rna_type, []).append(dms_id)
     per_type = {}
-    for rna_type in sorted(by_type):
+    for rna_type in (t for t in RNA_TYPES if t in by_type):
         ids = by_type[rna_type]
         entry: dict = {"n_assays": len(ids), "n_nan": {}}
         for m in METRICS:
@@ -432,12 +517,24 @@ def aggregate(per_assay: Mapping[str, Mapping[str, float]], sheet: Mapping[str, 
             entry["n_nan"][m] = int(np.isnan(vals).sum())
             entry[m] = float(np.mean(vals[~np.isnan(vals)])) if (~np.isnan(vals)).any() else math.nan
         per_type[rna_type] = entry
-    overall: dict = {"n_types": len(per_type), "n_assays": len(per_assay), "n_nan": {}}
+    overall: dict = {"n_types": len(per_type), "n_assays": len(per_assay), "n_nan": {},
+                     "types": {t: e["n_assays"] for t, e in per_type.items()},
+                     "types_missing": [t for t in RNA_TYPES if t not in per_type]}
     for m in METRICS:
         vals = np.array([per_type[t][m] for t in per_type], dtype=np.float64)
         overall["n_nan"][m] = int(np.isnan(vals).sum())
         overall[m] = float(np.mean(vals[~np.isnan(vals)])) if (~np.isnan(vals)).any() else math.nan
     return {"per_type": per_type, "overall": overall}
+
+
+def describe_types(overall: Mapping) -> str:
+    """One line for a printed report: the RNA types found with their assay counts, and the missing ones."""
+    found = ", ".join(f"{t} {n}" for t, n in overall["types"].items()) or "none"
+    line = f"RNA types (assays): {found}"
+    if overall["types_missing"]:
+        line += (f"; missing {', '.join(overall['types_missing'])}: the aggregate weights the "
+                 f"{overall['n_types']} type(s) found equally, so it is not the paper's five-type mean")
+    return line
 
 
 def load_assays(paths: Iterable, sheet: Mapping[str, Mapping]) -> dict[str, Assay]:
@@ -457,16 +554,19 @@ def score_assays(assays: Mapping[str, Assay], sheet: Mapping[str, Mapping],
                  forward: Callable[[np.ndarray], np.ndarray], context_length: int) -> dict:
     """Score and aggregate loaded assays with one model ``forward`` (see :func:`wildtype_logprobs`).
 
-    Returns ``{"per_assay": {id: {spearman, auc, mcc, rna_type, n_variants, dropped, wt_source}},
-    "per_type": ..., "aggregate": overall numbers (Eq. A.12), "n_variants": total, "notes": {id: [...]},
-    "scores": {id: F [N] float64}}``.
+    Returns ``{"per_assay": {id: {spearman, auc, mcc, rna_type, one_class, n_variants, dropped, wt_source}},
+    "per_type": ..., "aggregate": overall numbers (Eq. A.12) with the types found and missing,
+    "n_variants": total, "notes": {id: [...]}, "scores": {id: F [N] float64}}`` (see :func:`aggregate`;
+    ``one_class`` from :func:`one_class_sides`).
     """
     per_assay: dict[str, dict] = {}
     scores: dict[str, np.ndarray] = {}
     for dms_id, assay in assays.items():
         lp = wildtype_logprobs(assay.wt_ids(), forward, context_length)
         f = score_variants(assay, lp)
-        per_assay[dms_id] = {**assay_metrics(f, assay.dms_score), "rna_type": sheet[dms_id]["rna_type"],
+        per_assay[dms_id] = {**assay_metrics(f, assay.dms_score),
+                             "rna_type": canonical_rna_type(sheet[dms_id]["rna_type"]),
+                             "one_class": one_class_sides(f, assay.dms_score),
                              "n_variants": assay.n_variants, "dropped": assay.dropped,
                              "wt_source": assay.wt_source}
         scores[dms_id] = f

@@ -2,15 +2,18 @@
 Eq. A.11 metrics, Eq. A.12 aggregation, and the long-sequence windowing of wild-type log-probabilities."""
 import csv
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy.special import log_softmax
+from sklearn.metrics import matthews_corrcoef
 
 from pipeline.data.tokenizer import CLS_ID, EOS_ID, NUM_SPECIAL, VOCAB
-from pipeline.eval.rnagym import (aggregate, assay_metrics, evaluate_assays, load_assay, load_reference_sheet,
-                                  score_variants, wildtype_logprobs, window_starts)
+from pipeline.eval.rnagym import (RNA_TYPES, aggregate, assay_metrics, canonical_rna_type, describe_types,
+                                  evaluate_assays, load_assay, load_reference_sheet, score_variants,
+                                  wildtype_logprobs, window_starts)
 
 SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 RNAGYM = SHARED / "eval" / "rnagym"
@@ -33,6 +36,15 @@ def _write(path, rows, fields=("mutant", "DMS_score", "sequence")):
     return path
 
 
+def _mutate(wt, mutant):
+    """The variant sequence of ``mutant`` (1-based, comma-joined) on ``wt``, checking each 'from' base."""
+    s = list(wt)
+    for m in mutant.split(","):
+        assert s[int(m[1:-1]) - 1] == m[0], (wt, m)
+        s[int(m[1:-1]) - 1] = m[-1]
+    return "".join(s)
+
+
 @pytest.fixture(scope="module")
 def sheet():
     return load_reference_sheet(SHEET)
@@ -50,7 +62,39 @@ def test_reference_sheet(sheet):
     assert len(sheet) == 31
     e = sheet["Tome_2014_GFP_aptamer"]
     assert e["rna_type"] == "Aptamer" and len(e["wt"]) == 82 and set(e["wt"]) <= set("ACGU")
-    assert {v["rna_type"] for v in sheet.values()} == {"Aptamer", "Ribozyme", "tRNA", "mRNA"}
+    # The shared (older) sheet has four of the paper's five types: no mRNA-coding assay, and its two splicing
+    # assays are written as bare "mRNA".
+    assert Counter(v["rna_type"] for v in sheet.values()) == {"Ribozyme": 19, "Aptamer": 7, "tRNA": 3,
+                                                             "mRNA-splicing": 2}
+    assert Counter(v["rna_type_sheet"] for v in sheet.values())["mRNA"] == 2
+    for dms_id in ("Julien_2016_mRNA", "Ke_2017_mRNA"):
+        assert sheet[dms_id]["rna_type"] == "mRNA-splicing" and sheet[dms_id]["rna_type_sheet"] == "mRNA"
+
+
+def test_rna_type_mapping():
+    assert RNA_TYPES == ("mRNA-coding", "Ribozyme", "tRNA", "mRNA-splicing", "Aptamer")
+    for t in RNA_TYPES:
+        assert canonical_rna_type(t) == t and canonical_rna_type(t.upper()) == t
+    assert canonical_rna_type("mRNA") == "mRNA-splicing"  # the older sheet's name for the splicing assays
+    assert canonical_rna_type(" mrna_coding ") == canonical_rna_type("mRNA coding") == "mRNA-coding"
+    assert canonical_rna_type("ribozyme") == "Ribozyme" and canonical_rna_type("TRNA") == "tRNA"
+    for bad in ("lncRNA", "riboswitch", "mRNA-UTR", "rRNA", ""):
+        with pytest.raises(ValueError, match="not one of the paper's five types"):
+            canonical_rna_type(bad)
+
+
+def test_reference_sheet_unknown_type_names_file_line_and_value(tmp_path):
+    path = _write(tmp_path / "sheet.csv", [
+        {"DMS_ID": "a1", "RNA_TYPE": "Aptamer", "RAW_CONSTRUCT_SEQ": "ACGT"},
+        {"DMS_ID": "x1", "RNA_TYPE": "Riboswitch", "RAW_CONSTRUCT_SEQ": "ACGU"}],
+        fields=("DMS_ID", "RNA_TYPE", "RAW_CONSTRUCT_SEQ"))
+    with pytest.raises(ValueError, match=r"sheet\.csv: DMS_ID 'x1' \(line 3\): RNA_TYPE 'Riboswitch' is not one"):
+        load_reference_sheet(path)
+    rows = _rows(path)
+    rows[1]["RNA_TYPE"] = "mRNA"
+    ok = load_reference_sheet(_write(tmp_path / "ok.csv", rows, fields=("DMS_ID", "RNA_TYPE", "RAW_CONSTRUCT_SEQ")))
+    assert {k: v["rna_type"] for k, v in ok.items()} == {"a1": "Aptamer", "x1": "mRNA-splicing"}
+    assert ok["a1"]["wt"] == "ACGU"  # the sheet's T is read as U too
 
 
 @needs_data
@@ -184,13 +228,79 @@ def test_metrics_orientation_invariance():
     assert 0.0 < a["spearman"] < 1.0 and 0.5 < a["auc"] < 1.0 and 0.0 < a["mcc"] < 1.0
 
 
-def test_metrics_degenerate_cases_are_nan_not_errors():
+def test_metrics_degenerate_cases():
     y = np.arange(10.0)
+    # Constant F: no ranking (Spearman NaN), AUC a genuine 0.5, binarised F one class -> MCC 0 (sklearn's value).
     const = assay_metrics(np.zeros(10), y)
-    assert math.isnan(const["spearman"]) and math.isnan(const["mcc"]) and const["auc"] == 0.5
+    assert math.isnan(const["spearman"]) and const["auc"] == 0.5 and const["mcc"] == 0.0
+    assert matthews_corrcoef(y > np.median(y), np.zeros(10) > 0) == 0.0
+    # Constant y: binarised y one class -> AUC undefined (NaN), MCC 0.
     flat_y = assay_metrics(np.arange(10.0), np.ones(10))
-    assert all(math.isnan(v) for v in flat_y.values())
-    assert all(math.isnan(v) for v in assay_metrics([1.0], [2.0]).values())
+    assert math.isnan(flat_y["spearman"]) and math.isnan(flat_y["auc"]) and flat_y["mcc"] == 0.0
+    single = assay_metrics([1.0], [2.0])
+    assert math.isnan(single["spearman"]) and math.isnan(single["auc"]) and single["mcc"] == 0.0
+    with pytest.raises(ValueError, match="at least one"):
+        assay_metrics([], [])
+
+
+def test_mcc_is_zero_when_a_binarisation_has_one_class():
+    # y: more than half of the values tie at the maximum, so nothing lies strictly above the median.
+    y = np.array([0.1, 0.7, 0.9, 0.9, 0.9, 0.9])
+    f = np.array([-3.0, -1.0, -2.0, -0.5, -0.2, -4.0])  # varied and correlated with y: not the reason for 0
+    assert not (y > np.median(y)).any()
+    m = assay_metrics(f, y)
+    assert m["mcc"] == 0.0 == matthews_corrcoef(y > np.median(y), f > np.median(f))
+    assert math.isnan(m["auc"]) and 0.0 < m["spearman"] <= 1.0
+    # F with one class while y has two: MCC 0 again; AUC is defined and equals 0.5 for tied scores.
+    f_tied = np.array([-1.0, -1.0, -1.0, -1.0, -1.0, -2.0])  # median -1: nothing above it
+    y2 = np.arange(6.0)
+    m2 = assay_metrics(f_tied, y2)
+    assert m2["mcc"] == 0.0 == matthews_corrcoef(y2 > np.median(y2), f_tied > np.median(f_tied))
+    assert m2["auc"] == pytest.approx(max(2 / 3, 1 / 3))  # one negative (score -2) below three tied positives
+
+
+def test_one_class_assay_is_kept_in_the_aggregate(tmp_path):
+    """An assay whose binarised fitness has one class counts in the MCC means with 0 and is counted as NaN AUC."""
+    wt = "GGAUCCGAUU"
+    sheet = {"flat": {"rna_type": "Aptamer", "wt": wt}, "good": {"rna_type": "Aptamer", "wt": wt},
+             "rib": {"rna_type": "Ribozyme", "wt": wt}}
+
+    def assay(name, scores):
+        muts = ["G1A", "U4C", "C5G", "G7U", "U10C", "G2C"]
+        rows = [{"mutant": m, "DMS_score": str(y), "sequence": _mutate(wt, m)} for m, y in zip(muts, scores)]
+        return _write(tmp_path / f"{name}.csv", rows)
+
+    paths = [assay("flat", [1.0, 1.0, 1.0, 1.0, 0.5, 0.2]), assay("good", [0.1, 0.4, 0.3, 0.9, 0.6, 0.2]),
+             assay("rib", [0.3, 0.1, 0.4, 0.8, 0.2, 0.5])]
+    table = log_softmax(np.random.default_rng(5).normal(size=(V, V)), axis=1)
+    res = evaluate_assays(paths, sheet, lambda framed: table[framed], context_length=64)
+    flat = res["per_assay"]["flat"]
+    assert flat["mcc"] == 0.0 and math.isnan(flat["auc"]) and flat["one_class"] == ["fitness"]
+    assert res["per_assay"]["good"]["one_class"] == [] and res["per_assay"]["good"]["mcc"] > 0
+    apt = res["per_type"]["Aptamer"]
+    assert apt["n_assays"] == 2 and apt["n_nan"] == {"spearman": 0, "auc": 1, "mcc": 0}
+    assert apt["mcc"] == pytest.approx((0.0 + res["per_assay"]["good"]["mcc"]) / 2)  # the 0 is averaged in
+    assert apt["auc"] == res["per_assay"]["good"]["auc"]  # the NaN AUC is left out, not averaged as 0
+    agg = res["aggregate"]
+    assert agg["n_assays"] == 3 and agg["types"] == {"Ribozyme": 1, "Aptamer": 2}
+    assert agg["mcc"] == pytest.approx((apt["mcc"] + res["per_assay"]["rib"]["mcc"]) / 2)
+
+
+def test_mrna_coding_wild_type_in_t_is_read_as_u(tmp_path):
+    """RNAGym writes mRNA-coding assays in T; they are scored exactly like the same assay written in U."""
+    wt_t = "ATGGCTTTCGAT"  # a coding start, DNA spelling
+    muts = (("T2C", "0.1"), ("G4A", "0.5"), ("T7G", "0.2"), ("T7G,C9T", "0.9"))
+    rows = [{"mutant": m, "DMS_score": y, "sequence": _mutate(wt_t, m)} for m, y in muts]
+    as_t = load_assay(_write(tmp_path / "coding_t.csv", rows))
+    rows_u = [{k: v.replace("T", "U") for k, v in r.items()} for r in rows]
+    as_u = load_assay(_write(tmp_path / "coding_u.csv", rows_u))
+    assert as_t.wt == as_u.wt == wt_t.replace("T", "U") and as_t.mutants == as_u.mutants
+    ids = as_t.wt_ids()
+    assert np.array_equal(ids, as_u.wt_ids()) and VOCAB.index("U") in ids and VOCAB.index("T") not in ids
+    lp = log_softmax(np.random.default_rng(6).normal(size=(len(wt_t), V)), axis=1)
+    assert np.array_equal(score_variants(as_t, lp), score_variants(as_u, lp))
+    u, c = VOCAB.index("U"), VOCAB.index("C")  # T2C reads log p(C) - log p(U), not log p(T)
+    assert score_variants(as_t, lp)[0] == lp[1, c] - lp[1, u]
 
 
 def test_aggregate_by_hand():
@@ -209,8 +319,30 @@ def test_aggregate_by_hand():
     assert out["overall"]["spearman"] == pytest.approx((0.3 + 0.4) / 2) and out["overall"]["auc"] == pytest.approx(0.7)
     assert out["overall"]["mcc"] == pytest.approx((0.1 + 0.4) / 2)  # NaN skipped; pooled would be 1.3 / 4
     assert out["overall"]["n_types"] == 2 and out["overall"]["n_assays"] == 5
+    # Types in the paper's order (Ribozyme before Aptamer), with their assay counts and the absent ones.
+    assert list(out["per_type"]) == ["Ribozyme", "Aptamer"]
+    assert out["overall"]["types"] == {"Ribozyme": 3, "Aptamer": 2}
+    assert out["overall"]["types_missing"] == ["mRNA-coding", "tRNA", "mRNA-splicing"]
+    line = describe_types(out["overall"])
+    assert line.startswith("RNA types (assays): Ribozyme 3, Aptamer 2; missing mRNA-coding, tRNA, mRNA-splicing")
+    assert "not the paper's five-type mean" in line
     with pytest.raises(ValueError, match="'zz'"):
         aggregate({**per, "zz": per["a1"]}, sheet)
+    with pytest.raises(ValueError, match=r"assay 'a1': RNA_TYPE 'snoRNA' is not one"):
+        aggregate(per, {**sheet, "a1": {"rna_type": "snoRNA"}})
+
+
+def test_aggregate_weights_the_five_types_equally():
+    types = {"c": "mRNA-coding", "r": "Ribozyme", "t": "tRNA", "s": "mRNA", "a": "Aptamer", "a2": "aptamer"}
+    sheet = {k: {"rna_type": v} for k, v in types.items()}
+    vals = {"c": 0.1, "r": 0.2, "t": 0.3, "s": 0.4, "a": 0.5, "a2": 0.9}
+    per = {k: {"spearman": v, "auc": 0.5 + v / 2, "mcc": v / 2} for k, v in vals.items()}
+    out = aggregate(per, sheet)["overall"]
+    assert out["types"] == {"mRNA-coding": 1, "Ribozyme": 1, "tRNA": 1, "mRNA-splicing": 1, "Aptamer": 2}
+    assert out["types_missing"] == [] and out["n_types"] == 5
+    assert out["spearman"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.4 + (0.5 + 0.9) / 2) / 5)
+    assert describe_types(out) == ("RNA types (assays): mRNA-coding 1, Ribozyme 1, tRNA 1, mRNA-splicing 1, "
+                                   "Aptamer 2")
 
 
 # ------------------------------------------------------------------------------------------------ windowing
