@@ -6,30 +6,47 @@ RecursiveGPT, a recursive causal decoder (one shared block applied R times):
     h_r    = F_theta(h_{r-1}; phi_r),  r = 1..R     shared causal block, per-step norms phi_r
     logits = N_f(h_R) W_down W_out                  untied factorized head H -> E -> V    [B, L, V]
 
-with the pre-norm block F(h; phi) = h' + MLP(N_mlp(h')), h' = h + Attn(N_attn(h)), attention 4H^2 (no GQA, no
-biases) with QK normalization, and an MLP of two matrices (H -> mlp_ratio * H -> H, GELU). E == H (or
-``embed_dim: null``) drops W_proj and W_down: the maps are then a plain V x H embedding and V x H head.
+with the pre-norm block F(h; phi) = h' + MLP(N_mlp(h')), h' = h + Attn(N_attn(h)), an MLP of two matrices
+(H -> mlp_ratio * H -> H, GELU) and attention 4H^2 (no GQA, no biases) with per-head QK normalization and a head-wise
+output gate (Qiu et al., "Gated attention for LLMs", which the paper's Appendix B cites):
+
+    a        = N_attn(h)                                               [B, L, H]
+    q_j, k_j = N_q((a W_q)_j), N_k((a W_k)_j);  v_j = (a W_v)_j        head j = 1..n_heads; RMSNorm over head_dim
+    o_j      = softmax(RoPE(q_j) RoPE(k_j)^T / sqrt(hd) + causal) v_j  [B, L, hd]
+    Attn(a)  = concat_j(sigmoid(a W_g)_j * o_j) W_o                    W_g: H x n_heads, one gate per head and token
+
+E == H (or ``embed_dim: null``) drops W_proj and W_down: the maps are then a plain V x H embedding and V x H head.
 
 Per-step parameters phi_r (the paper's "lightweight depth conditioning"): RMSNorm gains + a learned bias on the
-attention and MLP sublayer inputs (2H + 2H), and QK-norm gains on q and on k. ``share_norms: true`` keeps one phi for
-every step (the paper's ablation). Evaluating at a depth R' != R: for R' < R steps 1..R' use phi_1..phi_R'; for
-R' > R the steps beyond R reuse phi_R (the last trained step's norms), the only trained choice available there.
+attention and MLP sublayer inputs (2H + 2H), and head_dim-wide QK-norm gains on q and on k (shared by the heads).
+``share_norms: true`` keeps one phi for every step (the paper's ablation). The gate W_g is a block weight: one for the
+shared block, used by every step (each standard layer has its own). Evaluating at a depth R' != R: for R' < R steps
+1..R' use phi_1..phi_R'; for R' > R the steps beyond R reuse phi_R (the last trained step's norms), the only trained
+choice available there.
 
-Norm/bias choice (the paper omits it; picked to land closest to its reported counts, see tools/params.py):
-QK normalization is an RMSNorm over the full H-wide query (and key) vector before the split into heads, with an
-H-wide gain each (OLMo-2 style), and no bias; plus one final RMSNorm (gain only) before the head. Per step that
-is 6H parameters. Counts (paper: 27.6M / 124.0M / 404.1M; 41.1M / 28.7M / 1.22B):
+Why these norms and the gate (the paper's Appendix B, which has the details, is missing from its text): the count
 
-    (H, E, R) = (640, 192, 16)      27,636,352  (+0.036M)
-    (1408, 768, 24)                124,067,200  (+0.067M)
-    (2560, 2560, 24)               404,072,960  (-0.027M)
-    standard H=384                  41,119,104  (+0.019M)
-    standard H=384, E=192           28,683,648  (-0.016M)
-    standard H=3072              1,220,766,720  (+0.001B)
+    N = 2 (V E + E H [factorized]) + 4H^2 + H n_heads + 2 H d_ff + n_sets (4H + 2 head_dim) + H (final norm)
 
-Alternatives tried: per-head QK norms (2 x head_dim per step): 27.618M / 124.003M / 403.953M (the large model
--0.147M off); one QK norm shared by q and k (5H per step): 27.626M / 124.033M / 404.012M (-0.088M). The full-width
-q and k norms have the smallest worst-case and summed error.
+with V = 32768, 64-wide heads, d_ff = 16H (RecursiveGPT) or 2.5H (12-layer standard models) and n_sets = R (1 with
+share_norms; for a standard model n_layers, which then also multiplies the block terms) reproduces every figure in
+the paper's Tables 1-3 within its rounding (tests/pipeline/models/test_recursive_gpt.py):
+
+    RecursiveGPT + FE (H, E, R) = (640, 192, 16)     27,624,320   paper 27.6M
+    RecursiveGPT + FE (1408, 768, 24)               124,033,664   paper 124.0M
+    RecursiveGPT-Large (2560, 2560, 24)             404,055,552   paper 404.1M
+    Table 3, shared norm parameters (640, 192, 16)   27,584,000   paper 27.6M
+    Table 3, no FE, H = 640, R = 16                  56,738,688   paper 56.7M
+    Table 3, no FE, H = 384, R = 16                  30,503,552   paper 30.5M
+    standard 12 layers, H = 384                      41,139,072   paper 41.1M
+    standard 12 layers, H = 384, E = 192             28,703,616   paper 28.7M
+    standard 12 layers, H = 3072                  1,222,464,000   paper 1.22B
+
+Dropping the gate puts RecursiveGPT-Large at 403.953M (paper 404.1M); full-width (H) QK gains instead of per-head
+ones put the 124M model at 124.098M with the gate (124.067M without); a gate per step instead of per block gives
+27.72M. The baselines fit within rounding with or without the gate (41.111M / 28.676M / 1.2207B without); they carry
+it because the paper builds RecursiveGPT on "the same architectural and training details as the standard models
+described in Appendix B", the appendix that cites gated attention.
 
 The standard baseline (StandardGPT) is the same decoder with ``n_layers`` distinct blocks, each with its own norms.
 Every parameter is used inside a submodule's ``forward`` (ZeRO-3 gathers per module).
@@ -98,20 +115,22 @@ class _GPTConfig:
         return self.vocab_size * self.e + (self.e * self.d_model if self.factorized else 0)
 
     def block_params(self) -> int:
-        """Shared weights of one block: q, k, v, o (4H^2) and the two MLP matrices (2 H d_ff)."""
-        return 4 * self.d_model ** 2 + 2 * self.d_model * self.d_ff
+        """Shared weights of one block: q, k, v, o (4H^2), the head-wise output gate (H x n_heads) and the two MLP
+        matrices (2 H d_ff)."""
+        return 4 * self.d_model ** 2 + self.d_model * self.n_heads + 2 * self.d_model * self.d_ff
 
     def step_norm_params(self) -> int:
-        """phi_r: attention and MLP RMSNorm gains + biases (4H), q and k norm gains (2H)."""
-        return 6 * self.d_model
+        """phi_r: attention and MLP RMSNorm gains + biases (4H), per-head q and k norm gains (2 head_dim)."""
+        return 4 * self.d_model + 2 * self.head_dim
 
     def _count(self, n_blocks: int, n_norm_sets: int) -> int:
         return 2 * self.vocab_map_params() + n_blocks * self.block_params() + n_norm_sets * self.step_norm_params() \
             + self.d_model  # final norm
 
     def _flops(self, n_steps: int, length: int) -> int:
-        """Forward FLOPs of one sequence (a multiply-add counts two; attention scores counted over the full L x L,
-        as is usual, although the causal mask halves the useful part)."""
+        """Forward FLOPs of one sequence (a multiply-add counts two; every block matrix, the gate's included, once
+        per token; attention scores counted over the full L x L, as is usual, although the causal mask halves the
+        useful part; norms and other elementwise work not counted)."""
         L, H, e = length, self.d_model, self.e
         maps = 2 * L * self.vocab_size * e + (4 * L * e * H if self.factorized else 0)  # head logits, both projs
         block = 2 * L * self.block_params() + 4 * L * L * H
@@ -172,16 +191,17 @@ class BiasedRMSNorm(RMSNorm):
 class StepNorms(nn.Module):
     """phi_r: the normalization parameters of one recurrent step (or of one standard layer)."""
 
-    def __init__(self, d_model: int, eps: float):
+    def __init__(self, d_model: int, head_dim: int, eps: float):
         super().__init__()
         self.attn_norm = BiasedRMSNorm(d_model, eps)
         self.mlp_norm = BiasedRMSNorm(d_model, eps)
-        self.q_norm = RMSNorm(d_model, eps)  # over the full H-wide query, before the head split
-        self.k_norm = RMSNorm(d_model, eps)
+        self.q_norm = RMSNorm(head_dim, eps)  # per head: over each head's query [.., hd], gain shared by the heads
+        self.k_norm = RMSNorm(head_dim, eps)
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal attention (n_kv_heads = n_heads), RoPE; the QK norms come from the step's StepNorms."""
+    """Multi-head causal attention (n_kv_heads = n_heads), RoPE, head-wise output gate (Qiu et al.); the QK norms
+    come from the step's StepNorms, the gate belongs to the block (shared by every step that runs it)."""
 
     def __init__(self, cfg: _GPTConfig):
         super().__init__()
@@ -190,20 +210,23 @@ class CausalSelfAttention(nn.Module):
         self.q_proj = nn.Linear(H, H, bias=False)
         self.k_proj = nn.Linear(H, H, bias=False)
         self.v_proj = nn.Linear(H, H, bias=False)
+        self.gate = nn.Linear(H, cfg.n_heads, bias=False)  # W_g: one gate logit per head
         self.o_proj = nn.Linear(H, H, bias=False)
 
     def forward(self, x: torch.Tensor, norms: StepNorms, rope: tuple, key_mask: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, L, H]; key_mask: [B, L] bool (True at real tokens, right-padded); segments: [B, L] document ids of
-        packed rows (-1 at padding) or None -> [B, L, H]."""
+        """x: [B, L, H] (the normalized sublayer input); key_mask: [B, L] bool (True at real tokens, right-padded);
+        segments: [B, L] document ids of packed rows (-1 at padding) or None -> [B, L, H]."""
         B, L, H = x.shape
-        heads = lambda t: t.view(B, L, self.n_heads, self.head_dim).transpose(1, 2)  # noqa: E731  [B, nh, L, hd]
-        q = heads(norms.q_norm(self.q_proj(x)))
-        k = heads(norms.k_norm(self.k_proj(x)))
-        v = heads(self.v_proj(x))
+        split = lambda t: t.view(B, L, self.n_heads, self.head_dim)  # noqa: E731  [B, L, nh, hd]
+        q = norms.q_norm(split(self.q_proj(x))).transpose(1, 2)  # [B, nh, L, hd], RMS over each head's hd
+        k = norms.k_norm(split(self.k_proj(x))).transpose(1, 2)
+        v = split(self.v_proj(x)).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = attend(q, k, v, key_mask, backend=self.backend, causal=True, segments=segments)  # [B, nh, L, hd]
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, H))
+        gate = torch.sigmoid(self.gate(x))  # [B, L, nh]: each head's output at each position scaled by (0, 1)
+        out = out.transpose(1, 2) * gate.unsqueeze(-1)  # [B, L, nh, hd]
+        return self.o_proj(out.reshape(B, L, H))
 
 
 class MLP(nn.Module):
@@ -261,6 +284,12 @@ class _Decoder(nn.Module):
         cfg = self.cfg
         # Residual outputs (o_proj, down_proj) scaled by the effective depth: R applications or n_layers blocks.
         init_linear_(self, cfg.init_std, residual_std(cfg.init_std, n_blocks))
+        # Gates start at W_g = 0: sigmoid(0) = 0.5 for every head and token, i.e. the ungated block with its attention
+        # branch halved, instead of random gates that would mute some heads at random from step 0. The gradient of
+        # W_g (x^T times dL/dlogit) is non-zero from the first step, so the gates still learn.
+        for m in self.modules():
+            if isinstance(m, CausalSelfAttention):
+                nn.init.zeros_(m.gate.weight)
 
     def _inputs(self, tokens, attention_mask, position_ids=None):
         """Embeddings [B, L, H], RoPE tables ([L, hd/2], or [B, L, hd/2] from per-document ``position_ids``) and
@@ -280,7 +309,7 @@ class RecursiveGPT(_Decoder):
         self.cfg = cfg
         self.embed = FactorizedEmbedding(cfg)
         self.block = DecoderBlock(cfg)
-        self.norms = nn.ModuleList(StepNorms(cfg.d_model, cfg.norm_eps)
+        self.norms = nn.ModuleList(StepNorms(cfg.d_model, cfg.head_dim, cfg.norm_eps)
                                    for _ in range(1 if cfg.share_norms else cfg.recurrence))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = FactorizedHead(cfg)
@@ -313,7 +342,7 @@ class StandardGPT(_Decoder):
         self.cfg = cfg
         self.embed = FactorizedEmbedding(cfg)
         self.blocks = nn.ModuleList(DecoderBlock(cfg) for _ in range(cfg.n_layers))
-        self.norms = nn.ModuleList(StepNorms(cfg.d_model, cfg.norm_eps) for _ in range(cfg.n_layers))
+        self.norms = nn.ModuleList(StepNorms(cfg.d_model, cfg.head_dim, cfg.norm_eps) for _ in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = FactorizedHead(cfg)
         self._init_weights(cfg.n_layers)
