@@ -37,7 +37,7 @@ def varlen_attention_stand_in(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         ks, vs = (t[a:b].repeat_interleave(H // Hkv, dim=1) for t in (k, v))  # [n, H, hd]
         scores = torch.einsum("ihd,jhd->hij", qs, ks) * scale  # [H, n, n]
         if causal:
-            scores = scores.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool).tril(), float("-inf"))
+            scores = scores.masked_fill(~torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril(), float("-inf"))
         outs.append(torch.einsum("hij,jhd->ihd", scores.softmax(-1), vs))
     return torch.cat(outs)
 
@@ -107,3 +107,24 @@ def test_flash_varlen_without_a_real_token_returns_zeros_without_the_kernel(monk
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         assert all(g.shape == t.shape and torch.all(g == 0) for g, t in zip(grads, (q, k, v)))
     assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not layers.flash_available(), reason="needs flash-attn and CUDA")
+@pytest.mark.parametrize("causal", [False, True])
+def test_stand_in_matches_flash_attn_and_empty_batches_skip_it_on_gpu(causal):
+    """The CPU tests are only as good as the stand-in: here it meets the real kernel (bf16, GQA, three sequences of
+    lengths 5, 7, 1). Then flash_varlen on CUDA with no real token (zero rows, rows of padding only) returns zeros."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cu = torch.tensor([0, 5, 12, 13], dtype=torch.int32, device="cuda")
+    q = torch.randn(13, 4, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(13, 2, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = layers.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=causal)
+    ref = varlen_attention_stand_in(q.float(), k.float(), v.float(), cu, cu, 7, 7, causal=causal)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    for B in (0, 2):
+        q, k, v = (t.cuda().bfloat16().detach().requires_grad_() for t in qkv(B, 5, seed=3))
+        out = layers.attend(q, k, v, torch.zeros(B, 5, dtype=torch.bool, device="cuda"), backend="flash")
+        assert out.shape == q.shape and torch.all(out == 0)
+        out.sum().backward()
+        assert q.grad is not None and k.grad is not None and v.grad is not None
