@@ -9,6 +9,9 @@
         --data ../shared/data/eval/blimp --depths 2,4,8      # causal LMs; depths may exceed the trained R
     python launchers/evaluate.py --checkpoint runs/recursive_gpt_demo --task lambada --data lambada_test.jsonl
 
+Without --depths a RecursiveGPT is evaluated at its trained recurrence R (the paper's BLiMP and LAMBADA numbers are at
+R = 16 or 24) and the Eco-RNA tasks at 1-8.
+
 The text tasks (blimp, lambada) tokenize with the sentencepiece model beside the checkpoint's training shards
 (DATA/tokenizer.model) unless --spm names one; a standard decoder runs at its one depth (its layer count).
 
@@ -42,6 +45,16 @@ def parse_depths(text: str) -> list[int]:
             raise ValueError(f"--depths {text!r}: ranges must be positive and increasing")
         out.extend(range(lo, hi + 1))
     return sorted(set(out))
+
+
+def default_depths(cfg) -> list[int]:
+    """The depths evaluated when --depths is not given: the trained R of a RecursiveGPT, the layer count of a standard
+    decoder (its only depth), 1-8 for the other families."""
+    if cfg.family == "recursive_gpt":
+        return [cfg.model.recurrence]
+    if cfg.family == "standard_gpt":
+        return [cfg.model.n_layers]
+    return parse_depths("1-8")
 
 
 def read_sequences(path: Path, molecule: str) -> list[np.ndarray]:
@@ -191,7 +204,8 @@ def main(argv=None) -> int:
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
                    "blimp: JSONL or dir; lambada: text or JSONL")
-    p.add_argument("--depths", default="1-8", help="e.g. 1-8 or 1,2,4,8")
+    p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
+                   "recursive_gpt, 1-8 for eco_rna)")
     p.add_argument("--seed", type=int, default=0, help="seeds the masks and the initial-state table")
     p.add_argument("--reference-sheet", type=Path, default=None, help="RNAGym reference_sheet.csv")
     p.add_argument("--spm", type=Path, default=None, help="blimp/lambada: sentencepiece model "
@@ -206,11 +220,12 @@ def main(argv=None) -> int:
     from pipeline.data.shards import ShardError
 
     try:
-        depths = parse_depths(args.depths)
+        depths = parse_depths(args.depths) if args.depths else None  # parsed first: a bad --depths fails early
         data = Path(args.data)
         if not data.exists():
             raise FileNotFoundError(f"{data}: no such file or directory")
         trained = load_trained_model(args.checkpoint)
+        depths = depths or default_depths(trained.cfg)
         if args.task == "reconstruction":
             result = run_reconstruction(trained, data, depths, args.seed)
         elif args.task == "rnagym":
