@@ -554,10 +554,10 @@ def score_assays(assays: Mapping[str, Assay], sheet: Mapping[str, Mapping],
                  forward: Callable[[np.ndarray], np.ndarray], context_length: int) -> dict:
     """Score and aggregate loaded assays with one model ``forward`` (see :func:`wildtype_logprobs`).
 
-    Returns ``{"per_assay": {id: {spearman, auc, mcc, rna_type, one_class, n_variants, dropped, wt_source}},
-    "per_type": ..., "aggregate": overall numbers (Eq. A.12) with the types found and missing,
+    Returns ``{"per_assay": {id: {spearman, auc, mcc, rna_type, one_class, score_mean, n_variants, dropped,
+    wt_source}}, "per_type": ..., "aggregate": overall numbers (Eq. A.12) with the types found and missing,
     "n_variants": total, "notes": {id: [...]}, "scores": {id: F [N] float64}}`` (see :func:`aggregate`;
-    ``one_class`` from :func:`one_class_sides`).
+    ``one_class`` from :func:`one_class_sides`; ``score_mean`` the mean F over the assay's variants).
     """
     per_assay: dict[str, dict] = {}
     scores: dict[str, np.ndarray] = {}
@@ -567,6 +567,9 @@ def score_assays(assays: Mapping[str, Assay], sheet: Mapping[str, Mapping],
         per_assay[dms_id] = {**assay_metrics(f, assay.dms_score),
                              "rna_type": canonical_rna_type(sheet[dms_id]["rna_type"]),
                              "one_class": one_class_sides(f, assay.dms_score),
+                             # The metrics fold away F's orientation; its mean keeps it (< 0: the model calls the
+                             # assay's mutations unfavourable on average), so a report can show which way F points.
+                             "score_mean": float(f.mean()),
                              "n_variants": assay.n_variants, "dropped": assay.dropped,
                              "wt_source": assay.wt_source}
         scores[dms_id] = f

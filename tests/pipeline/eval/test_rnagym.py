@@ -214,6 +214,7 @@ def test_oracle_forward_gives_perfect_metrics(tome, sheet, tmp_path):
         assert m["mcc"] == pytest.approx(1.0, abs=1e-12)
         assert res["aggregate"]["spearman"] == pytest.approx(1.0, abs=1e-12) and res["n_variants"] == 236
         assert np.allclose(res["scores"]["Tome_2014_GFP_aptamer"], list(target.values()), atol=1e-12)
+        assert m["score_mean"] == pytest.approx(np.mean(list(target.values())), abs=1e-12)  # keeps the sign
 
 
 # ------------------------------------------------------------------------------------------------ metrics
