@@ -1,8 +1,11 @@
 """launchers/evaluate.py on a checkpoint trained here: table, JSON, MLflow metrics + plot in the training run."""
+import csv
 import json
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import HELDOUT_FASTA, REPO, SHARED_DATA, TINY, launch_env, run_launch
@@ -54,16 +57,127 @@ def test_reconstruction_sweep(trained_run, tmp_path):
     assert json.loads((tmp_path / "again.json").read_text())["per_depth"] == res["per_depth"]
 
 
-@pytest.mark.skipif(not RNAGYM.is_dir(), reason="needs ../shared/data (RNAGym assay and reference sheet)")
-def test_rnagym_sweep(trained_run, tmp_path):
+def _mutate(wt: str, mutant: str) -> str:
+    s = list(wt)
+    for m in filter(None, mutant.split(",")):
+        assert s[int(m[1:-1]) - 1] == m[0], (wt, m)
+        s[int(m[1:-1]) - 1] = m[-1]
+    return "".join(s)
+
+
+# Tiny assays on two real wild types of the shared reference sheet: the hammerhead ribozyme (45 nt, one window at
+# the test model's context of 64) and the Julien 2016 splicing exon (63 nt > 62 residues per window, so two
+# windows; the sheet calls its type bare "mRNA"). Each: the wild-type row (F = 0), four singles, one double;
+# the Julien mutations sit in both halves, so rows from both windows are used. Scores are made up.
+TINY_ASSAYS = {
+    "Roberts_2023_hh_ribozyme": [("", 0.35), ("A1G", 0.10), ("G10C", -0.42), ("U24A", 0.71), ("C29U", -0.05),
+                                 ("G4A,A37C", -0.88)],
+    "Julien_2016_mRNA": [("", 0.20), ("A2G", -0.31), ("U21C", 0.52), ("C42G", -0.74), ("U56A", 0.08),
+                         ("G17A,C49U", 0.93)],
+}
+
+
+def _hand_scores(trained, wt: str, mutants, depth: int, seed: int) -> np.ndarray:
+    """F(v; w) = sum_j [log p(v_j | w, j) - log p(w_j | w, j)] (A.10) straight from the model, without
+    pipeline.eval.rnagym: <cls> wt <eos> unmasked, the seed-fixed position-indexed initial state of the sweep,
+    one forward at ``depth``. A wild type longer than the context is read in two windows, each position from the
+    one where it is farther from an edge (the first on a tie)."""
+    import torch
+
+    from pipeline.data.tokenizer import CLS_ID, EOS_ID, VOCAB
+    from pipeline.eval.reconstruction import state_table
+    from pipeline.models.eco_rna import initial_state
+
+    cfg = trained.cfg
+    table = state_table(cfg.model, cfg.data.context_length, seed)
+    body = cfg.data.context_length - 2
+    ids = [VOCAB.index(b) for b in wt]
+
+    @torch.no_grad()
+    def logprobs(chunk):  # residue ids -> [len(chunk), V] float64
+        tokens = torch.tensor([[CLS_ID, *chunk, EOS_ID]])
+        mask = torch.ones_like(tokens, dtype=torch.bool)
+        out = trained.model(tokens, mask, depth, initial_state(cfg.model, mask, table=table))
+        return torch.log_softmax(out.logits[0].float(), -1).double().numpy()[1:-1]
+
+    if len(ids) <= body:
+        lp = logprobs(ids)
+    else:
+        second = len(ids) - body
+        assert second <= body // 2, "two windows cover this wild type only if it is at most 1.5 windows long"
+        first_lp, second_lp = logprobs(ids[:body]), logprobs(ids[second:])
+        lp = np.stack([first_lp[p] if min(p, body - 1 - p) >= min(p - second, len(ids) - 1 - p)
+                       else second_lp[p - second] for p in range(len(ids))])
+    f = np.zeros(len(mutants))
+    for i, mutant in enumerate(mutants):
+        for m in filter(None, mutant.split(",")):
+            p = int(m[1:-1]) - 1
+            f[i] += lp[p, VOCAB.index(m[-1])] - lp[p, VOCAB.index(m[0])]
+    return f
+
+
+def _hand_metrics(f: np.ndarray, y: np.ndarray) -> dict:
+    """Eq. A.11 with scipy/sklearn: y above its median for AUC and MCC, F above its median for MCC."""
+    from scipy.stats import spearmanr
+    from sklearn.metrics import matthews_corrcoef, roc_auc_score
+
+    y_bin, f_bin = y > np.median(y), f > np.median(f)
+    auc = roc_auc_score(y_bin, f)
+    return {"spearman": abs(spearmanr(f, y).statistic), "auc": max(auc, 1 - auc),
+            "mcc": abs(matthews_corrcoef(y_bin, f_bin)), "score_mean": f.mean()}
+
+
+@pytest.mark.skipif(not RNAGYM.is_dir(), reason="needs ../shared/data (the RNAGym reference sheet)")
+def test_rnagym_sweep_matches_a_hand_computed_score(trained_run, tmp_path):
+    from pipeline.checkpoint import load_trained_model
+
+    sheet = {r["DMS_ID"]: r for r in csv.DictReader(open(RNAGYM / "reference_sheet.csv", newline=""))}
+    gym = tmp_path / "gym"
+    gym.mkdir()
+    for dms_id, rows in TINY_ASSAYS.items():
+        wt = sheet[dms_id]["RAW_CONSTRUCT_SEQ"]
+        with open(gym / f"{dms_id}.csv", "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["mutant", "DMS_score", "sequence"])
+            w.writerows([m, y, _mutate(wt, m)] for m, y in rows)
     out = tmp_path / "gym.json"
-    proc = evaluate("--checkpoint", str(trained_run), "--task", "rnagym", "--data",
-                    str(RNAGYM / "Tome_2014_GFP_aptamer.csv"), "--depths", "1,2", "--output", str(out), "--no-mlflow")
+    proc = evaluate("--checkpoint", str(trained_run), "--task", "rnagym", "--data", str(gym), "--reference-sheet",
+                    str(RNAGYM / "reference_sheet.csv"), "--depths", "1,2", "--output", str(out), "--no-mlflow")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
-    agg = res["per_depth"]["1"]["aggregate"]
-    assert res["per_depth"]["1"]["n_variants"] == 417
-    assert 0 <= agg["spearman"] <= 1 and 0.5 <= agg["auc"] <= 1
+
+    had_accelerator = "DS_ACCELERATOR" in os.environ
+    try:
+        trained = load_trained_model(trained_run)
+    finally:  # it sets DS_ACCELERATOR=cpu on a CPU host; keep that out of the later launches' environment
+        if not had_accelerator:
+            os.environ.pop("DS_ACCELERATOR", None)
+    types = {"Roberts_2023_hh_ribozyme": "Ribozyme", "Julien_2016_mRNA": "mRNA-splicing"}
+    means = {}
+    for k in (1, 2):
+        got = res["per_depth"][str(k)]
+        assert got["n_variants"] == 12
+        hand = {}
+        for dms_id, rows in TINY_ASSAYS.items():
+            f = _hand_scores(trained, sheet[dms_id]["RAW_CONSTRUCT_SEQ"], [m for m, _ in rows], k, seed=0)
+            # Ranks must be clear of float noise, or a 1e-7 difference could move a metric.
+            assert np.diff(np.sort(f)).min() > 1e-4, f
+            hand[dms_id] = _hand_metrics(f, np.array([y for _, y in rows]))
+            a = got["per_assay"][dms_id]
+            assert a["rna_type"] == types[dms_id] and a["one_class"] == []
+            for m, v in hand[dms_id].items():
+                assert a[m] == pytest.approx(v, abs=1e-6), (k, dms_id, m)
+            means[k, dms_id] = hand[dms_id]["score_mean"]
+        agg = got["aggregate"]
+        assert agg["types"] == {"Ribozyme": 1, "mRNA-splicing": 1} and agg["n_types"] == 2
+        assert agg["types_missing"] == ["mRNA-coding", "tRNA", "Aptamer"]
+        for m in ("spearman", "auc", "mcc"):  # one assay per type: the type means are the assays, then 1/2 each
+            assert got["per_type"][types["Julien_2016_mRNA"]][m] == pytest.approx(hand["Julien_2016_mRNA"][m],
+                                                                                  abs=1e-6)
+            want = (hand["Roberts_2023_hh_ribozyme"][m] + hand["Julien_2016_mRNA"][m]) / 2
+            assert agg[m] == pytest.approx(want, abs=1e-6), (k, m)
+        assert res["table"][k - 1] == pytest.approx([k, agg["spearman"], agg["auc"], agg["mcc"]])
+    assert means[1, "Julien_2016_mRNA"] != pytest.approx(means[2, "Julien_2016_mRNA"], abs=1e-4)  # K matters
 
 
 def test_bad_input_is_one_error_line(trained_run, tmp_path):
