@@ -30,7 +30,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for k in depths:
-        print(f"K={k}: {cfg.model.forward_flops(k, args.length) / 1e9:.3f} GFLOPs")
+        print(f"K={k}: {cfg.model.forward_flops(depth=k, length=args.length) / 1e9:.3f} GFLOPs")
     return 0
 
 
