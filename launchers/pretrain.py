@@ -3,12 +3,16 @@
 
     deepspeed --num_gpus 2 launchers/pretrain.py --ds_config ds_configs/zero2.json \
         [--config launchers/configs/NAME.yaml] [--set key.path=value ...] [--resume auto|never|CHECKPOINT_DIR]
+        [--init-from CHECKPOINT_OR_EXPORT]
 
 Without --config it trains the small Eco-RNA demo on the sample shards that scripts/quickstart.sh builds.
+--resume continues this same run; --init-from starts a new run (own run_dir, step 0, own schedule, new MLflow run
+tagged with its parent) from another run's checkpoint or an export, e.g. Stage B from Stage A.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -28,6 +32,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", default="auto",
                    help="auto: continue from RUN_DIR/checkpoints/latest if any; never: start fresh; or a "
                         "checkpoint tag directory")
+    p.add_argument("--init-from", dest="init_from", default=None, metavar="DIR",
+                   help="start a new run from another run's weights: a run dir, checkpoint tag dir or export "
+                        "(sets train.init_from; train.init_from_optimizer: true also loads the AdamW moments)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p.parse_args(argv)
 
@@ -40,7 +47,9 @@ def main(argv=None) -> int:
 
     is_rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        cfg = load_config(args.config, args.overrides)
+        # --init-from is train.init_from (validated with the rest); JSON quoting keeps any path a YAML string.
+        extra = [f"train.init_from={json.dumps(args.init_from)}"] if args.init_from is not None else []
+        cfg = load_config(args.config, [*args.overrides, *extra])
         run(cfg, args.ds_config, args.resume)
     except (ConfigError, ShardError, FileNotFoundError) as e:
         if is_rank0:

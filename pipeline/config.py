@@ -156,7 +156,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10
     schedule_steps: int | None = None  # length of the cosine; defaults to train.max_steps
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # matrices only: gains, biases and what the model names in no_weight_decay() are exempt
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0  # written into the ds_config as gradient_clipping; 0 disables
@@ -187,6 +187,14 @@ class TrainConfig:
     # BabyLM-style budget: stop once the objective's running "words" total reaches it (e.g. 10_000_000).
     max_words: int | None = None
     max_epochs: float | None = None  # stop after this many passes over the training data (BabyLM: at most 10)
+    # Start a new run from another run's weights (staged training, an upcycled ESM2): a run directory, a checkpoint
+    # tag directory or an export (model.safetensors + config.yaml). Used only when this run has no checkpoint of its
+    # own; once it has one, --resume auto continues from that. Step, learning-rate schedule, loader and MLflow run
+    # start anew; the model config must match the source's. --init-from on the command line overrides it.
+    init_from: str | None = None
+    # Also load the source's AdamW moments (a DeepSpeed checkpoint of the same world size and ZeRO stage); this run's
+    # own lr, betas, eps, weight decay and schedule apply from step 0 either way.
+    init_from_optimizer: bool = False
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
@@ -197,17 +205,22 @@ class TrainConfig:
         _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
         _check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
                "train.max_tokens_per_microbatch", f"must be >= 1, got {self.max_tokens_per_microbatch}")
+        _check(self.init_from is None or bool(self.init_from), "train.init_from", "must be a path or null")
+        _check(self.init_from is not None or not self.init_from_optimizer, "train.init_from_optimizer",
+               "needs train.init_from")
 
 
 @dataclass
 class CheckpointConfig:
     every_steps: int = 50  # also saved at the end of training
-    keep_last: int = 3  # older step checkpoints are deleted; 0 keeps all
-    at_words: list = field(default_factory=list)  # also save when the running words total first reaches each
+    keep_last: int = 3  # older step checkpoints are deleted; 0 keeps all. Milestones (below) are never deleted
+    at_words: list = field(default_factory=list)  # milestones: save when the running words total first reaches each
+    at_steps: list[int] = field(default_factory=list)  # milestones: save at each of these optimizer steps
 
     def __post_init__(self):
         _check(self.every_steps >= 1, "checkpoint.every_steps", f"must be >= 1, got {self.every_steps}")
         _check(self.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0, got {self.keep_last}")
+        _check(all(s >= 1 for s in self.at_steps), "checkpoint.at_steps", f"steps must be >= 1, got {self.at_steps}")
 
 
 @dataclass
@@ -346,7 +359,20 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def load_yaml(path: str | Path) -> dict:
+INHERIT = "inherit"  # top-level key: path of a parent YAML (relative to this file) that this one overrides
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``: mappings merge key by key, anything else (lists included) is replaced."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_yaml(path: str | Path, _chain: tuple = ()) -> dict:
+    """A YAML mapping; ``inherit: parent.yaml`` makes it the parent's mapping with this file's keys merged on top
+    (so a Stage-B or control config states only what differs from its Stage-A config)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
@@ -356,7 +382,15 @@ def load_yaml(path: str | Path) -> dict:
         raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
-    return raw
+    parent = raw.pop(INHERIT, None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: {INHERIT}: expected a file path, got {parent!r}")
+    parent_path = (path.parent / parent).resolve()
+    if parent_path in _chain or parent_path == path.resolve():
+        raise ConfigError(f"{path}: {INHERIT}: {parent} forms a cycle")
+    return _merge(load_yaml(parent_path, _chain + (path.resolve(),)), raw)
 
 
 def build_config(raw: dict) -> RunConfig:
@@ -376,7 +410,13 @@ def build_config(raw: dict) -> RunConfig:
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown config key (known: {', '.join(sorted(names))})")
     kwargs = {k: _convert(v, hints[k], k) for k, v in raw.items() if k != "family"}
-    return RunConfig(family=family_name, model=model, objective=objective, **kwargs)
+    cfg = RunConfig(family=family_name, model=model, objective=objective, **kwargs)
+    # A masked LM's losses are per sequence (paper 000, Eq. 7-10) and its attention is bidirectional: packing would
+    # let documents attend to each other. Only the causal LMs mask attention per packed document.
+    _check(not cfg.data.pack or family.packable, "data.pack",
+           f"family {family_name} is a masked LM with per-sequence losses and bidirectional attention; "
+           "packing is for the causal LMs (set data.pack: false)")
+    return cfg
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

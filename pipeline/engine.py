@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint import LATEST, latest_tag
-from pipeline.config import ConfigError, RunConfig, dump_yaml
+from pipeline.checkpoint import (LATEST, check_same_model, is_export, latest_tag, load_state_dict, load_weights_into,
+                                 read_client_state, resolve_tag_dir)
+from pipeline.config import ConfigError, RunConfig, dump_yaml, load_yaml
 from pipeline.data.loader import ShardStream, Source, is_url_pattern, make_loader, resolve_shards
 from pipeline.families import get_family
 from pipeline.tracking import Tracker
@@ -93,9 +94,15 @@ def lr_lambda(cfg: RunConfig):
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float):
-    """Decay matrices; leave gains, biases and the injection vectors a, b undecayed."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    """Decay matrices; leave gains, biases, vectors and the parameters the model names in ``no_weight_decay()``
+    (e.g. Eco-RNA's identity-initialized B and W_o) undecayed."""
+    exempt = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+    named = list(model.named_parameters())
+    unknown = sorted(exempt - {n for n, _ in named})
+    if unknown:
+        raise ValueError(f"no_weight_decay names unknown parameters {unknown}")
+    decay = [p for n, p in named if p.ndim >= 2 and n not in exempt]
+    no_decay = [p for n, p in named if p.ndim < 2 or n in exempt]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -147,7 +154,7 @@ class Trainer:
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.resume = resume
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         # Everything that can be wrong with the inputs fails here, before DeepSpeed starts.
         cfg.check_world_size(world_size)
         self.ds_config = resolve_ds_config(load_ds_config(ds_config_path), cfg, world_size, ds_config_path,
@@ -163,6 +170,9 @@ class Trainer:
                 raise ConfigError(f"{key}: {spec} has {n} shards, fewer than {world_size} ranks x {n_streams} "
                                   "loader streams")
         self.resume_tag = self._find_resume_tag()
+        # A run that has checkpoints of its own continues from them; init_from only seeds its first start.
+        self.init_source = self._check_init_source() if cfg.train.init_from and not self.resume_tag else None
+        self.init_from_record = str(self.init_source.resolve()) if self.init_source else None  # kept on resume
 
     def _shard_specs(self) -> list[tuple[str, str]]:
         """(config key, shard spec) of every source the loader reads."""
@@ -198,10 +208,37 @@ class Trainer:
         if self.resume == "auto":
             return latest_tag(self.ckpt_dir)
         tag_dir = Path(self.resume)
-        if not tag_dir.is_dir():
-            raise ConfigError(f"--resume {self.resume}: no such checkpoint directory")
-        self.ckpt_dir = tag_dir.parent
+        if not (tag_dir / "client_state.json").is_file():
+            raise ConfigError(f"--resume {self.resume}: not a checkpoint directory (no client_state.json)")
+        if tag_dir.resolve().parent != self.ckpt_dir.resolve():
+            # Continuing another run's checkpoint here would write into its folder, rotate its checkpoints away and
+            # look its MLflow run up in this run's store: starting from another run is --init-from.
+            raise ConfigError(f"--resume {self.resume}: not a checkpoint of this run ({self.ckpt_dir}); --resume "
+                              "continues the same run, --init-from starts a new run from another run's checkpoint")
         return tag_dir.name
+
+    def _check_init_source(self) -> Path:
+        """Resolve train.init_from and check, before anything starts, that this run can start from it."""
+        t = self.cfg.train
+        try:
+            src = resolve_tag_dir(t.init_from)
+        except ConfigError as e:
+            raise ConfigError(f"train.init_from: {e}") from None
+        check_same_model(load_yaml(src / "config.yaml"), self.cfg, src)
+        if t.init_from_optimizer:
+            if is_export(src):
+                raise ConfigError(f"train.init_from_optimizer: {src} is an export (weights only, no optimizer "
+                                  "state); set it to false or start from a DeepSpeed checkpoint")
+            client = read_client_state(src)
+            if client.get("world_size") != self.world_size:
+                raise ConfigError(f"train.init_from_optimizer: {src} was written by {client.get('world_size')} "
+                                  f"ranks, this run has {self.world_size}; the ZeRO optimizer shards load only on "
+                                  "the same world size (set it to false to start from the weights alone)")
+            stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
+            if client.get("zero_stage", stage) != stage:
+                raise ConfigError(f"train.init_from_optimizer: {src} was written under ZeRO stage "
+                                  f"{client['zero_stage']}, this run uses {stage}")
+        return src
 
     # ---------------------------------------------------------------------------------------------------------------
     def setup(self):
@@ -220,6 +257,9 @@ class Trainer:
 
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
         model = self.family.build_model(self.cfg.model)
+        init_weights_only = self.init_source is not None and not self.cfg.train.init_from_optimizer
+        if init_weights_only:  # fp32 weights from any world size and ZeRO stage, or from an export
+            load_weights_into(model, load_state_dict(self.init_source), self.init_source)
         optimizer = torch.optim.AdamW(param_groups(model, self.cfg.optim.weight_decay), lr=self.cfg.optim.lr,
                                       betas=tuple(self.cfg.optim.betas), eps=self.cfg.optim.eps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg))
@@ -228,15 +268,24 @@ class Trainer:
 
         self.step, self.batches_consumed, self.loader_states, run_id = 0, 0, None, None
         self.cumulative = {}  # running totals over the whole run (all ranks): tokens, words, FLOPs, ...
+        parent = None
         if self.resume_tag:
             run_id = self._load(self.resume_tag)
+        elif self.init_source is not None:
+            if not init_weights_only:
+                self._load_init_optimizer(self.init_source)
+            parent = self._parent_tags(self.init_source)
+            if self.rank == 0:
+                print(f"initialized from {self.init_source} "
+                      f"({'weights and optimizer moments' if not init_weights_only else 'weights'})", flush=True)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             _write_atomic(self.run_dir / "config.yaml", dump_yaml(self.cfg))
             _write_atomic(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=1))
             self._truncate_logs()
         dist.barrier()
-        self.tracker = Tracker(self.cfg, self.run_dir, self.rank, run_id, self.step if self.resume_tag else None)
+        self.tracker = Tracker(self.cfg, self.run_dir, self.rank, run_id, self.step if self.resume_tag else None,
+                               tags=parent)
         if not self.resume_tag:
             self.tracker.log_artifact(self.run_dir / "config.yaml")
             self.tracker.log_artifact(self.run_dir / "ds_config.json")
@@ -252,14 +301,34 @@ class Trainer:
             self.dataset.load_state_dict({"batches_consumed": self.batches_consumed})
         self.data = make_loader(self.dataset, self.cfg.data.num_workers)
 
+    def _load_init_optimizer(self, src: Path):
+        """Weights and AdamW moments of another run's DeepSpeed checkpoint; this run's hyper-parameters and schedule.
+
+        DeepSpeed restores the source's param-group hyper-parameters (its lr, betas, weight decay) along with the
+        moments, and its step counters: put this run's back, so the first step's lr is this run's schedule at 0.
+        """
+        ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        path, _ = self.engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {src}")
+        for group, hyper in zip(self.optimizer.param_groups, ours):
+            group.update(hyper)
+        self.engine.global_steps = self.engine.global_samples = self.engine.skipped_steps = 0
+
+    def _parent_tags(self, src: Path) -> dict:
+        """MLflow tags linking this run to the run it started from."""
+        client = read_client_state(src)
+        tags = {"parent_checkpoint": str(src.resolve()), "init_from_optimizer": str(self.cfg.train.init_from_optimizer)}
+        for key, name in (("mlflow_run_id", "parent_run_id"), ("mlflow_tracking_uri", "parent_tracking_uri"),
+                          ("step", "parent_step"), ("source", "parent_export_source")):
+            if client.get(key) is not None:
+                tags[name] = str(client[key])
+        return tags
+
     def _load(self, tag: str) -> str | None:
-        ckpt_cfg_path = self.ckpt_dir / tag / "client_state.json"
-        saved = json.loads(ckpt_cfg_path.read_text())
-        # Every model field but the kernel choice fixes the parameter layout.
-        ours = {k: v for k, v in self.cfg.to_dict()["model"].items() if k != "attn_backend"}
-        diff = [k for k, v in ours.items() if saved["config"]["model"].get(k) != v]
-        if saved["config"]["family"] != self.cfg.family or diff:
-            raise ConfigError(f"model.{diff[0] if diff else 'family'}: differs from checkpoint {self.ckpt_dir / tag}")
+        saved = read_client_state(self.ckpt_dir / tag)
+        check_same_model(saved["config"], self.cfg, self.ckpt_dir / tag)
         if saved["world_size"] != self.world:
             raise ConfigError(f"checkpoint {self.ckpt_dir / tag} was written by {saved['world_size']} ranks, "
                               f"this run has {self.world}; resume with the same number of ranks "
@@ -270,6 +339,7 @@ class Trainer:
         self.step, self.batches_consumed = client["step"], client["batches_consumed"]
         self.cumulative = dict(client.get("cumulative", {}))
         self.loader_states = client.get("loader")  # [world] loader state_dicts, one per rank
+        self.init_from_record = client.get("init_from")
         if self.rank == 0:
             print(f"resumed from {self.ckpt_dir / tag} at step {self.step}", flush=True)
         return client.get("mlflow_run_id")
@@ -281,12 +351,16 @@ class Trainer:
                 keep = [ln for ln in f.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
                 _write_atomic(f, "".join(ln + "\n" for ln in keep))
 
-    def save(self):
+    def save(self, milestone: bool = False):
+        """Checkpoint this step; ``milestone`` checkpoints (checkpoint.at_steps / at_words) survive keep_last."""
         tag = f"step{self.step:08d}"
         # DeepSpeed stores client_state from rank 0 only, and every rank's loader is somewhere else: gather them.
         loader = _all_gather_object(self.data.state_dict())
         client = {"step": self.step, "batches_consumed": self.batches_consumed, "world_size": self.world,
-                  "cumulative": self.cumulative, "loader": loader, "mlflow_run_id": self.tracker.run_id, "config": self.cfg.to_dict()}
+                  "zero_stage": self.ds_config.get("zero_optimization", {}).get("stage", 0),
+                  "cumulative": self.cumulative, "loader": loader, "mlflow_run_id": self.tracker.run_id,
+                  "mlflow_tracking_uri": self.tracker.uri, "milestone": milestone,
+                  "init_from": self.init_from_record, "config": self.cfg.to_dict()}
         # save_latest=False: DeepSpeed writes 'latest' on rank 0 before the other ranks finish their shards; we write
         # it ourselves after save_checkpoint's closing barrier, atomically, so 'latest' only ever names a whole one.
         self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
@@ -297,8 +371,10 @@ class Trainer:
             _write_atomic(self.ckpt_dir / LATEST, tag)
             keep = self.cfg.checkpoint.keep_last
             tags = sorted(p.name for p in self.ckpt_dir.glob("step*") if p.is_dir())
-            for old in tags[:-keep] if keep else []:
-                shutil.rmtree(self.ckpt_dir / old, ignore_errors=True)
+            rotating = [t for t in tags if not read_client_state(self.ckpt_dir / t).get("milestone")]
+            for old in rotating[:-keep] if keep else []:
+                if old != tag:
+                    shutil.rmtree(self.ckpt_dir / old, ignore_errors=True)
         dist.barrier()
 
     def _budget_spent(self) -> bool:
@@ -354,7 +430,8 @@ class Trainer:
                         self.cumulative[k] = self.cumulative.get(k, 0.0) + rec[k]
                         rec[f"total/{k}"] = self.cumulative[k]
                 words = self.cumulative.get("words", 0.0)
-                milestone = any(words_before < w <= words for w in cfg.checkpoint.at_words)
+                milestone = (any(words_before < w <= words for w in cfg.checkpoint.at_words)
+                             or self.step in cfg.checkpoint.at_steps)
                 rec["epochs"] = self.cumulative["samples"] / self.dataset_samples
                 budget_spent = self._budget_spent()
                 if samples_file:
@@ -373,7 +450,7 @@ class Trainer:
                         or budget_spent):
                     if samples_file:
                         samples_file.flush()
-                    self.save()
+                    self.save(milestone)
                 if budget_spent:
                     if self.rank == 0:
                         print(f"budget reached: {words:.0f} words (train.max_words {cfg.train.max_words}), "
@@ -413,6 +490,10 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
            "skipped": int(n_global == 0)}
     if n_global == 0:  # an update needs a positive token count (A.2); skip it rather than divide by zero
         rec.update(loss=float("nan"), grad_norm=0.0)
+        # No engine.step(), so DeepSpeed does not advance the schedule: advance it here, so that the lr of step s
+        # is always the schedule at s, skipped steps included.
+        if engine.lr_scheduler is not None:
+            engine.lr_scheduler.step()
         return rec
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     stats, totals = {}, {}

@@ -26,6 +26,7 @@ class Family:
     plan: Callable  # (Batch, RunConfig, *, step, micro, rank) -> plan with .sync_max {name: int}
     loss: Callable  # (model, Batch, RunConfig, plan) -> LossOutput
     pad_id: int = 0
+    packable: bool = False  # data.pack allowed: the objective masks attention and loss per packed document
 
 
 FAMILIES = {
@@ -37,9 +38,11 @@ FAMILIES = {
                               eco_rna_objective.plan, eco_rna_objective.recurrent_loss),
     # Paper 003: recursive causal decoder and its 12-layer standard baseline, causal LM on sentencepiece text.
     "recursive_gpt": Family("recursive_gpt", RecursiveGPTConfig, RecursiveGPT, causal_lm.CausalLMObjectiveConfig,
-                            causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID),
+                            causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID,
+                            packable=True),
     "standard_gpt": Family("standard_gpt", StandardGPTConfig, StandardGPT, causal_lm.CausalLMObjectiveConfig,
-                           causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID),
+                           causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID,
+                            packable=True),
 }
 
 

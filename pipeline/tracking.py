@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from pipeline.config import ConfigError
+
 
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
@@ -31,25 +33,41 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def tracking_uri(cfg, run_dir: Path) -> str:
+    return (os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.tracking_uri
+            or f"sqlite:///{Path(run_dir).resolve()}/mlflow.db")
+
+
 class Tracker:
-    def __init__(self, cfg, run_dir: Path, rank: int, resume_run_id: str | None, resume_step: int | None):
+    """``tags`` go on a new run (e.g. the parent run and checkpoint of a run started with --init-from)."""
+
+    def __init__(self, cfg, run_dir: Path, rank: int, resume_run_id: str | None, resume_step: int | None,
+                 tags: dict | None = None):
         self.rank, self.client, self.run_id = rank, None, None
-        run_id = None
+        self.uri = tracking_uri(cfg, run_dir) if cfg.tracking.enabled else None
+        run_id, error = None, None
         if rank == 0 and cfg.tracking.enabled:
+            from mlflow.exceptions import MlflowException
             from mlflow.tracking import MlflowClient  # 1.5-3 s to import: rank 0 only
 
             run_dir = Path(run_dir).resolve()
-            uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.tracking_uri or f"sqlite:///{run_dir}/mlflow.db"
-            self.client = MlflowClient(tracking_uri=uri)
+            self.client = MlflowClient(tracking_uri=self.uri)
             exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(
                 cfg.tracking.experiment, artifact_location=(run_dir / "mlartifacts").as_uri())
             if resume_run_id:
                 run_id = resume_run_id
-                self.client.update_run(run_id, status="RUNNING")
-                self.client.set_tag(run_id, f"resumed_at_step_{resume_step}", time.strftime("%Y-%m-%dT%H:%M:%S"))
+                try:
+                    self.client.update_run(run_id, status="RUNNING")
+                except MlflowException:
+                    error = (f"tracking.tracking_uri: the checkpoint's MLflow run {run_id} is not in the store "
+                             f"{self.uri}; point tracking.tracking_uri (or MLFLOW_TRACKING_URI) at the store this "
+                             "run was started with")
+                if error is None:
+                    self.client.set_tag(run_id, f"resumed_at_step_{resume_step}", time.strftime("%Y-%m-%dT%H:%M:%S"))
             else:
-                run = self.client.create_run(exp_id, run_name=cfg.tracking.run_name or run_dir.name)
+                run = self.client.create_run(exp_id, run_name=cfg.tracking.run_name or run_dir.name,
+                                             tags=dict(tags or {}))
                 run_id = run.info.run_id
                 params = {k: str(v) for k, v in _flatten(cfg.to_dict()).items()}
                 from mlflow.entities import Param
@@ -57,7 +75,10 @@ class Tracker:
                 items = [Param(k, v) for k, v in params.items()]
                 for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
                     self.client.log_batch(run_id, params=items[i:i + 100])
-        self.run_id = broadcast_object(run_id)
+        # Every rank learns the run id, or the error, so that no rank waits on a peer that has given up.
+        self.run_id, error = broadcast_object((run_id, error))
+        if error:
+            raise ConfigError(error)
 
     def log_metrics(self, metrics: dict, step: int):
         if self.client is None:

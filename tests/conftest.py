@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,21 @@ def run_pretrain(nproc: int, ds_config: str, overrides: list, extra: list = (), 
 
 def read_jsonl(path: Path) -> list:
     return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln]
+
+
+def launch_and_kill(cmd: list, metrics: Path, at_step: int, timeout: int = 300):
+    """Start a training launch and SIGKILL every process of it once ``metrics`` (its metrics.jsonl) has logged
+    ``at_step``: a preempted job, killed between checkpoints."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + timeout
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.is_file() and any(m["step"] >= at_step for m in read_jsonl(metrics)):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "training ended before it could be killed"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     state = {k: v.contiguous() for k, v in trained.model.state_dict().items()}
     save_file(state, str(tmp / EXPORTED_WEIGHTS))
     shutil.copy(trained.tag_dir / "config.yaml", tmp / "config.yaml")
-    meta = {k: trained.client_state.get(k) for k in ("step", "world_size", "mlflow_run_id")}
+    meta = {k: trained.client_state.get(k) for k in ("step", "world_size", "mlflow_run_id", "mlflow_tracking_uri")}
     (tmp / "export.json").write_text(json.dumps({"source": str(trained.tag_dir), **meta}, indent=1))
     if args.output.exists():
         args.output.rmdir()

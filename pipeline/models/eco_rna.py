@@ -223,6 +223,12 @@ class EcoRNA(nn.Module):
             self.core.inject.B.weight.copy_(torch.eye(cfg.d_model))
             self.readout.W_o.weight.copy_(torch.eye(cfg.d_model))
 
+    def no_weight_decay(self) -> set[str]:
+        """Matrices that start at the identity (A.1): weight decay would pull the injection B and the readout W_o
+        toward zero, away from their initialization, rather than toward it. The optimizer leaves them undecayed,
+        like gains, biases and the injection vectors a, b."""
+        return {"core.inject.B.weight", "readout.W_o.weight"}
+
     def rope(self, length: int, device, dtype):
         return rope_cache(length, self.cfg.head_dim, self.cfg.rope_theta, device, dtype)
 

@@ -1,7 +1,7 @@
 """Fixed-depth control for Eco-RNA (paper 000, A.6): a conventional masked LM of distinct blocks run once.
 
 Same block, tokenizer, tied head and interface as Eco-RNA; ``d_ff`` is chosen so that the parameter count matches
-the recurrent model (launchers/configs/eco_rna_control_80m.yaml: 9 blocks, d_ff 3128, within 0.03% of Eco-RNA 80M).
+the recurrent model (launchers/configs/eco_rna_control_stage_a.yaml: 9 blocks, d_ff 3128, within 0.03% of Eco-RNA 80M).
 """
 from __future__ import annotations
 

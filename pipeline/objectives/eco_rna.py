@@ -49,6 +49,11 @@ class EcoRNAObjectiveConfig:
         check(self.k_min >= 1, "k_min", f"must be >= 1, got {self.k_min}")
         check(self.k_cap is None or self.k_cap >= self.k_min, "k_cap", "must be >= k_min")
         check(self.backward_window >= 1, "backward_window", f"must be >= 1, got {self.backward_window}")
+        # The relative displacement ||s_K - s_{K-1}|| / ||s_{K-1}|| differentiates both terminal states (Sec. 2.4);
+        # a window of 1 would detach s_{K-1} and train only half of it.
+        check(self.lambda_fp == 0 or self.backward_window >= 2, "backward_window",
+              f"must be >= 2 when lambda_fp > 0 (the displacement differentiates s_K and s_K-1), "
+              f"got {self.backward_window}")
         check(self.lambda_fp >= 0 and self.lambda_anchor >= 0, "lambda_fp", "weights must be >= 0")
         check(self.eps_fp > 0, "eps_fp", f"must be > 0, got {self.eps_fp}")
         check(self.anchor_depth >= 1, "anchor_depth", f"must be >= 1, got {self.anchor_depth}")

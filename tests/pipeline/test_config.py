@@ -75,3 +75,77 @@ def test_batch_arithmetic():
 def test_precision_conflict():
     with pytest.raises(ConfigError, match=r"fp16.enabled is true but train.precision resolves to fp32"):
         resolve_ds_config({"fp16": {"enabled": True}}, load_config(None), 1, "x.json", cuda=False)
+
+
+def test_inherit_merges_mappings_and_replaces_lists(tmp_path):
+    (tmp_path / "base.yaml").write_text("family: eco_rna\nmodel: {d_model: 64, n_heads: 4, n_kv_heads: 2}\n"
+                                        "optim: {lr: 0.001, betas: [0.9, 0.95]}\ntrain: {max_steps: 5}\n")
+    (tmp_path / "child.yaml").write_text("inherit: base.yaml\nmodel: {d_ff: 96}\noptim: {betas: [0.8, 0.9]}\n")
+    cfg = load_config(tmp_path / "child.yaml")
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.model.d_ff) == (64, 4, 96)  # merged key by key
+    assert cfg.optim.lr == 0.001 and cfg.optim.betas == [0.8, 0.9] and cfg.train.max_steps == 5  # list replaced
+
+
+def test_inherit_cycle_and_bad_value_name_the_file(tmp_path):
+    (tmp_path / "a.yaml").write_text("inherit: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("inherit: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"inherit: a.yaml forms a cycle"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("inherit: [x]\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: inherit: expected a file path"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("inherit: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"missing.yaml: config file not found"):
+        load_config(tmp_path / "d.yaml")
+
+
+def test_pack_is_refused_for_masked_lms_only():
+    for family in ("eco_rna", "eco_rna_control"):
+        with pytest.raises(ConfigError, match=r"^data.pack: family .* is a masked LM"):
+            load_config(None, [f"family={family}", "data.pack=true"])
+    assert load_config(REPO / "launchers" / "configs" / "recursive_gpt_demo.yaml", ["data.pack=true"]).data.pack
+
+
+def test_init_from_optimizer_needs_init_from():
+    with pytest.raises(ConfigError, match=r"^train.init_from_optimizer: needs train.init_from"):
+        load_config(None, ["train.init_from_optimizer=true"])
+    with pytest.raises(ConfigError, match=r"^checkpoint.at_steps: steps must be >= 1"):
+        load_config(None, ["checkpoint.at_steps=[0, 5]"])
+
+
+def test_eco_rna_identity_maps_are_not_decayed():
+    from pipeline.engine import param_groups
+    from pipeline.families import get_family
+
+    cfg = load_config(None)
+    model = get_family("eco_rna").build_model(cfg.model)
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    undecayed = {names[id(p)] for p in no_decay["params"]}
+    assert {"core.inject.B.weight", "readout.W_o.weight", "core.inject.a", "core.inject.b"} <= undecayed
+    assert all(p.ndim >= 2 for p in decay["params"]) and "embed.weight" not in undecayed
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names)
+
+
+@pytest.mark.parametrize("stage", ["a", "b"])
+def test_fixed_depth_control_matches_eco_rna_stage(stage):
+    """A.6: the control matches the recurrent model's parameter count, block count, data and training schedule."""
+    eco = load_config(REPO / "launchers" / "configs" / f"eco_rna_stage_{stage}.yaml")
+    ctl = load_config(REPO / "launchers" / "configs" / f"eco_rna_control_stage_{stage}.yaml")
+    assert (eco.family, ctl.family) == ("eco_rna", "eco_rna_control")
+    assert eco.data == ctl.data and eco.optim == ctl.optim and eco.checkpoint == ctl.checkpoint
+    assert ctl.train.max_steps == eco.train.max_steps and ctl.train.micro_batch_size == eco.train.micro_batch_size
+    blocks = lambda m: m.n_prelude + m.n_core + m.n_coda  # noqa: E731
+    assert blocks(eco.model) == blocks(ctl.model) == 9
+    assert abs(ctl.model.num_params() / eco.model.num_params() - 1) < 0.001
+    assert ctl.objective.depth_law == "fixed" and ctl.objective.lambda_fp == ctl.objective.lambda_anchor == 0
+    if stage == "b":  # each starts from its own Stage A's final checkpoint
+        assert eco.train.init_from.startswith("runs/eco_rna_stage_a/") and eco.train.init_from.endswith("step00300000")
+        assert ctl.train.init_from.startswith("runs/eco_rna_control_stage_a/")
+
+
+def test_stage_a_keeps_the_checkpoints_table_1_reads():
+    cfg = load_config(REPO / "launchers" / "configs" / "eco_rna_stage_a.yaml")
+    assert cfg.train.max_steps == 300_000
+    assert {50_000, 300_000} <= set(cfg.checkpoint.at_steps) and max(cfg.checkpoint.at_steps) <= cfg.train.max_steps

@@ -1,14 +1,10 @@
 """Real 2-process DeepSpeed trainings on CPU (gloo): ZeRO 1-3, MLflow, checkpoints, exact resume after SIGKILL."""
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, deepspeed_cmd, read_jsonl, run_pretrain, launch_env
+from conftest import TINY, deepspeed_cmd, launch_and_kill, read_jsonl, run_pretrain
 
 pytestmark = pytest.mark.slow
 
@@ -55,19 +51,8 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(sample_shards, tmp_path
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     # Start the same run, SIGKILL every process of it once it has logged step 10 (last checkpoint: step 8).
-    proc = subprocess.Popen(deepspeed_cmd(2, "ds_configs/zero2.json",
-                                          overrides(sample_shards, kill_dir, steps, *common)),
-                            cwd=REPO, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    metrics = kill_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and any(m["step"] >= 10 for m in read_jsonl(metrics)):
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "training ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    launch_and_kill(deepspeed_cmd(2, "ds_configs/zero2.json", overrides(sample_shards, kill_dir, steps, *common)),
+                    kill_dir / "metrics.jsonl", at_step=10)
     assert (kill_dir / "checkpoints" / "latest").read_text() in ("step00000008", "step00000012")
 
     resumed = run_pretrain(2, "ds_configs/zero2.json", overrides(sample_shards, kill_dir, steps, *common))

@@ -1,0 +1,45 @@
+"""Worker for test_skipped_update_keeps_the_schedule: a real DeepSpeed engine (1 rank, gloo) takes a step with no
+supervised token (skipped), then normal steps; prints the lr in force at each step and the scheduler's count."""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pipeline.config import load_config  # noqa: E402
+from pipeline.objectives.masking import IGNORE_INDEX  # noqa: E402
+from token_norm_worker import SMALL, microbatches  # noqa: E402
+
+
+def main():
+    import dataclasses
+
+    import deepspeed
+
+    from pipeline.engine import init_distributed, lr_lambda, param_groups, train_step
+    from pipeline.families import get_family
+
+    init_distributed()
+    cfg = load_config(None, SMALL + ["optim.warmup_steps=4", "train.max_steps=8", "optim.lr=0.01"])
+    family = get_family("eco_rna")
+    torch.manual_seed(0)
+    model = family.build_model(cfg.model)
+    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=cfg.optim.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    ds = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "train_batch_size": 3,
+          "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds)
+    batches = microbatches(sys.argv[1], cfg, n=3)
+    empty = dataclasses.replace(batches[0], labels=torch.full_like(batches[0].labels, IGNORE_INDEX))
+    lrs, skipped = [], []
+    for step, batch in enumerate([empty, batches[1], batches[2]]):
+        lrs.append(opt.param_groups[0]["lr"])  # what the trainer logs as this step's lr
+        skipped.append(train_step(engine, family, cfg, [batch], step, torch.device("cpu"))["skipped"])
+    want = [cfg.optim.lr * lr_lambda(cfg)(s) for s in range(3)]
+    print(json.dumps({"lrs": lrs, "want": want, "skipped": skipped, "last_epoch": scheduler.last_epoch}))
+
+
+if __name__ == "__main__":
+    main()
