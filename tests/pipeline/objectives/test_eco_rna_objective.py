@@ -3,6 +3,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pipeline.config import load_config
 from pipeline.data.loader import Batch
@@ -58,8 +59,10 @@ def test_anchor_gradient_is_indicator_times_terminal_gradient():
     cfg0 = load_config(None, SMALL + ["model.init_std=0.3", "objective.lambda_fp=0", "objective.lambda_anchor=0"])
     g_mlm = torch.autograd.grad(recurrent_loss(model, batch, cfg0, p).sum_loss, params)
 
-    # Reference: l_i(K_i) from the wavefront, l_i(K_a) from an independent fixed-depth forward.
-    term = model(batch.input_ids, batch.attention_mask, depths, p.init_state, k_max=5)
+    # Reference: l_i(K_i) from the wavefront with the loss's backward window, l_i(K_a) from an independent
+    # fixed-depth forward. test_anchor_gradient_under_truncated_backprop has rows where the window matters.
+    term = model(batch.input_ids, batch.attention_mask, depths, p.init_state, k_max=5,
+                 backward_window=cfg.objective.backward_window)
     ce_k, m_row = per_row_ce(term.logits, batch.labels)
     ell_k = ce_k / m_row.clamp(min=1)
     with torch.no_grad():
@@ -73,6 +76,65 @@ def test_anchor_gradient_is_indicator_times_terminal_gradient():
     for a, b, c in zip(g_total, g_mlm, expected):
         torch.testing.assert_close((a - b) / m, c, atol=1e-6, rtol=1e-4)
     assert out.stats["anchor_active"] == (int(active.sum()), int(eligible.sum()))
+
+
+def row_loss_by_hand(model, batch, i, s0, depth, window):
+    """l_i(K) of row i alone, unpadded: prelude, then K core applications of which the first K - W run without
+    autograd and hand a detached state to the last min(K, W) (A.2), readout, mean CE over the row's targets."""
+    n = int(batch.attention_mask[i].sum())
+    tokens, labels, s = batch.input_ids[i:i + 1, :n], batch.labels[i, :n], s0[i:i + 1, :n]  # [1, n], [n], [1, n, d]
+    mask = torch.ones(1, n, dtype=torch.bool)
+    rope = model.rope(n, "cpu", torch.float32)
+    e = model.prelude_norm(model.prelude(model.embed(tokens), rope, mask))
+    with torch.no_grad():
+        for _ in range(depth - min(depth, window)):
+            s = model.core(s, e, rope, mask)
+    for _ in range(min(depth, window)):
+        s = model.core(s, e, rope, mask)
+    logits = model.embed(model.readout(s, rope, mask), as_head=True)[0]  # [n, V]
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum") / (labels != IGNORE_INDEX).sum()
+
+
+def test_anchor_gradient_under_truncated_backprop():
+    """Eq. 11 together with the backward window: rows with K_i > W_bwd (and > K_a) differentiate only their last W
+    iterations, in the anchor term as in the MLM term. The reference computes every row alone with the same
+    truncation; l_i(K_a) from a separate no-grad depth-K_a run of the row (the same s0, so the same state)."""
+    W, K_a, margin = 2, 2, 0.01
+    common = SMALL + ["model.init_std=0.3", "objective.lambda_fp=0", f"objective.backward_window={W}"]
+    cfg = load_config(None, common + ["objective.lambda_anchor=1", f"objective.anchor_depth={K_a}",
+                                      f"objective.anchor_margin={margin}"])
+    cfg0 = load_config(None, common + ["objective.lambda_anchor=0"])
+    torch.manual_seed(0)
+    model = EcoRNA(cfg.model)
+    batch = make_batch(1)
+    # k_max 6: one idle step. Row 4 (K=5) reaches K_a at step 3, before the window (steps 5-6); rows 2, 5 (K=3)
+    # reach it at step 5, inside the window.
+    depths = torch.tensor([4, 1, 3, 2, 5, 3])
+    s0 = initial_state(cfg.model, batch.attention_mask, torch.Generator().manual_seed(2))
+    p = Plan(depths, s0, {"k_max": 6})
+    params = list(model.parameters())
+
+    out = recurrent_loss(model, batch, cfg, p)
+    g_anchor = [(a - b) / out.num_tokens for a, b in zip(torch.autograd.grad(out.sum_loss, params),
+                                                         torch.autograd.grad(recurrent_loss(model, batch, cfg0, p)
+                                                                             .sum_loss, params))]
+
+    m_row = (batch.labels != IGNORE_INDEX).sum(1)
+    eligible = [i for i in range(len(depths)) if depths[i] > K_a and m_row[i] > 0]
+    with torch.no_grad():
+        ell_a = {i: row_loss_by_hand(model, batch, i, s0, K_a, K_a) for i in eligible}
+    ell_k = {i: row_loss_by_hand(model, batch, i, s0, int(depths[i]), W) for i in eligible}
+    active = [i for i in eligible if ell_k[i] > ell_a[i] + margin]
+    assert 0 < len(active) < len(eligible) and all(depths[i] > W for i in active), "pick a seed: hinge on for some"
+    expected = torch.autograd.grad(sum(ell_k[i] for i in active) / len(eligible), params)
+    for a, c in zip(g_anchor, expected):
+        torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-4)
+    assert out.stats["anchor_active"] == (len(active), len(eligible))
+
+    # The window matters here: differentiating all K_i iterations gives a gradient far outside the tolerance.
+    full = torch.autograd.grad(sum(row_loss_by_hand(model, batch, i, s0, int(depths[i]), int(depths[i]))
+                                   for i in active) / len(eligible), params)
+    assert max(float((f - c).abs().max()) for f, c in zip(full, expected)) > 1e-2  # measured 0.08
 
 
 def test_displacement_term_and_empty_sets():
