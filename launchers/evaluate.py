@@ -87,7 +87,7 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
     import torch
 
     from pipeline.eval.reconstruction import state_table
-    from pipeline.eval.rnagym import load_assays, load_reference_sheet, score_assays
+    from pipeline.eval.rnagym import describe_types, load_assays, load_reference_sheet, score_assays
     from pipeline.models.eco_rna import initial_state
 
     paths = sorted(data.glob("*.csv")) if data.is_dir() else [data]
@@ -117,7 +117,7 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
                              "per_assay": res["per_assay"], "n_variants": res["n_variants"]}
     agg = lambda k, m: per_depth[str(k)]["aggregate"][m]  # noqa: E731
     return {"assays": list(assays), "notes": {i: list(a.notes) for i, a in assays.items()},
-            "per_depth": per_depth,
+            "per_depth": per_depth, "types_line": describe_types(per_depth[str(depths[0])]["aggregate"]),  # K-free
             "table": [(k, agg(k, "spearman"), agg(k, "auc"), agg(k, "mcc")) for k in depths],
             "columns": ("K", "|spearman|", "AUC", "|MCC|")}
 
@@ -241,6 +241,8 @@ def main(argv=None) -> int:
     print(" | ".join(f"{c:>10}" for c in cols))
     for row in result["table"]:
         print(" | ".join(f"{row[0]:>10d}" if j == 0 else f"{v:>10.4f}" for j, v in enumerate(row)))
+    if "types_line" in result:
+        print(result["types_line"])
     out = args.output or trained.tag_dir / f"eval-{args.task}.json"
     result.update(task=args.task, checkpoint=str(trained.tag_dir), data=str(data), seed=args.seed, depths=depths)
     out.write_text(json.dumps(result, indent=1, default=float))

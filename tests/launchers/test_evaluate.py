@@ -145,6 +145,7 @@ def test_rnagym_sweep_matches_a_hand_computed_score(trained_run, tmp_path):
                     str(RNAGYM / "reference_sheet.csv"), "--depths", "1,2", "--output", str(out), "--no-mlflow")
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
+    assert "RNA types (assays): Ribozyme 1, mRNA-splicing 1; missing mRNA-coding, tRNA, Aptamer" in proc.stdout
 
     had_accelerator = "DS_ACCELERATOR" in os.environ
     try:
