@@ -209,7 +209,7 @@ def test_sandwich_block_matches_eq_A1_by_hand():
     blk = m.core.stack.blocks[0]
     gains = [getattr(blk, f"norm{j}").weight for j in (1, 2, 3, 4)]
     assert all(not torch.allclose(gains[i], gains[j]) for i in range(4) for j in range(i + 1, 4))
-    tokens, mask = padded_batch(1)
+    _, mask = padded_batch(1)
     u = torch.randn(3, 9, 32, generator=torch.Generator().manual_seed(2)) * 3 + 1  # not already unit RMS
     got = blk(u, m.rope(9, "cpu", torch.float32), mask)
     torch.testing.assert_close(got[mask], block_by_hand(blk, u, mask)[mask], atol=1e-5, rtol=1e-5)
@@ -232,7 +232,7 @@ def test_retention_and_injection_match_eq3_and_eq4_by_hand():
     g = torch.Generator().manual_seed(3)
     s, e = torch.randn(3, 9, 32, generator=g), torch.randn(3, 9, 32, generator=g)
     torch.testing.assert_close(inj(s, e), alpha * s + delta * (e @ inj.B.weight.T), atol=1e-5, rtol=1e-5)
-    tokens, mask = padded_batch(4)
+    _, mask = padded_batch(4)
     got = m.core(s, e, m.rope(9, "cpu", torch.float32), mask)
     torch.testing.assert_close(got[mask], core_by_hand(m, s, e, mask)[mask], atol=1e-5, rtol=1e-5)
 
