@@ -102,3 +102,26 @@ def load_trained_model(path: str | Path) -> TrainedModel:
     load_weights_into(model, load_state_dict(tag_dir), tag_dir)
     model.eval()
     return TrainedModel(cfg, model, tag_dir, {} if is_export(tag_dir) else read_client_state(tag_dir))
+
+
+def load_hf_directory(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json as a dict, state dict) of a local Hugging Face model directory, e.g. facebook/esm2_t30_150M_UR50D
+    saved with ``save_pretrained`` or cloned from the hub: ``model.safetensors`` (or its sharded index), else
+    ``pytorch_model.bin`` read with ``weights_only=True``."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{p}: not a Hugging Face model directory (no config.json)")
+    hf_config = json.loads((p / "config.json").read_text())
+    from safetensors.torch import load_file
+
+    if (p / "model.safetensors").is_file():
+        return hf_config, load_file(str(p / "model.safetensors"))
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        state = {}
+        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+            state.update(load_file(str(p / shard)))
+        return hf_config, state
+    if (p / "pytorch_model.bin").is_file():
+        return hf_config, torch.load(p / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ConfigError(f"{p}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")

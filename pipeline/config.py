@@ -160,6 +160,9 @@ class OptimConfig:
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0  # written into the ds_config as gradient_clipping; 0 disables
+    # {group: multiplier} of optim.lr for the parameter groups a model names in lr_groups() (ProtLingo:
+    # memory_tables); the schedule scales every group alike
+    lr_scale: Any = None
 
     def __post_init__(self):
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
@@ -169,6 +172,9 @@ class OptimConfig:
                f"must be two numbers in [0, 1), got {self.betas}")
         _check(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {self.grad_clip}")
         _check(self.schedule_steps is None or self.schedule_steps >= 1, "optim.schedule_steps", "must be >= 1")
+        _check(self.lr_scale is None or (isinstance(self.lr_scale, dict) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            for k, v in self.lr_scale.items())), "optim.lr_scale", f"expected {{group: number > 0}}, got {self.lr_scale!r}")
 
 
 @dataclass

@@ -93,17 +93,36 @@ def lr_lambda(cfg: RunConfig):
     return fn
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float):
-    """Decay matrices; leave gains, biases, vectors and the parameters the model names in ``no_weight_decay()``
-    (e.g. Eco-RNA's identity-initialized B and W_o) undecayed."""
+def param_groups(model: torch.nn.Module, optim) -> list[dict]:
+    """AdamW groups, each with a ``name`` (DeepSpeed's MoE group split needs one).
+
+    Matrices are decayed; gains, biases, vectors and what the model names in ``no_weight_decay()`` (Eco-RNA's
+    identity-initialized B and W_o, ProtLingo's memory tables) are not. A group the model names in ``lr_groups()``
+    gets ``optim.lr * optim.lr_scale[group]``; an lr_scale for a group the model does not have is a ConfigError.
+    """
     exempt = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
-    named = list(model.named_parameters())
-    unknown = sorted(exempt - {n for n, _ in named})
+    named_groups = model.lr_groups() if hasattr(model, "lr_groups") else {}
+    scales = dict(optim.lr_scale or {})
+    unknown = sorted(set(scales) - set(named_groups))
     if unknown:
-        raise ValueError(f"no_weight_decay names unknown parameters {unknown}")
-    decay = [p for n, p in named if p.ndim >= 2 and n not in exempt]
-    no_decay = [p for n, p in named if p.ndim < 2 or n in exempt]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        raise ConfigError(f"optim.lr_scale.{unknown[0]}: the model has no such parameter group "
+                          f"(it has: {', '.join(sorted(named_groups)) or 'none'})")
+    named = list(model.named_parameters())
+    stray = sorted((exempt | set().union(*named_groups.values())) - {n for n, _ in named})
+    if stray:
+        raise ValueError(f"no_weight_decay / lr_groups name unknown parameters {stray[:3]}")
+    group_of = {n: g for g, names in named_groups.items() for n in names}
+    groups: dict[tuple, dict] = {}
+    for n, p in named:
+        decay = p.ndim >= 2 and n not in exempt
+        lr_group = group_of.get(n) if group_of.get(n) in scales else None
+        key = (lr_group or "", decay)
+        if key not in groups:
+            groups[key] = {"name": f"{lr_group + '_' if lr_group else ''}{'decay' if decay else 'no_decay'}",
+                           "params": [], "weight_decay": optim.weight_decay if decay else 0.0,
+                           "lr": optim.lr * (scales[lr_group] if lr_group else 1.0)}
+        groups[key]["params"].append(p)
+    return list(groups.values())
 
 
 def _ensure_dist_env():
@@ -260,7 +279,7 @@ class Trainer:
         init_weights_only = self.init_source is not None and not self.cfg.train.init_from_optimizer
         if init_weights_only:  # fp32 weights from any world size and ZeRO stage, or from an export
             load_weights_into(model, load_state_dict(self.init_source), self.init_source)
-        optimizer = torch.optim.AdamW(param_groups(model, self.cfg.optim.weight_decay), lr=self.cfg.optim.lr,
+        optimizer = torch.optim.AdamW(param_groups(model, self.cfg.optim), lr=self.cfg.optim.lr,
                                       betas=tuple(self.cfg.optim.betas), eps=self.cfg.optim.eps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -521,6 +540,8 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
             rec[k] = num / den
     for i, k in enumerate(tnames):
         rec[k] = float(vec[1 + 2 * len(names) + i])
+    if family.derive_metrics is not None:  # metrics of the reduced step totals (e.g. routing entropy)
+        rec.update(family.derive_metrics(rec))
     return rec
 
 

@@ -10,10 +10,13 @@ from typing import Callable
 from pipeline.config import ConfigError
 from pipeline.data.tokenizer import SPM_PAD_ID
 from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig
+from pipeline.data.protein_tokenizer import PAD_ID as ESM_PAD_ID
 from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
+from pipeline.models.protlingo import ProtLingo, ProtLingoConfig
 from pipeline.models.recursive_gpt import RecursiveGPT, RecursiveGPTConfig, StandardGPT, StandardGPTConfig
 from pipeline.objectives import causal_lm
 from pipeline.objectives import eco_rna as eco_rna_objective
+from pipeline.objectives import protlingo as protlingo_objective
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class Family:
     loss: Callable  # (model, Batch, RunConfig, plan) -> LossOutput
     pad_id: int = 0
     packable: bool = False  # data.pack allowed: the objective masks attention and loss per packed document
+    derive_metrics: Callable | None = None  # reduced step record -> extra metrics (e.g. routing entropy)
 
 
 FAMILIES = {
@@ -40,6 +44,10 @@ FAMILIES = {
     "recursive_gpt": Family("recursive_gpt", RecursiveGPTConfig, RecursiveGPT, causal_lm.CausalLMObjectiveConfig,
                             causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID,
                             packable=True),
+    # Paper 002: ESM2 continued pretraining with latent N-gram memory and an upcycled MoE, masked LM on UniRef.
+    "protlingo": Family("protlingo", ProtLingoConfig, ProtLingo, protlingo_objective.ProtLingoObjectiveConfig,
+                        protlingo_objective.make_transform, protlingo_objective.plan, protlingo_objective.loss,
+                        pad_id=ESM_PAD_ID, derive_metrics=protlingo_objective.derive_metrics),
     "standard_gpt": Family("standard_gpt", StandardGPTConfig, StandardGPT, causal_lm.CausalLMObjectiveConfig,
                            causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID,
                             packable=True),

@@ -26,7 +26,7 @@ def main():
     family = get_family("eco_rna")
     torch.manual_seed(0)
     model = family.build_model(cfg.model)
-    optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=cfg.optim.lr)
+    optimizer = torch.optim.AdamW(param_groups(model, cfg.optim), lr=cfg.optim.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     ds = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1, "train_batch_size": 3,
           "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}

@@ -119,7 +119,9 @@ def test_eco_rna_identity_maps_are_not_decayed():
 
     cfg = load_config(None)
     model = get_family("eco_rna").build_model(cfg.model)
-    decay, no_decay = param_groups(model, 0.1)
+    groups = {g["name"]: g for g in param_groups(model, cfg.optim)}
+    assert sorted(groups) == ["decay", "no_decay"]
+    decay, no_decay = groups["decay"], groups["no_decay"]
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     names = {id(p): n for n, p in model.named_parameters()}
     undecayed = {names[id(p)] for p in no_decay["params"]}
@@ -149,3 +151,14 @@ def test_stage_a_keeps_the_checkpoints_table_1_reads():
     cfg = load_config(REPO / "launchers" / "configs" / "eco_rna_stage_a.yaml")
     assert cfg.train.max_steps == 300_000
     assert {50_000, 300_000} <= set(cfg.checkpoint.at_steps) and max(cfg.checkpoint.at_steps) <= cfg.train.max_steps
+
+
+def test_lr_scale_names_a_models_group():
+    from pipeline.engine import param_groups
+    from pipeline.families import get_family
+
+    cfg = load_config(None, ["optim.lr_scale={memory_tables: 10}"])
+    with pytest.raises(ConfigError, match=r"^optim.lr_scale.memory_tables: the model has no such parameter group"):
+        param_groups(get_family("eco_rna").build_model(cfg.model), cfg.optim)
+    with pytest.raises(ConfigError, match=r"^optim.lr_scale: expected \{group: number > 0\}"):
+        load_config(None, ["optim.lr_scale={memory_tables: 0}"])

@@ -1,0 +1,105 @@
+"""ProtLingo training objective (paper 002, Eq. 16-18): masked LM on UniRef + the MoE auxiliary losses.
+
+Per microbatch this returns ``S + m * A`` (the engine's exact token normalization, as for Eco-RNA): S the summed
+cross-entropy over the masked positions, m their number and A = lambda_aux L_aux + lambda_z L_z the microbatch's
+MoE losses (means over real tokens and MoE layers). The update is then (1 / Z) sum (S + m A): Eq. 17 over every
+masked token of the step plus Eq. 16 weighted by each microbatch's share of the masked tokens.
+
+Sample transform (ESM-2 / BioNeMo): a sequence longer than ``data.context_length - 2`` residues is cropped to a
+uniformly random window of that many residues, then framed as <cls> window <eos> (so a crop keeps both special
+tokens, as BioNeMo crops after framing the full protein). 15% of the residues (never <cls>/<eos>) are selected;
+80% become <mask>, 10% a random one of the 20 standard amino acids, 10% stay (``data.masking``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch.nn.functional as F
+
+from pipeline.config import ConfigError
+from pipeline.data.protein_tokenizer import ProteinTokenizer
+from pipeline.objectives.causal_lm import Plan, plan  # noqa: F401  (no cross-rank plan: nothing to synchronize)
+from pipeline.objectives.eco_rna import LossOutput
+from pipeline.objectives.masking import IGNORE_INDEX, corrupt
+
+
+@dataclass
+class ProtLingoObjectiveConfig:
+    lambda_aux: float = 0.01  # load-balancing loss weight (Eq. 16)
+    lambda_z: float = 0.001  # router z-loss weight
+
+    def __post_init__(self):
+        for name in ("lambda_aux", "lambda_z"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"objective.{name}: must be >= 0, got {getattr(self, name)}")
+
+
+def make_transform(cfg):
+    """Crop (uniform window of context_length - 2 residues), frame <cls> .. <eos>, corrupt. Randomness from ``rng``."""
+    tok = ProteinTokenizer
+    m = cfg.data.masking
+    pool = ProteinTokenizer.residue_ids()
+    body = cfg.data.context_length - 2
+
+    def transform(tokens: np.ndarray, rng: np.random.Generator) -> dict:
+        if len(tokens) > body:
+            start = int(rng.integers(0, len(tokens) - body + 1))
+            tokens = tokens[start:start + body]
+        framed = np.concatenate([[tok.cls_id], tokens, [tok.eos_id]])
+        inputs, labels = corrupt(framed, rng, kind=m.kind, select_prob=m.select_prob, span_mean=m.span_mean,
+                                 mask_prob=m.mask_prob, random_prob=m.random_prob, mask_id=tok.mask_id,
+                                 num_special=4, random_pool=pool)  # ids 0-3 are <cls> <pad> <eos> <unk>
+        return {"input_ids": inputs, "labels": labels}
+
+    return transform
+
+
+def loss(model, batch, cfg, p: Plan) -> LossOutput:
+    """batch: pipeline.data.loader.Batch on the model's device; model: the DeepSpeed engine or a bare ProtLingo."""
+    obj = cfg.objective
+    out = model(batch.input_ids, batch.attention_mask)
+    ce = F.cross_entropy(out.logits.float().transpose(1, 2), batch.labels, ignore_index=IGNORE_INDEX,
+                         reduction="sum")
+    m = int((batch.labels != IGNORE_INDEX).sum())
+    stats = {"mlm_loss": (float(ce.detach()), m)}
+    totals = {"flops": 3 * batch.input_ids.shape[0] * cfg.model.forward_flops(batch.input_ids.shape[1])}
+    aux = ce.new_zeros(())
+    if out.moe_aux is not None:
+        aux = obj.lambda_aux * out.moe_aux + obj.lambda_z * out.moe_z
+        stats["moe/aux_loss"] = (float(out.moe_aux.detach()), 1)
+        stats["moe/z_loss"] = (float(out.moe_z.detach()), 1)
+    for layer, r in out.routing.items():
+        n = float(r.counts.sum())
+        stats[f"moe/L{layer:02d}/router_z"] = (float(r.z.detach()) * n, n)
+        for e, c in enumerate(r.counts.tolist()):
+            totals[f"moe/L{layer:02d}/tokens/e{e}"] = c
+    rows = cfg.model.routes * cfg.model.table_rows
+    for layer, mem in out.memory.items():
+        stats[f"memory/L{layer:02d}/gate_mean"] = (float(mem.gate_sum), mem.tokens)
+        stats[f"memory/L{layer:02d}/rows_addressed"] = (mem.rows_addressed, rows)  # mean over ranks of their own
+        stats[f"memory/L{layer:02d}/collisions"] = (mem.distinct_keys - mem.distinct_addresses, mem.distinct_keys)
+    return LossOutput(sum_loss=ce + m * aux, num_tokens=m, stats=stats, totals=totals)
+
+
+def derive_metrics(rec: dict) -> dict:
+    """Step metrics computed from the all-reduced token counts: per MoE layer the normalized routing entropy
+    H(f) / log E of the fraction f_e of the step's tokens routed to each expert, and the effective number of
+    experts exp H(f) (the paper reports 0.971 and 3.85 of 4 on Swiss-Prot)."""
+    layers: dict = {}
+    for k, v in rec.items():
+        if k.startswith("moe/L") and "/tokens/e" in k:
+            layer = k.split("/")[1]
+            layers.setdefault(layer, []).append(v)
+    out = {}
+    for layer, counts in layers.items():
+        c = np.asarray(counts, dtype=np.float64)
+        if c.sum() <= 0 or len(c) < 2:
+            continue
+        f = c / c.sum()
+        h = -float(np.sum(f[f > 0] * np.log(f[f > 0])))
+        out[f"moe/{layer}/entropy"] = h / math.log(len(c))
+        out[f"moe/{layer}/effective_experts"] = math.exp(h)
+    return out
+

@@ -1,0 +1,52 @@
+#!/usr/bin/env python
+"""Write a randomly initialized ESM2 of a real shape as a Hugging Face directory (config.json + model.safetensors).
+
+    python tools/make_random_esm2.py --size 8M --out data/esm2_random_8M
+
+No machine here can download ESM2 weights, so tests and the CPU demo start from a random ESM2 of the real shape,
+saved by ``transformers`` exactly as ``facebook/esm2_t6_8M_UR50D`` is laid out. With real weights, point
+tools/upcycle_esm2.py at the downloaded directory instead (README, ProtLingo).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# (layers, hidden, heads, FFN) of the published ESM2 checkpoints (DESIGN.md section 4)
+SIZES = {"8M": (6, 320, 20, 1280), "35M": (12, 480, 20, 1920), "150M": (30, 640, 20, 2560),
+         "650M": (33, 1280, 20, 5120)}
+
+
+def esm2_config(size: str):
+    from transformers import EsmConfig
+
+    layers, hidden, heads, ffn = SIZES[size]
+    return EsmConfig(vocab_size=33, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     intermediate_size=ffn, position_embedding_type="rotary", token_dropout=True, mask_token_id=32,
+                     pad_token_id=1, emb_layer_norm_before=False, max_position_embeddings=1026, layer_norm_eps=1e-5,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default="8M")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.out.exists() and any(args.out.iterdir()):
+        print(f"error: {args.out}: exists and is not empty", file=sys.stderr)
+        return 2
+    import torch
+    from transformers import EsmForMaskedLM
+
+    torch.manual_seed(args.seed)
+    model = EsmForMaskedLM(esm2_config(args.size))
+    model.save_pretrained(str(args.out))
+    n = sum(t.numel() for t in model.parameters())
+    print(f"wrote a random ESM2-{args.size} ({n:,} parameters) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
