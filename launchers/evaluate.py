@@ -8,12 +8,23 @@
     python launchers/evaluate.py --checkpoint runs/recursive_gpt_demo --task blimp \
         --data ../shared/data/eval/blimp --depths 2,4,8      # causal LMs; depths may exceed the trained R
     python launchers/evaluate.py --checkpoint runs/recursive_gpt_demo --task lambada --data lambada_test.jsonl
+    python launchers/evaluate.py --checkpoint runs/protlingo --task proteingym \
+        --data ../shared/data/eval/proteingym/BLAT_ECOLX_Jacquier_2013.csv \
+        --reference ../shared/data/eval/proteingym/DMS_substitutions.csv   # or --data a folder of assays
 
 Without --depths a RecursiveGPT is evaluated at its trained recurrence R (the paper's BLiMP and LAMBADA numbers are at
 R = 16 or 24) and the Eco-RNA tasks at 1-8.
 
 The text tasks (blimp, lambada) tokenize with the sentencepiece model beside the checkpoint's training shards
 (DATA/tokenizer.model) unless --spm names one; a standard decoder runs at its one depth (its layer count).
+
+proteingym (pipeline/eval/proteingym.py): zero-shot masked marginals of a masked LM over the ESM-2 alphabet
+(vocab_size 33), any family whose forward(input_ids, attention_mask) returns .logits; it has one depth, so --depths
+is refused. --data is one assay CSV or a folder of them; a folder needs --reference DMS_substitutions.csv and
+scores every CSV it lists (others are named and skipped); one assay without --reference takes its wild type from
+its mutated sequences. Windows of --window tokens (1024, ProteinGym's) for longer proteins; --batch-size masked
+copies per forward pass; on a GPU when one is visible. Reports per-assay Spearman / AUC / MCC and their mean over
+assays; per-mutant scores go to OUTPUT_STEM-scores/DMS_ID.csv; MLflow gets the metrics at the checkpoint's step.
 
 Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json), and, when the checkpoint's MLflow run can
 be reached (its run directory's store, or MLFLOW_TRACKING_URI), logs the metrics with step = K and a
@@ -33,7 +44,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-TASKS = ("reconstruction", "rnagym", "blimp", "lambada")
+TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym")
 
 
 def parse_depths(text: str) -> list[int]:
@@ -122,6 +133,89 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
             "columns": ("K", "|spearman|", "AUC", "|MCC|")}
 
 
+def masked_lm_logits_fn(model):
+    """The ProteinGym ``logits_fn`` of a masked LM: ``model(input_ids, attention_mask).logits`` on the model's
+    device, back as fp32 on the CPU. Any family with that forward fits (ProtLingo, the fixed-depth control, HF
+    EsmForMaskedLM); the scorer checks that the logits cover the 33 ESM-2 tokens."""
+    import torch
+
+    device = next(model.parameters(), torch.empty(0)).device
+
+    @torch.no_grad()
+    def logits_fn(tokens, attention_mask):
+        out = model(tokens.to(device), attention_mask.to(device))
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            raise ValueError(f"{type(model).__name__}(input_ids, attention_mask) returned {type(out).__name__} "
+                             "without .logits: --task proteingym needs a masked LM")
+        return logits.float().cpu()
+
+    return logits_fn
+
+
+def proteingym_model(trained):
+    """The checkpoint's model, refused unless its vocabulary is ESM-2's 33 tokens (a nucleotide or text model would
+    fail inside its embedding on protein ids, or score the wrong tokens), on the GPU when one is visible."""
+    import torch
+
+    vocab = getattr(trained.cfg.model, "vocab_size", None)
+    if vocab is not None and vocab != 33:
+        raise ValueError(f"--task proteingym needs a masked LM over the 33-token ESM-2 alphabet; "
+                         f"{trained.cfg.family} has model.vocab_size {vocab}")
+    return trained.model.cuda() if torch.cuda.is_available() else trained.model
+
+
+def load_proteingym_assays(data: Path, reference: Path | None):
+    """(assays, skipped CSV names): one assay file, or every CSV of a folder that ``reference`` lists."""
+    from pipeline.eval.proteingym import load_assay, load_reference, reference_entry
+
+    if reference is not None and not reference.is_file():
+        raise FileNotFoundError(f"{reference}: ProteinGym reference file not found")
+    ref = load_reference(reference) if reference is not None else None
+    if not data.is_dir():
+        return [load_assay(data, reference_entry(ref, data, reference) if ref else None)], []
+    if ref is None:
+        raise ValueError(f"{data}: a folder of assays needs --reference DMS_substitutions.csv (it lists the assays "
+                         "and their wild types)")
+    paths = [f for f in sorted(data.glob("*.csv")) if f.resolve() != reference.resolve()]
+    listed = [f for f in paths if f.name in ref]
+    if not listed:
+        raise ValueError(f"{data}: none of its {len(paths)} CSV files is a DMS_filename of {reference}")
+    return [load_assay(f, ref[f.name]) for f in listed], [f.name for f in paths if f.name not in ref]
+
+
+def run_proteingym(model, data: Path, reference: Path | None, window: int, batch_size: int) -> dict:
+    """Score the assays of ``data`` with ``model`` (a masked LM whose forward returns .logits)."""
+    from pipeline.eval.proteingym import METRICS, evaluate_assays
+
+    assays, skipped = load_proteingym_assays(data, reference)
+    res = evaluate_assays(assays, masked_lm_logits_fn(model), window=window, batch_size=batch_size)
+    per, agg = res["per_assay"], res["aggregate"]
+    table = [(i, m["n"], *(m[k] for k in METRICS)) for i, m in per.items()]
+    return {"assays": list(per), "skipped": skipped, "window": window, "batch_size": batch_size,
+            "scoring": "masked-marginals", "per_assay": per, "aggregate": agg,
+            "scores": {a.dms_id: {"mutant": a.mutants, "DMS_score": a.dms_score.tolist(),
+                                  "DMS_score_bin": a.dms_score_bin.tolist(), "score": res["scores"][a.dms_id].tolist()}
+                       for a in assays},
+            "table": table + [(f"mean of {agg['n']}", agg["n_mutants"], *(agg[k] for k in METRICS))],
+            "columns": ("assay", "n", "spearman", "AUC", "MCC")}
+
+
+def write_proteingym_scores(result: dict, out: Path) -> Path:
+    """Per-mutant scores, one CSV per assay (mutant, DMS_score, DMS_score_bin, score), beside the JSON; the JSON
+    keeps the metrics only."""
+    import csv
+
+    folder = out.parent / f"{out.stem}-scores"
+    folder.mkdir(parents=True, exist_ok=True)
+    for dms_id, cols in result.pop("scores").items():
+        with open(folder / f"{dms_id}.csv", "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(cols)
+            w.writerows(zip(*cols.values()))
+    return folder
+
+
 def text_setup(trained, depths, spm: Path | None):
     """(encode, [(K, depth argument)]) for the causal-LM families: a standard stack has only its own depth."""
     import sentencepiece
@@ -163,14 +257,41 @@ def run_lambada(trained, data: Path, depths, spm: Path | None) -> dict:
             "table": [(k, per_depth[str(k)]["pass_at_k"], per_depth[str(k)]["accuracy"]) for k, _ in runs]}
 
 
-def log_to_mlflow(trained, task: str, result: dict) -> str | None:
-    """Log into the checkpoint's training run when its store is reachable; returns the run id used."""
+def mlflow_target(trained) -> tuple[str | None, str | None]:
+    """(run id, tracking URI) of the checkpoint's training run; None where it cannot be reached."""
     run_id = os.environ.get("MLFLOW_RUN_ID") or trained.client_state.get("mlflow_run_id")
-    run_dir = Path(trained.cfg.run_dir)
     db = trained.tag_dir.parent.parent / "mlflow.db"
     uri = os.environ.get("MLFLOW_TRACKING_URI") or trained.cfg.tracking.tracking_uri or (
         f"sqlite:///{db.resolve()}" if db.is_file() else None)
-    if not (run_id and uri):
+    return (run_id, uri) if run_id and uri else (None, None)
+
+
+def log_proteingym_to_mlflow(trained, result: dict, out: Path) -> str | None:
+    """eval/proteingym/{spearman,auc,mcc} (mean over assays) and eval/proteingym/DMS_ID/... at the checkpoint's
+    training step (no depth axis, so no plot), and the JSON as an artifact."""
+    run_id, uri = mlflow_target(trained)
+    if not run_id:
+        return None
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    step, now_ms = int(trained.client_state.get("step", 0)), int(time.time() * 1000)
+    keys = ("spearman", "auc", "mcc")
+    named = [(f"eval/proteingym/{k}", result["aggregate"][k]) for k in keys]
+    named += [(f"eval/proteingym/{i}/{k}", m[k]) for i, m in result["per_assay"].items() for k in keys]
+    metrics = [Metric(name, float(v), now_ms, step) for name, v in named if np.isfinite(v)]
+    for b in range(0, len(metrics), 1000):  # MLflow's log_batch takes at most 1000 metrics
+        client.log_batch(run_id, metrics=metrics[b:b + 1000])
+    client.log_artifact(run_id, str(out), "eval")
+    return run_id
+
+
+def log_to_mlflow(trained, task: str, result: dict) -> str | None:
+    """Log into the checkpoint's training run when its store is reachable; returns the run id used."""
+    run_id, uri = mlflow_target(trained)
+    run_dir = Path(trained.cfg.run_dir)
+    if not run_id:
         return None
     import matplotlib
 
@@ -203,11 +324,16 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, or an export")
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
-                   "blimp: JSONL or dir; lambada: text or JSONL")
+                   "blimp: JSONL or dir; lambada: text or JSONL; proteingym: assay CSV or dir")
     p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
                    "recursive_gpt, 1-8 for eco_rna)")
     p.add_argument("--seed", type=int, default=0, help="seeds the masks and the initial-state table")
     p.add_argument("--reference-sheet", type=Path, default=None, help="RNAGym reference_sheet.csv")
+    p.add_argument("--reference", type=Path, default=None, help="proteingym: DMS_substitutions.csv (wild types; "
+                   "required for a folder)")
+    p.add_argument("--window", type=int, default=1024, help="proteingym: tokens per window incl. <cls>/<eos> "
+                   "(ProteinGym's optimal window, 1024)")
+    p.add_argument("--batch-size", type=int, default=32, help="proteingym: masked copies per forward pass")
     p.add_argument("--spm", type=Path, default=None, help="blimp/lambada: sentencepiece model "
                    "(default: tokenizer.model beside the training shards)")
     p.add_argument("--blimp-method", default="full", choices=("full", "one_prefix", "two_prefix"))
@@ -220,13 +346,20 @@ def main(argv=None) -> int:
     from pipeline.data.shards import ShardError
 
     try:
+        if args.task == "proteingym" and args.depths:  # a masked LM has one depth: a sweep would repeat one number
+            raise ValueError("--depths does not apply to --task proteingym (one forward depth per model)")
+        if args.reference is not None and args.task != "proteingym":
+            raise ValueError("--reference is for --task proteingym (rnagym: --reference-sheet)")
         depths = parse_depths(args.depths) if args.depths else None  # parsed first: a bad --depths fails early
         data = Path(args.data)
         if not data.exists():
             raise FileNotFoundError(f"{data}: no such file or directory")
         trained = load_trained_model(args.checkpoint)
-        depths = depths or default_depths(trained.cfg)
-        if args.task == "reconstruction":
+        if args.task != "proteingym":  # proteingym has no depth axis
+            depths = depths or default_depths(trained.cfg)
+        if args.task == "proteingym":
+            result = run_proteingym(proteingym_model(trained), data, args.reference, args.window, args.batch_size)
+        elif args.task == "reconstruction":
             result = run_reconstruction(trained, data, depths, args.seed)
         elif args.task == "rnagym":
             result = run_rnagym(trained, data, depths, args.seed, args.reference_sheet)
@@ -238,19 +371,31 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cols = result["columns"]
-    print(" | ".join(f"{c:>10}" for c in cols))
-    for row in result["table"]:
-        print(" | ".join(f"{row[0]:>10d}" if j == 0 else f"{v:>10.4f}" for j, v in enumerate(row)))
+    out = args.output or trained.tag_dir / f"eval-{args.task}.json"
+    if args.task == "proteingym":
+        width = max(len(str(r[0])) for r in result["table"])
+        print(f"{cols[0]:<{width}} | " + " | ".join(f"{c:>10}" for c in cols[1:]))
+        for row in result["table"]:
+            print(f"{row[0]:<{width}} | {row[1]:>10d} | " + " | ".join(f"{v:>10.4f}" for v in row[2:]))
+        if result["skipped"]:
+            print(f"note: not in {args.reference}, not scored: {', '.join(result['skipped'])}", file=sys.stderr)
+        print(f"wrote {write_proteingym_scores(result, out)}/")
+    else:
+        print(" | ".join(f"{c:>10}" for c in cols))
+        for row in result["table"]:
+            print(" | ".join(f"{row[0]:>10d}" if j == 0 else f"{v:>10.4f}" for j, v in enumerate(row)))
     if "types_line" in result:
         print(result["types_line"])
-    out = args.output or trained.tag_dir / f"eval-{args.task}.json"
     result.update(task=args.task, checkpoint=str(trained.tag_dir), data=str(data), seed=args.seed, depths=depths)
+    if args.task == "proteingym":
+        result.update(reference=str(args.reference) if args.reference else None)
     out.write_text(json.dumps(result, indent=1, default=float))
     print(f"wrote {out}")
     if not args.no_mlflow:
-        run_id = log_to_mlflow(trained, args.task, result)
-        if run_id:
-            print(f"logged to MLflow run {run_id}")
+        log = log_proteingym_to_mlflow(trained, result, out) if args.task == "proteingym" else \
+            log_to_mlflow(trained, args.task, result)
+        if log:
+            print(f"logged to MLflow run {log}")
     return 0
 
 
