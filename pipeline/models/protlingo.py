@@ -314,7 +314,7 @@ class LatentNgramMemory(nn.Module):
         self.W_v = nn.Linear(cfg.memory_latent, d, bias=False)
         self.k_norm, self.v_norm = RMSNorm(d, cfg.layer_norm_eps), RMSNorm(d, cfg.layer_norm_eps)
         self.conv = nn.Conv1d(d, d, kernel_size=3, groups=d)  # depthwise; zero-init; causal by left padding
-        self.alpha = nn.Parameter(torch.ones(()))
+        self.alpha = nn.Parameter(torch.ones(1))  # [1], not a 0-dim scalar: DeepSpeed's broadcast views params as bytes
         nn.init.zeros_(self.conv.weight)
         nn.init.zeros_(self.conv.bias)
         radix = 2 ** cfg.memory_bits + 1
