@@ -311,3 +311,17 @@ def test_config_errors_name_the_field():
         memory_cfg(memory_bits=3)
     with pytest.raises(ValueError, match=r"model.moe_backend: must be one of"):
         tiny_cfg(moe_backend="fast")
+
+
+def test_memory_tables_get_their_own_lr_and_no_decay():
+    from pipeline.engine import param_groups
+
+    model = ProtLingo(tiny_cfg(memory_layers=[0, 1], memory_radius=1))
+    optim = load_config(None, ["family=protlingo", "optim.lr=0.002", "optim.weight_decay=0.1",
+                               "optim.lr_scale={memory_tables: 10}"]).optim
+    groups = {g["name"]: g for g in param_groups(model, optim)}
+    assert sorted(groups) == ["decay", "memory_tables_no_decay", "no_decay"]
+    tables = groups["memory_tables_no_decay"]
+    assert {id(p) for p in tables["params"]} == {id(m.tables) for m in model.memory.values()}
+    assert tables["lr"] == pytest.approx(0.02) and tables["weight_decay"] == 0.0
+    assert groups["decay"]["lr"] == 0.002 and groups["decay"]["weight_decay"] == 0.1
