@@ -8,6 +8,18 @@ A shard directory holds WebDataset tar files and one ``manifest.json``::
                                                           uint16 up to 65536, else uint32)
                                        <key>.meta.json   ({"id": record id, "source": ..., ...})
 
+The manifest's ``layout`` says what a sample is:
+
+* ``"sequences"`` (every source; manifests written before the field existed): one sample = one sequence, the
+  two members above.
+* ``"clusters"`` (``data_prep uniref --clusters``): one sample = one UniRef50 cluster holding all of its UniRef90
+  members. ``<key>.tokens.npy`` is the members' tokens concatenated in the cluster's member order and
+  ``<key>.offsets.npy`` (uint32, or uint64 past 2**32 - 1 tokens) holds n + 1 offsets, member i being
+  ``tokens[offsets[i]:offsets[i + 1]]`` (offsets[0] = 0, strictly increasing: no member is empty); meta ``members``
+  lists the member ids in that order. A shard's ``tokens`` count is the residues of all members. The training loader
+  draws one member per (seed, epoch, sample) and never sees the concatenation; read such shards with
+  :func:`read_clusters` (:func:`read_shard` refuses them rather than hand out the concatenation as one sequence).
+
 The manifest is the contract the loader relies on: per shard its sample and token counts and sha256, so a reader can
 jump to any (epoch, position) without opening the tars it skips, and can tell a truncated shard from a short one.
 """
@@ -27,6 +39,7 @@ from webdataset.tariterators import group_by_keys, tar_file_iterator
 from webdataset.writer import TarWriter
 
 FORMAT = "bioseq-wds/1"
+LAYOUTS = ("sequences", "clusters")
 
 
 class ShardError(ValueError):
@@ -51,6 +64,7 @@ class Manifest:
     filtered: dict = field(default_factory=dict)  # reason -> count, for every record not written
     inputs: list = field(default_factory=list)  # [{"path", "records", ...}]
     stats: dict = field(default_factory=dict)  # source-specific counters (residues, normalizations, ...)
+    layout: str = "sequences"  # what one sample is: a sequence, or a UniRef50 cluster of members (LAYOUTS)
     format: str = FORMAT
 
     @property
@@ -97,6 +111,9 @@ def load_manifest(directory: str | Path) -> Manifest:
         raise ShardError(f"{path}: not valid JSON ({e})") from None
     if raw.get("format") != FORMAT:
         raise ShardError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
+    layout = raw.get("layout", "sequences")  # manifests from before clusters existed hold sequences
+    if layout not in LAYOUTS:
+        raise ShardError(f"{path}: layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
     shards = [ShardInfo(**s) for s in raw["shards"]]
     for s in shards:
         p = directory / s.path
@@ -107,7 +124,8 @@ def load_manifest(directory: str | Path) -> Manifest:
     if not shards:
         raise ShardError(f"{path}: lists no shards")
     return Manifest(source=raw["source"], tokenizer=raw["tokenizer"], shards=shards,
-                    filtered=raw.get("filtered", {}), inputs=raw.get("inputs", []), stats=raw.get("stats", {}))
+                    filtered=raw.get("filtered", {}), inputs=raw.get("inputs", []), stats=raw.get("stats", {}),
+                    layout=layout)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -118,23 +136,44 @@ def token_dtype(vocab_size: int) -> np.dtype:
     raise ValueError(f"vocabulary of {vocab_size} tokens does not fit in uint32")
 
 
+def offsets_dtype(total: int) -> np.dtype:
+    """uint32 for a cluster's offsets, uint64 when its members hold more tokens than uint32 counts."""
+    return np.dtype(np.uint32 if total <= np.iinfo(np.uint32).max else np.uint64)
+
+
+def check_offsets(offsets: np.ndarray, n_tokens: int) -> str | None:
+    """Why ``offsets`` does not split ``n_tokens`` tokens into non-empty members, or None when it does."""
+    if offsets.ndim != 1 or offsets.dtype.kind not in "ui":
+        return f"offsets must be a 1-D integer array, got {offsets.dtype} {offsets.shape}"
+    if len(offsets) < 2:
+        return "a cluster needs at least one member (offsets of length >= 2)"
+    if int(offsets[0]) != 0 or int(offsets[-1]) != n_tokens:
+        return f"offsets run from {int(offsets[0])} to {int(offsets[-1])}, expected 0 to {n_tokens} (the tokens)"
+    if not np.all(offsets[1:] > offsets[:-1]):
+        return "offsets must be strictly increasing (no empty member)"
+    return None
+
+
 class ShardWriter:
     """Writes samples into numbered tar shards of at most ``max_samples`` samples each.
 
     Shards are written as ``.tar.tmp`` and renamed when closed; ``abort()`` removes everything written.
     ``vocab_size`` fixes the stored dtype for the whole directory (default: uint8, the nucleotide and protein
-    vocabularies). ``completed`` are shards a previous (interrupted) run already wrote and verified: numbering
-    continues after them. ``on_close(info)`` is called after each shard is renamed into place (a resumable job
-    records it in its progress file).
+    vocabularies). ``layout`` "clusters" makes every sample a cluster: ``write`` then needs the members' offsets.
+    ``completed`` are shards a previous (interrupted) run already wrote and verified: numbering continues after
+    them. ``on_close(info)`` is called after each shard is renamed into place (a resumable job records it in its
+    progress file).
     """
 
     def __init__(self, directory: str | Path, prefix: str = "shard", max_samples: int = 10_000,
                  vocab_size: int = 256, completed: list[ShardInfo] | None = None,
-                 on_close: Callable[[ShardInfo], None] | None = None):
+                 on_close: Callable[[ShardInfo], None] | None = None, layout: str = "sequences"):
         if max_samples < 1:
             raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
         self.directory = Path(directory)
-        self.prefix, self.max_samples = prefix, max_samples
+        self.prefix, self.max_samples, self.layout = prefix, max_samples, layout
         self.dtype, self.vocab_size = token_dtype(vocab_size), vocab_size
         self.shards: list[ShardInfo] = list(completed or [])
         self.on_close = on_close
@@ -151,20 +190,30 @@ class ShardWriter:
         self._writer = TarWriter(self._file, encoder=False, mtime=0)
         self._count = self._tokens = 0
 
-    def write(self, key: str, tokens: np.ndarray, meta: dict):
+    def write(self, key: str, tokens: np.ndarray, meta: dict, offsets: np.ndarray | None = None):
+        """One sample; with layout "clusters" ``tokens`` are the members concatenated and ``offsets`` their n + 1
+        boundaries (see the module docstring)."""
         if "/" in key or key.startswith(".") or "." in key:
             raise ValueError(f"sample key {key!r} may not contain '/' or '.'")
-        if self._writer is None:
-            self._open()
+        if (offsets is not None) != (self.layout == "clusters"):
+            raise ValueError(f"sample {key}: offsets are given for, and only for, the clusters layout "
+                             f"(this writer's layout is {self.layout!r})")
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
             raise ValueError(f"tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
             raise ValueError(f"sample {key}: token id outside 0..{self.vocab_size - 1}")
-        buf = io.BytesIO()
-        np.save(buf, tokens.astype(self.dtype, copy=False), allow_pickle=False)
-        self._writer.write({"__key__": key, "tokens.npy": buf.getvalue(),
-                            "meta.json": json.dumps(meta, separators=(",", ":")).encode()})
+        member = {"__key__": key, "tokens.npy": _npy(tokens.astype(self.dtype, copy=False)),
+                  "meta.json": json.dumps(meta, separators=(",", ":")).encode()}
+        if offsets is not None:
+            offsets = np.asarray(offsets)
+            why = check_offsets(offsets, len(tokens))
+            if why is not None:
+                raise ValueError(f"sample {key}: {why}")
+            member["offsets.npy"] = _npy(offsets.astype(offsets_dtype(len(tokens)), copy=False))
+        if self._writer is None:
+            self._open()
+        self._writer.write(member)
         self._count += 1
         self._tokens += len(tokens)
         if self._count >= self.max_samples:
@@ -198,13 +247,34 @@ class ShardWriter:
         self.shards = []
 
 
+def _npy(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
 def read_shard(path: str | Path, expected_samples: int | None = None) -> list[tuple[str, np.ndarray, dict]]:
     """All samples of one shard as (key, tokens, meta), in file order; tokens keep their stored unsigned dtype.
 
     A truncated or corrupt tar, a member name that escapes the shard, an unreadable member (named), or fewer samples
-    than the manifest promises is one ShardError naming the file.
+    than the manifest promises is one ShardError naming the file. So is a cluster shard (``<key>.offsets.npy``):
+    its tokens are several proteins end to end, which no caller should take for one sequence; use read_clusters.
     """
-    path = Path(path)
+    return [(key, tokens, meta) for key, tokens, _, meta in _read_samples(Path(path), expected_samples, False)]
+
+
+def read_clusters(path: str | Path, expected_samples: int | None = None
+                  ) -> list[tuple[str, list[np.ndarray], dict]]:
+    """All samples of a cluster shard as (key, member token arrays in the cluster's order, meta), in file order;
+    the errors of read_shard, plus a sample without offsets or with offsets that do not split its tokens."""
+    out = []
+    for key, tokens, offsets, meta in _read_samples(Path(path), expected_samples, True):
+        out.append((key, [tokens[int(a):int(b)] for a, b in zip(offsets[:-1], offsets[1:])], meta))
+    return out
+
+
+def _read_samples(path: Path, expected_samples: int | None, clusters: bool) -> list:
+    """(key, tokens, offsets or None, meta) of every sample, checked as read_shard / read_clusters promise."""
     out = []
     last = None  # last member read whole: locates tar-level corruption
     try:
@@ -216,20 +286,33 @@ def read_shard(path: str | Path, expected_samples: int | None = None) -> list[tu
                     raise ValueError(f"member {key!r} escapes the shard")
                 if "tokens.npy" not in sample or "meta.json" not in sample:
                     raise ValueError(f"sample {key!r} lacks tokens.npy or meta.json")
+                if ("offsets.npy" in sample) != clusters:
+                    raise ValueError(f"sample {key!r} is a UniRef50 cluster ({key}.offsets.npy): read the shard with "
+                                     "read_clusters" if not clusters else
+                                     f"sample {key!r} lacks offsets.npy: not a cluster shard (use read_shard)")
                 try:
                     tokens = np.load(io.BytesIO(sample["tokens.npy"]), allow_pickle=False)
                     if tokens.ndim != 1 or tokens.dtype.kind != "u":
                         raise ValueError(f"holds {tokens.dtype} {tokens.shape}, expected 1-D unsigned ids")
                 except (ValueError, EOFError, OSError) as e:
                     raise ValueError(f"corrupt member {key}.tokens.npy ({e})") from None
+                offsets = None
+                if clusters:
+                    try:
+                        offsets = np.load(io.BytesIO(sample["offsets.npy"]), allow_pickle=False)
+                    except (ValueError, EOFError, OSError) as e:
+                        raise ValueError(f"corrupt member {key}.offsets.npy ({e})") from None
+                    why = check_offsets(offsets, len(tokens))
+                    if why is not None:
+                        raise ValueError(f"corrupt member {key}.offsets.npy ({why})")
                 try:
                     meta = json.loads(sample["meta.json"])
                 except (ValueError, UnicodeDecodeError) as e:
                     raise ValueError(f"corrupt member {key}.meta.json ({e})") from None
-                out.append((key, tokens, meta))
+                out.append((key, tokens, offsets, meta))
                 last = key
     except (tarfile.TarError, EOFError, OSError) as e:
-        after = f" after member {last}.meta.json" if last else " at its first member"
+        after = f" after member {last}.tokens.npy" if last else " at its first member"
         raise ShardError(f"{path}: truncated or corrupt shard{after} ({e})") from None
     except ShardError:
         raise
