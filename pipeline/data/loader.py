@@ -16,6 +16,16 @@ infinite stream: after its shards it continues with its next epoch, independentl
 with replacement across epochs). Every random choice for a sample (crop, masking) is seeded by (key, epoch, shard,
 index), so a sample's content never depends on who read it or when.
 
+Clusters. A source whose manifest has layout "clusters" (``data_prep uniref --clusters``) holds one UniRef50 cluster
+per sample with all its UniRef90 members (pipeline/data/shards.py). Such a sample is a draw: the member is chosen
+uniformly from the sample's own generator, seeded (key, epoch, shard, index) like every other choice and drawn
+before the transform uses it, so the member depends on (seed, epoch, sample) only -- not on rank, worker count,
+shuffle window or resume -- and a new epoch draws again (ESM-2's UniRef50/90 sampling; BioNeMo's ESM2 dataset seeds
+one generator per (seed, index) and draws the member, the crop and the mask from it in that order). A one-member
+cluster costs no draw. The transform sees the member's tokens as if they were the sample, and the sample id names
+the member by its index in the cluster's meta ``members``: ``shard/key@epoch#member``. ``cluster_sampling`` True
+requires cluster sources, False refuses them, None (default) follows each source's manifest.
+
 Mixture. Draw k of stream (rank r, stream w) picks its source from u_k = U(seed, r, w, k) and the weights of the
 optimizer step of the microbatch being filled (pipeline/data/mixture.py): stateless in k.
 
@@ -51,7 +61,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.mixture import MixtureSchedule, SourceChooser
-from pipeline.data.shards import ShardError, load_manifest
+from pipeline.data.shards import ShardError, check_offsets, load_manifest
 from pipeline.objectives.masking import IGNORE_INDEX
 
 # (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}
@@ -64,7 +74,7 @@ class Batch:
     input_ids: torch.Tensor  # [B, L] int64
     labels: torch.Tensor  # [B, L] int64, IGNORE_INDEX where unsupervised
     attention_mask: torch.Tensor  # [B, L] bool, True at real tokens
-    sample_ids: list  # strings "[source:]shard/key@epoch", one per sample (packed rows: several per row)
+    sample_ids: list  # "[source:]shard/key@epoch" (clusters: "...@epoch#member"), one per sample (packed: several)
     sources: list | None = None  # source name per sample, aligned with sample_ids
     document_ids: torch.Tensor | None = None  # [B, L] int64 packed rows: document index in its row, -1 at padding
     position_ids: torch.Tensor | None = None  # [B, L] int64 packed rows: position within its document, 0 at padding
@@ -178,6 +188,9 @@ def read_tokens(path: Path, expected_samples: int | None = None) -> list[tuple[s
         with tarfile.open(path, "r:") as tf:
             for m in tf:
                 if not m.isfile() or not m.name.endswith(".tokens.npy"):
+                    if m.name.endswith(".offsets.npy"):  # never hand out a cluster's members end to end
+                        raise ShardError(f"{path}: member {m.name}: a UniRef50 cluster shard, read by cluster "
+                                         "sampling only (its manifest must say layout 'clusters')")
                     continue
                 key = m.name[:-len(".tokens.npy")]
                 try:
@@ -197,12 +210,96 @@ def read_tokens(path: Path, expected_samples: int | None = None) -> list[tuple[s
     return out
 
 
+def _unsigned_member(path: Path, tf: tarfile.TarFile, m: tarfile.TarInfo) -> np.ndarray:
+    try:
+        array = decode_tokens(tf.extractfile(m).read())
+        if array.ndim != 1 or array.dtype.kind != "u":
+            raise ValueError(f"holds {array.dtype} {array.shape}, expected a 1-D unsigned array")
+    except (ValueError, EOFError) as e:
+        raise ShardError(f"{path}: corrupt member {m.name} ({e})") from None
+    return array
+
+
+def read_cluster_tokens(path: Path, expected_samples: int | None = None) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(key, members' tokens end to end, offsets) of every sample of a cluster shard, in file order.
+
+    The cluster counterpart of read_tokens (same errors), plus: a sample without both members, or offsets that do not
+    split its tokens into non-empty members, is a ShardError naming the member.
+    """
+    out, last = [], None
+    key = tokens = offsets = None
+
+    def finish():
+        if tokens is None or offsets is None:
+            raise ShardError(f"{path}: sample {key} lacks {key}.{'tokens' if tokens is None else 'offsets'}.npy "
+                             "(a cluster shard holds both per sample)")
+        why = check_offsets(offsets, len(tokens))
+        if why is not None:
+            raise ShardError(f"{path}: corrupt member {key}.offsets.npy ({why})")
+        out.append((key, tokens, offsets))
+
+    try:
+        with tarfile.open(path, "r:") as tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                if m.name.endswith(".tokens.npy"):
+                    k, kind = m.name[:-len(".tokens.npy")], "tokens"
+                elif m.name.endswith(".offsets.npy"):
+                    k, kind = m.name[:-len(".offsets.npy")], "offsets"
+                else:
+                    continue
+                if k != key:  # the members of a sample are adjacent in a WebDataset tar
+                    if key is not None:
+                        finish()
+                    key, tokens, offsets = k, None, None
+                if kind == "tokens":
+                    tokens = _unsigned_member(path, tf, m)
+                else:
+                    offsets = _unsigned_member(path, tf, m)
+                last = m.name
+            if key is not None:
+                finish()
+    except (tarfile.TarError, EOFError, OSError) as e:
+        after = f" after member {last}" if last else " at its first member"
+        raise ShardError(f"{path}: truncated or corrupt shard{after} ({e})") from None
+    if expected_samples is not None and len(out) != expected_samples:
+        raise ShardError(f"{path}: holds {len(out)} samples but the manifest says {expected_samples} "
+                         "(truncated shard?)")
+    return out
+
+
+def draw_member(offsets: np.ndarray, rng) -> int:
+    """Index of the member a cluster sample trains on: uniform over its n members from the sample's generator
+    (BioNeMo: ``rng.choice(cluster)``); a one-member cluster draws nothing, so its generator stays unseeded."""
+    n = len(offsets) - 1
+    return int(rng.integers(n)) if n > 1 else 0
+
+
+def _tar_layout(path: Path) -> str:
+    """'clusters' when the first sample of a tar has an offsets member, else 'sequences' (brace URLs, no manifest)."""
+    first = None
+    try:
+        with tarfile.open(path, "r:") as tf:
+            for m in tf:
+                key = m.name.rsplit("/", 1)[-1].split(".", 1)[0]
+                if first is not None and key != first:
+                    break
+                first = key
+                if m.name.endswith(".offsets.npy"):
+                    return "clusters"
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise ShardError(f"{path}: truncated or corrupt shard at its first member ({e})") from None
+    return "sequences"
+
+
 @dataclass(frozen=True)
 class ShardRef:
     path: Path  # file to open
     name: str  # shown in sample ids: the manifest's relative path, or the file name for brace URLs
     samples: int
     tokens: int
+    layout: str = "sequences"  # the directory's layout: a sample is a sequence, or a cluster of members
 
 
 def is_url_pattern(spec: str) -> bool:
@@ -215,7 +312,8 @@ def resolve_shards(spec: str) -> tuple[ShardRef, ...]:
     if not is_url_pattern(spec):
         directory = Path(spec)
         manifest = load_manifest(directory)
-        return tuple(ShardRef(directory / s.path, s.path, s.samples, s.tokens) for s in manifest.shards)
+        return tuple(ShardRef(directory / s.path, s.path, s.samples, s.tokens, manifest.layout)
+                     for s in manifest.shards)
     from braceexpand import braceexpand
 
     paths = [Path(p) for p in braceexpand(spec)]
@@ -223,8 +321,12 @@ def resolve_shards(spec: str) -> tuple[ShardRef, ...]:
     for p in paths:
         if not p.is_file():
             raise FileNotFoundError(f"{spec}: shard {p} does not exist")
-        records = read_tokens(p)
-        refs.append(ShardRef(p, p.name, len(records), sum(len(t) for _, t in records)))
+        layout = _tar_layout(p)
+        if refs and layout != refs[0].layout:
+            raise ShardError(f"{spec}: {p.name} holds {layout} but {refs[0].name} holds {refs[0].layout}")
+        # read_tokens refuses cluster members; read_cluster_tokens refuses samples without offsets
+        records = read_cluster_tokens(p) if layout == "clusters" else read_tokens(p)
+        refs.append(ShardRef(p, p.name, len(records), sum(len(r[1]) for r in records), layout))
     if not refs:
         raise ShardError(f"{spec}: the pattern names no shards")
     return tuple(refs)
@@ -243,10 +345,19 @@ class SourceStream:
     """The infinite sample streams of one source for one rank (one stream per loader stream)."""
 
     def __init__(self, source: Source, key: tuple, *, rank: int, world_size: int, num_streams: int,
-                 transform: SampleTransform, id_prefix: str, shuffle_buffer: int = 0):
+                 transform: SampleTransform, id_prefix: str, shuffle_buffer: int = 0,
+                 cluster_sampling: bool | None = None):
         self.name, self.spec = source.name, str(source.shards)
         self.shuffle_buffer = shuffle_buffer
         self.shards = resolve_shards(self.spec)
+        self.clusters = self.shards[0].layout == "clusters"
+        if cluster_sampling is True and not self.clusters:
+            raise ValueError(f"{self.spec}: cluster sampling (data.cluster_sampling) is on but these shards hold "
+                             "sequences, not UniRef50 clusters; prepare them with `python -m data_prep uniref "
+                             "--clusters TSV` or turn cluster sampling off")
+        if cluster_sampling is False and self.clusters:
+            raise ValueError(f"{self.spec}: holds UniRef50 clusters (manifest layout 'clusters'), which are only "
+                             "read by drawing a member; cluster sampling (data.cluster_sampling) is off")
         self.key, self.rank, self.world_size, self.num_streams = key, rank, world_size, num_streams
         self.transform, self.id_prefix = source.transform or transform, id_prefix
         n_shards, needed = len(self.shards), world_size * num_streams
@@ -272,15 +383,23 @@ class SourceStream:
                 epoch += 1
                 continue
             records: dict[int, list] = {}  # shard index -> its (key, tokens), for the shards of the current window
+            clusters, read = self.clusters, read_cluster_tokens if self.clusters else read_tokens
             for window in self._epoch_windows(stream, epoch, shards, skip):
                 for sid in set(records) - {sid for sid, _ in window}:
                     del records[sid]
                 for sid, j in window:
                     if sid not in records:
-                        records[sid] = read_tokens(self.shards[sid].path, expected_samples=int(self.counts[sid]))
-                    key, tokens = records[sid][j]
-                    sample = self.transform(tokens, LazyRng([*self.key, epoch, sid, j]))
-                    sample["sample_id"] = f"{self.id_prefix}{self.shards[sid].name}/{key}@{epoch}"
+                        records[sid] = read(self.shards[sid].path, expected_samples=int(self.counts[sid]))
+                    rng = LazyRng([*self.key, epoch, sid, j])
+                    if clusters:  # the member first, from the sample's own generator: see "Clusters" above
+                        key, tokens, offsets = records[sid][j]
+                        m = draw_member(offsets, rng)
+                        sample = self.transform(tokens[int(offsets[m]):int(offsets[m + 1])], rng)
+                        sample["sample_id"] = f"{self.id_prefix}{self.shards[sid].name}/{key}@{epoch}#{m}"
+                    else:
+                        key, tokens = records[sid][j]
+                        sample = self.transform(tokens, rng)
+                        sample["sample_id"] = f"{self.id_prefix}{self.shards[sid].name}/{key}@{epoch}"
                     sample["source"] = self.name
                     yield sample
             skip = 0
@@ -345,14 +464,16 @@ class ShardStream(IterableDataset):
     microbatches to steps. ``max_tokens`` turns on token-budget batching, ``pack`` packing into rows of
     ``row_length`` (optionally with ``pack_separator`` after each document), ``shuffle_buffer`` the cross-shard
     window shuffle. ``batches_consumed`` resumes a single-source, fixed-size loader from that count alone (what
-    checkpoints before loader state_dicts stored); otherwise use :meth:`load_state_dict`.
+    checkpoints before loader state_dicts stored); otherwise use :meth:`load_state_dict`. ``cluster_sampling``:
+    None reads each source as its manifest's layout says (a cluster source draws one member per sample), True
+    requires every source to be UniRef50 clusters, False refuses cluster sources (module docstring, "Clusters").
     """
 
     def __init__(self, shards: str | Path | list[Source], *, rank: int, world_size: int, num_workers: int,
                  micro_batch_size: int, seed: int, transform: SampleTransform, pad_id: int,
                  batches_consumed: int = 0, mixture: MixtureSchedule | None = None, grad_accum_steps: int = 1,
                  max_tokens: int | None = None, pack: bool = False, pack_separator: int | None = None,
-                 row_length: int | None = None, shuffle_buffer: int = 0):
+                 row_length: int | None = None, shuffle_buffer: int = 0, cluster_sampling: bool | None = None):
         self.rank, self.world_size = rank, world_size
         self.num_streams, self.shuffle_buffer = max(1, num_workers), shuffle_buffer
         self.micro_batch_size, self.seed = micro_batch_size, seed
@@ -371,7 +492,8 @@ class ShardStream(IterableDataset):
         # The single-source key (seed,) and unprefixed ids keep streams identical to loaders before mixtures.
         self.sources = [SourceStream(s, (seed,) if single else (seed, zlib.crc32(s.name.encode())), rank=rank,
                                      world_size=world_size, num_streams=self.num_streams, transform=transform,
-                                     id_prefix="" if single else f"{s.name}:", shuffle_buffer=shuffle_buffer)
+                                     id_prefix="" if single else f"{s.name}:", shuffle_buffer=shuffle_buffer,
+                                     cluster_sampling=cluster_sampling)
                         for s in sources]
         self.shard_dir = Path(str(shards)) if single else None
         self.counts = self.sources[0].counts
