@@ -8,7 +8,8 @@ Sources (``python -m data_prep SOURCE --input ... --output DIR``):
   ``@`` and ``#`` in ``data_prep/sources.py``: tags stripped into meta ``taxonomy``, ``@`` dropped and counted,
   ``#`` -> ``<sep>``, lowercase upper-cased and counted), DNA alphabet (T).
 * ``uniref``: UniRef50/90 FASTA, header fields in meta (id, name, n, tax, taxid, repid), ESM-2 amino-acid tokens
-  (``pipeline/data/protein_tokenizer.py``); ``--uniref90-members TSV`` adds meta ``members``.
+  (``pipeline/data/protein_tokenizer.py``); ``--uniref90-members TSV`` adds meta ``members``. With
+  ``--clusters TSV`` each sample is instead a UniRef50 cluster holding all its UniRef90 member sequences (below).
 * ``babylm``: folders / files of ``*.train`` text, one line one record (BOM and CR removed, blank lines skipped,
   speaker codes kept), sentencepiece ids from ``--spm MODEL`` trained by ``python -m data_prep train-spm``; the
   model is copied beside the shards and named in the manifest's tokenizer entry.
@@ -29,6 +30,42 @@ Normalization and filtering, shared by all sources, every decision counted in th
 
 Manifest: per source records read / kept / filtered by reason, ``stats`` (residues and the normalization
 counters above), per input file records, kept and residues.
+
+UniRef50 clusters for ESM-2 sampling (``data_prep/clusters.py``)::
+
+    python -m data_prep uniref --input uniref90_members.fasta.gz [more.fasta ...] \
+        --clusters uniref50_to_uniref90.tsv --output DIR [--num-jobs N --job-index I] [--min-length ...]
+
+* ``--input``: the UniRef90 member FASTA(.gz) files (in any order; headers other than the id are not kept);
+  ``--clusters``: the mapping TSV, header ``UR50_cluster_name<TAB>mapped_id`` (optional), one UniRef50 cluster a
+  line, member ids comma-separated, the ids being the member FASTA ids. The TSV's data row r is sample key
+  ``f"{r:012d}"``; samples are written in TSV order, members in the TSV's member order.
+* Output layout ``"clusters"`` (``pipeline/data/shards.py``): per sample ``<key>.tokens.npy`` (the members' tokens
+  end to end), ``<key>.offsets.npy`` (n + 1 boundaries) and ``<key>.meta.json`` (``id`` = UniRef50 id, ``members``
+  = kept member ids in stored order, ``length`` = their residues, ``listed`` = members in the TSV, ``dropped`` =
+  {id: reason} when some were not kept). The loader draws one member per (seed, epoch, sample); manifest
+  ``layout: "clusters"``, shard ``tokens`` = residues of all members.
+* Counted, never silently dropped: ``stats.members_filtered`` per member (``not_in_fasta``, ``invalid_character``,
+  ``empty``, ``shorter_than_N``, ``longer_than_N``; the length filters apply to each member; X B Z U O and the
+  gap characters . - are ESM tokens, so only other characters are invalid; lowercase is upper-cased), ``filtered`` per cluster left without members
+  (``no_member_in_fasta``, ``all_members_filtered``), ``stats.records_in_no_cluster`` (FASTA records no cluster
+  lists), plus ``clusters``/``clusters_kept``, ``members_listed``/``members_found``/``members_kept``, ``residues``,
+  ``lowercase_residues``, ``fasta_records`` and the whole TSV's ``mapping`` counts.
+* One error naming ``file:line``, before anything is written, for a TSV line without two tab-separated fields, an
+  empty or blank-containing id, a cluster listed twice, a member listed twice (two clusters, or one), a repeated
+  header; and, while reading the FASTA, for a member record found twice. ``--strict`` makes an invalid member an
+  error naming ``file:line:column``. ``--dedup`` and ``--uniref90-members`` are refused with ``--clusters``.
+* ``--num-jobs N``: job I keeps the clusters with row % N == I (a cluster's members meet in one job); every job
+  reads the whole TSV and FASTA. A job cannot tell another job's member from a record in no cluster, so its manifest
+  has ``records_in_no_cluster: null``; ``merge`` computes it (FASTA records minus the members all jobs found) and
+  checks that the jobs together cover every cluster of the TSV. Resume after a crash works as for every source.
+* Memory: a job holds the whole TSV's ids only as 8-byte hashes for the uniqueness checks (8 bytes per member and
+  per cluster, about twice that while they are sorted) and, for its own clusters, the member ids (about 300 bytes
+  each, measured on the shared 2,500-cluster set) plus the kept members' tokens (1 byte a residue) until it writes.
+  The full UniRef90 (about 150M members, some 40G residues at the sample's mean of 279) needs about 90 GB in one
+  job, so at that scale run it as an array of jobs, e.g. ``--num-jobs 64`` (about 1.5 GB of clusters plus ~3 GB of
+  transient hashes per job), then ``python -m data_prep merge --output DIR``. Each job parses the whole FASTA
+  (~10 MB/s of FASTA per job on one core here), so the jobs should run in parallel on the same files.
 
 Jobs are resumable: shards are written as ``.tmp`` and renamed when whole into a work directory
 (``DIR.partial`` or ``DIR/.jobIIII-of-NNNN.partial``) whose ``progress.jsonl`` lists each finished shard with its

@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         if src.name == "uniref":
             p.add_argument("--uniref90-members", type=Path, metavar="TSV",
                            help="UniRef50 id<TAB>UniRef90 ids (comma-separated): stored as meta 'members'")
+            p.add_argument("--clusters", type=Path, metavar="TSV",
+                           help="UniRef50 -> UniRef90 mapping (header UR50_cluster_name<TAB>mapped_id, member ids "
+                                "comma-separated, ids = the --input FASTA ids): --input is then the UniRef90 member "
+                                "FASTA and each sample is one UniRef50 cluster with all its member sequences "
+                                "(ESM-2 sampling; --num-jobs splits by cluster)")
         p.add_argument("--shard-size", type=_positive, default=10_000, metavar="N", help="samples per shard")
         unit = "characters" if src.tokenizer == "sentencepiece" else "residues"
         p.add_argument("--min-length", type=_nonnegative, default=src.min_length, metavar="N",
@@ -96,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(args.shard_size, args.min_length, args.num_jobs, args.job_index, args.max_length,
                             args.strict, args.dedup)
         result = run(src, src.alphabet or getattr(args, "alphabet", None), args.input, args.output, settings,
-                     args.overwrite, spm=getattr(args, "spm", None), members=getattr(args, "uniref90_members", None))
+                     args.overwrite, spm=getattr(args, "spm", None), members=getattr(args, "uniref90_members", None),
+                     clusters=getattr(args, "clusters", None))
     except (PrepError, FastaError, OSError, ValueError) as e:
         print(f"data_prep: error: {e}", file=sys.stderr)
         return 1

@@ -74,6 +74,9 @@ def filter_reasons(min_length: int, max_length: int | None = None, dedup: bool =
 
 
 def summary(source: str, m: Manifest, location: Path, records_seen: int | None = None, job: str = "") -> str:
+    if m.layout == "clusters":
+        from .clusters import summary as cluster_summary
+        return cluster_summary(m, location, job)
     read = sum(i["records"] for i in m.inputs)
     of = f" (of {records_seen} in the inputs)" if records_seen is not None and records_seen != read else ""
     reasons = ", ".join(f"{k}={v}" for k, v in m.filtered.items())
@@ -129,15 +132,18 @@ _LOWER[ord("a"):ord("z") + 1] = True
 
 
 # ----------------------------------------------------------------------------------------------- resumable work dir
-def _fingerprint(source: Source, encoder: Encoder, inputs: list[Path], prefix: str, settings: Settings,
-                 members: Path | None) -> dict:
-    """Everything that fixes the shard bytes: a partial run is only resumed by the same command on the same files."""
+def _fingerprint(source: Source, encoder: Encoder, inputs: list[Path], settings: Settings, members: Path | None,
+                 clusters: Path | None = None) -> dict:
+    """Everything that fixes the shard bytes but the shard prefix, which the caller adds: a partial run is only
+    resumed by the same command on the same files."""
     def stat(p: Path):
         st = p.stat()
         return [str(p), st.st_size, st.st_mtime_ns]
-    return json.loads(json.dumps({
-        "source": source.name, "tokenizer": encoder.entry, "prefix": prefix, "settings": asdict(settings),
-        "inputs": [stat(p) for p in inputs], "members": stat(members) if members else None}))
+    doc = {"source": source.name, "tokenizer": encoder.entry, "settings": asdict(settings),
+           "inputs": [stat(p) for p in inputs], "members": stat(members) if members else None}
+    if clusters is not None:  # only then: fingerprints of sequence runs stay as they were
+        doc["clusters"] = stat(clusters)
+    return json.loads(json.dumps(doc))
 
 
 class WorkDir:
@@ -311,10 +317,10 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
                     stats=stats), index
 
 
-def _writer(work: WorkDir, settings: Settings, encoder: Encoder):
+def _writer(work: WorkDir, settings: Settings, encoder: Encoder, layout: str = "sequences"):
     from pipeline.data.shards import ShardWriter
     return ShardWriter(work.path, work.prefix, settings.shard_size, vocab_size=encoder.vocab_size,
-                       completed=work.completed, on_close=work.record)
+                       completed=work.completed, on_close=work.record, layout=layout)
 
 
 def _looks_like_output(directory: Path) -> bool:
@@ -322,7 +328,10 @@ def _looks_like_output(directory: Path) -> bool:
 
 
 def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, settings: Settings = Settings(),
-        overwrite: bool = False, spm: Path | None = None, members: Path | None = None) -> Result:
+        overwrite: bool = False, spm: Path | None = None, members: Path | None = None,
+        clusters: Path | None = None) -> Result:
+    """One data_prep job. ``clusters`` (uniref only): the UniRef50 -> UniRef90 mapping TSV; the inputs are then
+    the member FASTA files and every sample is a cluster (data_prep/clusters.py)."""
     inputs = [Path(p).resolve() for p in inputs]
     if source.expand is not None:
         inputs = source.expand(inputs)
@@ -339,14 +348,42 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
     if settings.max_length is not None and settings.max_length < settings.min_length:
         raise PrepError(f"--max-length {settings.max_length} is below --min-length {settings.min_length}")
     encoder = Encoder(source, alphabet, spm)
-    member_map = None
-    if members is not None:
-        from .sources import load_members
-        members = Path(members).resolve()
-        member_map = load_members(members)
+    if clusters is not None:
+        if source.name != "uniref":
+            raise PrepError(f"--clusters is a uniref option, not {source.name}'s")
+        if members is not None:
+            raise PrepError("--clusters and --uniref90-members exclude each other: with --clusters the members are "
+                            "the samples' sequences, not meta")
+        if settings.dedup:
+            raise PrepError("--dedup does not apply to --clusters: the samples are clusters, and a sequence that two "
+                            "members share stays in each of their clusters")
+        clusters = Path(clusters).resolve()
+        if not clusters.is_file():
+            raise PrepError(f"--clusters {clusters} does not exist or is not a file")
+        if clusters in inputs:
+            raise PrepError(f"{clusters} is given both as --input and as --clusters")
+        from . import clusters as cl
+        # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind.
+        cmap = cl.load_clusters(clusters, settings.num_jobs, settings.job_index)
+
+        def build(work: WorkDir):
+            skip = sum(x.samples for x in work.completed)
+            return cl.build(encoder, inputs, cmap, settings, skip, lambda: _writer(work, settings, encoder,
+                                                                                   "clusters"), source.name)
+        fingerprint = _fingerprint(source, encoder, inputs, settings, None, clusters)
+    else:
+        member_map = None
+        if members is not None:
+            from .sources import load_members
+            members = Path(members).resolve()
+            member_map = load_members(members)
+
+        def build(work: WorkDir):
+            return _build(source, encoder, inputs, work, settings, member_map)
+        fingerprint = _fingerprint(source, encoder, inputs, settings, members)
     if settings.num_jobs == 1:
-        return _run_single(source, encoder, inputs, output, settings, overwrite, members, member_map)
-    return _run_job(source, encoder, inputs, output, settings, overwrite, members, member_map)
+        return _run_single(source, encoder, output, overwrite, build, fingerprint)
+    return _run_job(source, encoder, output, settings, overwrite, build, fingerprint)
 
 
 def _copy_model(encoder: Encoder, directory: Path) -> None:
@@ -356,8 +393,7 @@ def _copy_model(encoder: Encoder, directory: Path) -> None:
         os.replace(tmp, directory / SPM_NAME)
 
 
-def _run_single(source, encoder, inputs, output: Path, settings: Settings, overwrite: bool, members, member_map
-                ) -> Result:
+def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerprint: dict) -> Result:
     nonempty = output.is_dir() and any(output.iterdir())
     if nonempty and not overwrite:
         raise PrepError(f"output directory {output} exists and is not empty (pass --overwrite to replace it)")
@@ -368,12 +404,14 @@ def _run_single(source, encoder, inputs, output: Path, settings: Settings, overw
     made = [p for p in reversed(output.parents) if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
     fresh = not output.with_name(f"{output.name}.partial").exists()
-    work = WorkDir(output.with_name(f"{output.name}.partial"),
-                   _fingerprint(source, encoder, inputs, source.name, settings, members), source.name)
+    work = WorkDir(output.with_name(f"{output.name}.partial"), {**fingerprint, "prefix": source.name}, source.name)
     tmp = work.path
     try:
-        manifest, seen = _build(source, encoder, inputs, work, settings, member_map)
+        manifest, seen = build(work)
         if not manifest.shards:
+            if manifest.layout == "clusters":
+                raise PrepError(f"no clusters written: all {manifest.stats['clusters']} clusters filtered "
+                                f"{manifest.filtered} (members {manifest.stats['members_filtered']})")
             raise PrepError(f"no records written: all {seen} records filtered {manifest.filtered}")
         from pipeline.data.shards import write_manifest
         _copy_model(encoder, tmp)
@@ -407,7 +445,7 @@ def _run_single(source, encoder, inputs, output: Path, settings: Settings, overw
     return Result(manifest, seen, output / MANIFEST)
 
 
-def _run_job(source, encoder, inputs, output: Path, settings: Settings, overwrite: bool, members, member_map
+def _run_job(source, encoder, output: Path, settings: Settings, overwrite: bool, build, fingerprint: dict
              ) -> Result:
     num_jobs, job_index = settings.num_jobs, settings.job_index
     prefix = f"{source.name}-j{job_index:04d}"
@@ -418,11 +456,11 @@ def _run_job(source, encoder, inputs, output: Path, settings: Settings, overwrit
     if stale and not overwrite:
         raise PrepError(f"output {output} already holds {', '.join(p.name for p in stale)} "
                         "(pass --overwrite to replace this job's files)")
-    work = WorkDir(output / f".job{job_index:04d}-of-{num_jobs:04d}.partial",
-                   _fingerprint(source, encoder, inputs, prefix, settings, members), prefix)
+    work = WorkDir(output / f".job{job_index:04d}-of-{num_jobs:04d}.partial", {**fingerprint, "prefix": prefix},
+                   prefix)
     moved: list[Path] = []
     try:
-        manifest, seen = _build(source, encoder, inputs, work, settings, member_map)
+        manifest, seen = build(work)
         for p in stale:  # only this job's files, and the merged manifest they would make stale
             p.unlink(missing_ok=True)
         for s in manifest.shards:
@@ -477,8 +515,10 @@ def merge(output: Path) -> Result:
         except json.JSONDecodeError as e:
             raise PrepError(f"{path}: not valid JSON ({e})") from None
     first = docs[0]
+    for d in docs:
+        d.setdefault("layout", "sequences")  # job manifests written before layouts existed
     for i, d in enumerate(docs):
-        for field in ("format", "source", "tokenizer"):
+        for field in ("format", "source", "tokenizer", "layout"):
             if d[field] != first[field]:
                 raise PrepError(f"{found[(i, n)].name}: {field} differs from job 0's")
         if [x["path"] for x in d["inputs"]] != [x["path"] for x in first["inputs"]]:
@@ -493,16 +533,23 @@ def merge(output: Path) -> Result:
     for d in docs:
         for k, v in d["filtered"].items():
             filtered[k] = filtered.get(k, 0) + v
-    inputs = [{"path": x["path"], **{c: sum(d["inputs"][k].get(c, 0) for d in docs)
-                                      for c in ("records", "kept", "residues")}}
-              for k, x in enumerate(first["inputs"])]
-    stats: dict = {}
-    for d in docs:
-        for k, v in d.get("stats", {}).items():
-            if k != "input":
-                stats[k] = stats.get(k, 0) + v
-    # Reader counters (blank lines, tags, ...) are counted over all records of the inputs by every job alike.
-    stats["input"] = first.get("stats", {}).get("input", {})
+    if first["layout"] == "clusters":
+        from .clusters import merge_stats
+        # Every cluster job reads every FASTA record: record counts are whole-input, member counts per job.
+        inputs, stats = merge_stats(docs, [found[(i, n)].name for i in range(n)])
+        seen = stats["fasta_records"]
+    else:
+        inputs = [{"path": x["path"], **{c: sum(d["inputs"][k].get(c, 0) for d in docs)
+                                          for c in ("records", "kept", "residues")}}
+                  for k, x in enumerate(first["inputs"])]
+        stats = {}
+        for d in docs:
+            for k, v in d.get("stats", {}).items():
+                if k != "input":
+                    stats[k] = stats.get(k, 0) + v
+        # Reader counters (blank lines, tags, ...) are counted over all records of the inputs by every job alike.
+        stats["input"] = first.get("stats", {}).get("input", {})
+        seen = sum(x["records"] for x in inputs)
     manifest = Manifest(source=first["source"], tokenizer=first["tokenizer"], shards=shards, filtered=filtered,
-                        inputs=inputs, stats=stats)
-    return Result(manifest, sum(x["records"] for x in inputs), write_manifest(output, manifest))
+                        inputs=inputs, stats=stats, layout=first["layout"])
+    return Result(manifest, seen, write_manifest(output, manifest))

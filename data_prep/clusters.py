@@ -1,0 +1,344 @@
+"""UniRef50 clusters of UniRef90 members (``data_prep uniref --clusters TSV``): the ESM-2 sampling set as shards.
+
+One sample per UniRef50 cluster, holding every UniRef90 member sequence of the cluster that survives the filters
+(layout "clusters", pipeline/data/shards.py); the training loader draws one member per (seed, epoch, sample).
+
+Inputs: the member FASTA(.gz) files (``--input``; ids are the FASTA record ids, headers otherwise unused) and the
+mapping TSV (``--clusters``): an optional header ``UR50_cluster_name<TAB>mapped_id``, then one cluster a line,
+``UniRef50_X<TAB>id,id,...``. The TSV's data row r (0-based) is the sample key ``f"{r:012d}"`` and, with
+``--num-jobs N``, belongs to job r % N: the split is by cluster, and a cluster's members always meet in one job.
+
+Bad input is one FastaError naming ``file:line`` before anything is written: a line without exactly two
+tab-separated fields, an empty or blank-containing cluster name or member id, a cluster listed twice, a member listed
+twice (in two clusters or in one), a header line after the first line, a member record found twice in the FASTA.
+Everything else that is not written is counted (see ``build``).
+"""
+from __future__ import annotations
+
+import sys
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from .fasta import FastaError, iter_fasta
+from .sources import _lines
+
+if TYPE_CHECKING:
+    from pipeline.data.shards import Manifest
+
+TSV_HEADER = ("UR50_cluster_name", "mapped_id")
+NOT_IN_FASTA = "not_in_fasta"
+_LOWER = np.zeros(256, dtype=bool)
+_LOWER[ord("a"):ord("z") + 1] = True
+
+
+@dataclass
+class Cluster:
+    index: int  # data row of the TSV (0-based): sample key and job
+    name: str  # UniRef50 id
+    members: list[str]  # member ids in TSV order
+    line: int  # 1-based line of the TSV
+    start: int  # slot of its first member among this job's members
+
+
+@dataclass
+class ClusterMap:
+    """This job's clusters, and counts over the whole TSV (every job parses all of it)."""
+
+    path: Path
+    own: list[Cluster]
+    slot: dict[str, int]  # member id -> slot, for this job's members only
+    clusters: int  # data rows of the whole file
+    members: int  # member ids of the whole file
+    blank_lines: int
+
+    @property
+    def own_members(self) -> int:
+        return len(self.slot)
+
+
+def _parse_row(path: Path, lineno: int, parts: list[str]) -> tuple[str, list[str]]:
+    if len(parts) != 2:
+        raise FastaError(f"{path}:{lineno}: expected 'UniRef50 cluster<TAB>member,member,...' (2 tab-separated "
+                         f"fields), got {len(parts)} field{'s' if len(parts) != 1 else ''}")
+    name, mapped = parts
+    if not name or len(name.split()) != 1 or name.strip() != name:
+        raise FastaError(f"{path}:{lineno}: cluster name {name!r} is empty or contains blanks")
+    members = mapped.split(",")
+    for k, m in enumerate(members):
+        if not m or len(m.split()) != 1 or m.strip() != m:
+            raise FastaError(f"{path}:{lineno}: member {k + 1} of cluster {name} ({m!r}) is empty or contains "
+                             "blanks (ids are comma-separated without spaces)")
+    return name, members
+
+
+def _rows(path: Path):
+    """(line, fields) of the data rows, after the optional header; blank lines yield None."""
+    first = True
+    for lineno, line in _lines(path):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line.strip():
+            yield lineno, None
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise FastaError(f"{path}:{lineno}: invalid UTF-8 byte {line[e.start]:#04x}") from None
+        parts = text.split("\t")
+        if tuple(parts) == TSV_HEADER:
+            if not first:  # two TSVs concatenated: the header would become a cluster named UR50_cluster_name
+                raise FastaError(f"{path}:{lineno}: header line {TSV_HEADER[0]}<TAB>{TSV_HEADER[1]} repeated "
+                                 "after the first line (concatenated files?)")
+            first = False
+            continue
+        first = False
+        yield lineno, parts
+
+
+def load_clusters(path: Path, num_jobs: int = 1, job_index: int = 0) -> ClusterMap:
+    """Parse and check the whole mapping TSV; keep the clusters of job ``job_index`` of ``num_jobs``.
+
+    Uniqueness over the whole file is checked with one 64-bit hash per cluster name and per member id (8 bytes each,
+    every job), so that a job need not hold other jobs' ids; equal hashes are confirmed by a second pass that
+    compares the ids themselves and names both lines.
+    """
+    own: list[Cluster] = []
+    slot: dict[str, int] = {}
+    cluster_hashes, member_hashes = array("q"), array("q")
+    n_clusters = n_members = blank = 0
+    for lineno, parts in _rows(path):
+        if parts is None:
+            blank += 1
+            continue
+        name, members = _parse_row(path, lineno, parts)
+        cluster_hashes.append(hash(name))
+        member_hashes.extend(hash(m) for m in members)
+        if n_clusters % num_jobs == job_index:
+            own.append(Cluster(n_clusters, name, members, lineno, len(slot)))
+            for m in members:
+                slot[m] = len(slot)  # a repeated id is caught below, before this map is used
+        n_clusters += 1
+        n_members += len(members)
+    if n_clusters == 0:
+        raise FastaError(f"{path}: no cluster rows (expected 'UniRef50 cluster<TAB>member,member,...' lines)")
+    dup_clusters, dup_members = _repeated(cluster_hashes), _repeated(member_hashes)
+    del cluster_hashes, member_hashes
+    if dup_clusters or dup_members:
+        _name_repeat(path, dup_clusters, dup_members)
+    return ClusterMap(path, own, slot, n_clusters, n_members, blank)
+
+
+def _repeated(hashes: array) -> set[int]:
+    a = np.sort(np.frombuffer(hashes, dtype=np.int64)) if len(hashes) else np.zeros(0, np.int64)
+    return set(a[1:][a[1:] == a[:-1]].tolist())
+
+
+def _name_repeat(path: Path, dup_clusters: set[int], dup_members: set[int]) -> None:
+    """Second pass over the TSV for the ids whose hashes repeat: raise at the first real repeat, in line order."""
+    seen_cluster: dict[str, int] = {}
+    seen_member: dict[str, tuple[str, int]] = {}
+    for lineno, parts in _rows(path):
+        if parts is None:
+            continue
+        name, members = _parse_row(path, lineno, parts)
+        if hash(name) in dup_clusters:
+            if name in seen_cluster:
+                raise FastaError(f"{path}:{lineno}: cluster {name} is listed again (first at line "
+                                 f"{seen_cluster[name]})")
+            seen_cluster[name] = lineno
+        for m in members:
+            if hash(m) in dup_members:
+                if m in seen_member:
+                    other, at = seen_member[m]
+                    where = f"twice in cluster {name}" if at == lineno else \
+                        f"in cluster {name} and in cluster {other} (line {at})"
+                    raise FastaError(f"{path}:{lineno}: member {m} is listed {where}; a UniRef90 member belongs "
+                                     "to one UniRef50 cluster")
+                seen_member[m] = (name, lineno)
+    # equal hashes of distinct ids (a 64-bit collision): nothing is repeated
+
+
+def member_reasons(min_length: int, max_length: int | None) -> dict[str, int]:
+    """The member filter reasons every cluster manifest lists (invalid-record reasons are added when they occur)."""
+    out = {NOT_IN_FASTA: 0, "empty": 0, f"shorter_than_{min_length}": 0}
+    if max_length is not None:
+        out[f"longer_than_{max_length}"] = 0
+    return out
+
+
+def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, skip: int,
+          open_writer: Callable[[], object], source_name: str = "uniref") -> tuple[Manifest, int]:
+    """Read the member FASTA files, then write this job's clusters in TSV order; returns (manifest, FASTA records).
+
+    Filtered and counted (nothing is dropped silently):
+
+    * a member listed but absent from every FASTA input: ``stats.members_filtered.not_in_fasta`` (named in the
+      cluster's meta ``dropped``);
+    * a member record with a character outside the ESM alphabet (``invalid_character``; ``--strict`` makes it an
+      error naming file:line:column), empty, shorter than ``--min-length`` or longer than ``--max-length``: dropped
+      from its cluster, counted under ``stats.members_filtered`` and named in meta ``dropped``;
+    * a cluster left without members: ``filtered.no_member_in_fasta`` (every member absent from the FASTA) or
+      ``filtered.all_members_filtered`` (some found, none kept);
+    * FASTA records in no cluster: ``stats.records_in_no_cluster`` (= ``fasta_records - members_found``; a job
+      cannot tell another job's members from none, so its manifest holds null and ``merge`` computes it).
+
+    ``skip`` clusters already in the verified shards of an interrupted run are counted and not rewritten.
+    """
+    s = settings
+    short, long = f"shorter_than_{s.min_length}", f"longer_than_{s.max_length}"
+    members_filtered = member_reasons(s.min_length, s.max_length)
+    # per slot: encoded member tokens (bytes), a filter reason (str), or None (not found yet)
+    found: list = [None] * cmap.own_members
+    check = encoder.invalid_positions
+
+    def upper_check(seq: bytes) -> np.ndarray:  # lowercase is accepted and upper-cased, as in the uniref source
+        return check(seq.upper())
+
+    counts, records, lowercase = [], 0, 0
+    with tqdm(unit="B", unit_scale=True, desc=f"{source_name} members", file=sys.stderr,
+              disable=not sys.stderr.isatty()) as bar:
+        pending = 0
+        for path in inputs:
+            inp = {"path": str(path), "records": 0, "members": 0, "kept": 0, "residues": 0}
+            for rec in iter_fasta(path, upper_check, on_invalid="yield"):
+                inp["records"] += 1
+                pending += rec.nbytes
+                if inp["records"] % 256 == 0:
+                    bar.update(pending)
+                    pending = 0
+                i = cmap.slot.get(rec.id)
+                if i is None:
+                    continue  # in no cluster of this job (another job's member, or in no cluster at all)
+                if found[i] is not None:
+                    raise FastaError(f"{path}:{rec.line}: record {rec.id} appears a second time in the FASTA "
+                                     "input; as a cluster member it must be unique")
+                inp["members"] += 1
+                if rec.error is not None:
+                    if s.strict:
+                        raise FastaError(rec.error)
+                    found[i] = rec.reason
+                    continue
+                seq = rec.seq.upper()
+                n = len(seq)
+                if n == 0:
+                    found[i] = "empty"
+                elif n < s.min_length:
+                    found[i] = short
+                elif s.max_length is not None and n > s.max_length:
+                    found[i] = long
+                else:
+                    if seq != rec.seq:  # soft-masked (lowercase) residues present
+                        lowercase += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
+                    found[i] = encoder.encode(seq).tobytes()
+                    inp["kept"] += 1
+                    inp["residues"] += n
+            if inp["records"] == 0:
+                from .jobs import PrepError
+                raise PrepError(f"{path}: no records in this input (empty after decompression?)")
+            records += inp["records"]
+            counts.append(inp)
+        bar.update(pending)
+
+    filtered = {"no_member_in_fasta": 0, "all_members_filtered": 0}
+    stats = {"clusters": len(cmap.own), "clusters_kept": 0, "members_listed": cmap.own_members, "members_kept": 0,
+             "residues": 0, "lowercase_residues": lowercase, "members_filtered": members_filtered,
+             "fasta_records": records, "members_found": sum(x["members"] for x in counts)}
+    written, writer = 0, None
+    for c in cmap.own:
+        kept, dropped = [], {}
+        for k, m in enumerate(c.members):
+            got = found[c.start + k]
+            if isinstance(got, bytes):
+                kept.append((m, got))
+            else:
+                reason = NOT_IN_FASTA if got is None else got
+                members_filtered[reason] = members_filtered.get(reason, 0) + 1
+                dropped[m] = reason
+            found[c.start + k] = None  # released as written
+        if not kept:
+            absent = all(r == NOT_IN_FASTA for r in dropped.values())
+            filtered["no_member_in_fasta" if absent else "all_members_filtered"] += 1
+            continue
+        lengths = [len(t) for _, t in kept]
+        stats["clusters_kept"] += 1
+        stats["members_kept"] += len(kept)
+        stats["residues"] += sum(lengths)
+        written += 1
+        if written <= skip:
+            continue  # already in a verified shard of the interrupted run
+        if writer is None:
+            writer = open_writer()
+        tokens = np.frombuffer(b"".join(t for _, t in kept), dtype=np.uint8)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        meta = {"id": c.name, "source": source_name, "length": int(offsets[-1]), "members": [m for m, _ in kept],
+                "listed": len(c.members)}
+        if dropped:
+            meta["dropped"] = dropped
+        writer.write(f"{c.index:012d}", tokens, meta, offsets)
+    if written < skip:
+        from .jobs import PrepError
+        raise PrepError(f"the verified shards hold {skip} clusters but this run produced {written}; remove the "
+                        "work directory and rerun")
+    if writer is None and skip:
+        writer = open_writer()
+    shards = writer.close() if writer is not None else []
+    # With one job every member is this job's, so a record it did not match is in no cluster at all.
+    stats["records_in_no_cluster"] = records - stats["members_found"] if s.num_jobs == 1 else None
+    stats["mapping"] = {"path": str(cmap.path), "clusters": cmap.clusters, "members": cmap.members,
+                        "blank_lines": cmap.blank_lines}
+    from pipeline.data.shards import Manifest
+    return Manifest(source=source_name, tokenizer=encoder.entry, shards=shards, filtered=filtered, inputs=counts,
+                    stats=stats, layout="clusters"), records
+
+
+SUMMED = ("clusters", "clusters_kept", "members_listed", "members_kept", "residues", "lowercase_residues",
+          "members_found")
+
+
+def merge_stats(docs: list[dict], names: list[str]) -> tuple[list, dict]:
+    """(inputs, stats) of N cluster job manifests: job counts summed, whole-input counts checked equal, and the
+    records in no cluster computed (every FASTA record that no job matched)."""
+    from .jobs import PrepError
+
+    first = docs[0]
+    for d, name in zip(docs, names):
+        st = d["stats"]
+        for key in ("fasta_records", "mapping"):
+            if st[key] != first["stats"][key]:
+                raise PrepError(f"{name}: stats.{key} differs from job 0's (jobs ran on different inputs)")
+        if [x["records"] for x in d["inputs"]] != [x["records"] for x in first["inputs"]]:
+            raise PrepError(f"{name}: read other FASTA record counts than job 0")
+    inputs = [{"path": x["path"], "records": x["records"],
+               **{c: sum(d["inputs"][k][c] for d in docs) for c in ("members", "kept", "residues")}}
+              for k, x in enumerate(first["inputs"])]
+    stats: dict = {k: sum(d["stats"][k] for d in docs) for k in SUMMED}
+    mf: dict = {}
+    for d in docs:
+        for k, v in d["stats"]["members_filtered"].items():
+            mf[k] = mf.get(k, 0) + v
+    stats["members_filtered"] = mf
+    stats["fasta_records"] = first["stats"]["fasta_records"]
+    stats["records_in_no_cluster"] = stats["fasta_records"] - stats["members_found"]
+    stats["mapping"] = first["stats"]["mapping"]
+    mapping = stats["mapping"]
+    if (stats["clusters"], stats["members_listed"]) != (mapping["clusters"], mapping["members"]):
+        raise PrepError(f"the jobs cover {stats['clusters']} clusters / {stats['members_listed']} members but "
+                        f"{mapping['path']} lists {mapping['clusters']} / {mapping['members']}")
+    return inputs, stats
+
+
+def summary(m: Manifest, location: Path, job: str = "") -> str:
+    st = m.stats
+    members = ", ".join(f"{k}={v}" for k, v in st["members_filtered"].items())
+    clusters = ", ".join(f"{k}={v}" for k, v in m.filtered.items())
+    none = st.get("records_in_no_cluster")
+    return (f"data_prep {m.source}{job}: clusters {st['clusters']}, written {m.total_samples}, filtered "
+            f"{sum(m.filtered.values())} ({clusters}); members listed {st['members_listed']}, kept "
+            f"{st['members_kept']}, filtered {sum(st['members_filtered'].values())} ({members}); FASTA records "
+            f"{st['fasta_records']}, in no cluster {'(computed by merge)' if none is None else none}; "
+            f"tokens {m.total_tokens}, shards {len(m.shards)} -> {location}")
