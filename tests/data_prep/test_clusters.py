@@ -186,19 +186,29 @@ def test_shipped_sample_counts(sample_one_job):
     assert (m.total_samples, m.stats["members_kept"], m.total_tokens, len(m.shards)) == (400, 771, 211_523, 16)
 
 
-def test_jobs_split_by_cluster_and_merge_to_one_job(sample_one_job, tmp_path):
+def test_jobs_split_by_cluster_and_merge_to_one_job(tmp_path):
+    """3 jobs + merge equal one job, sample for sample. The mapping is the sample's first 300 clusters, so the
+    members of the other 100 are FASTA records in no cluster: a job cannot tell them from another job's members,
+    merge must count them."""
+    tsv = tmp_path / "first300.tsv"
+    tsv.write_text("".join(SAMPLE_TSV.read_text().splitlines(keepends=True)[:301]))
+    rows = tsv_rows(tsv)
+    in_clusters = sum(len(ms) for _, ms in rows)
+    args = ["uniref", "--input", SAMPLE_FASTA, "--clusters", tsv, "--shard-size", 25]
+    assert run(*args, "--output", tmp_path / "one") == 0
     out = tmp_path / "three"
     for i in range(3):
-        assert run("uniref", "--input", SAMPLE_FASTA, "--clusters", SAMPLE_TSV, "--output", out,
-                   "--shard-size", 25, "--num-jobs", 3, "--job-index", i) == 0
+        assert run(*args, "--output", out, "--num-jobs", 3, "--job-index", i) == 0
         job = load_manifest_job(out, i)
         assert job["stats"]["records_in_no_cluster"] is None  # a job cannot tell another job's members from none
         assert {int(k) % 3 for k in keys_of(out, f"uniref-j{i:04d}")} == {i}
     assert run("merge", "--output", out) == 0
-    one, three = load_manifest(sample_one_job), load_manifest(out)
+    one, three = load_manifest(tmp_path / "one"), load_manifest(out)
+    check_against_oracle(tmp_path / "one", rows, seqs_of(text_of(SAMPLE_FASTA)), 771)
+    assert one.stats["records_in_no_cluster"] == 771 - in_clusters > 0
     assert three.layout == "clusters" and three.filtered == one.filtered and three.stats == one.stats
     assert three.inputs == one.inputs
-    assert cluster_samples(out) == cluster_samples(sample_one_job)
+    assert cluster_samples(out) == cluster_samples(tmp_path / "one")
 
 
 def load_manifest_job(out: Path, i: int) -> dict:
