@@ -70,10 +70,13 @@ def default_depths(cfg) -> list[int]:
 
 def read_sequences(path: Path, molecule: str) -> list[np.ndarray]:
     """A FASTA (.gz) file or a shard directory -> uint8 token arrays."""
-    from pipeline.data.shards import load_manifest, read_shard
+    from pipeline.data.shards import load_manifest, read_clusters, read_shard
 
     if path.is_dir():
         manifest = load_manifest(path)
+        if manifest.layout == "clusters":  # every member of every cluster
+            return [t for s in manifest.shards for _, members, _ in read_clusters(path / s.path, s.samples)
+                    for t in members]
         return [t for s in manifest.shards for _, t, _ in read_shard(path / s.path, s.samples)]
     from data_prep.fasta import iter_fasta
     from pipeline.data.tokenizer import NucleotideTokenizer

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.data.shards import ShardError, load_manifest, read_shard, sha256_file  # noqa: E402
+from pipeline.data.shards import ShardError, load_manifest, read_clusters, read_shard, sha256_file  # noqa: E402
 
 
 def decoder(directory: Path, tokenizer: dict):
@@ -49,14 +49,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  stats {json.dumps(m.stats, sort_keys=True)}")
         for i in m.inputs:
             print(f"  input {i['path']}: " + ", ".join(f"{k} {v}" for k, v in i.items() if k != "path"))
+        # A cluster sample (layout "clusters") holds several members: shown one after the other, " | " between.
+        clusters = m.layout == "clusters"
+        read = read_clusters if clusters else read_shard
         if args.samples > 0:
             decode = decoder(d, tok)
             shown = 0
             for s in m.shards:
-                for key, ids, meta in read_shard(d / s.path, s.samples):
-                    text = decode(ids)
+                for key, ids, meta in read(d / s.path, s.samples):
+                    text = " | ".join(decode(t) for t in ids) if clusters else decode(ids)
                     text = text if len(text) <= 120 else f"{text[:117]}..."
-                    print(f"  sample {s.path}/{key} ({len(ids)} tokens, {ids.dtype}) {json.dumps(meta)[:200]}\n"
+                    size = (f"{len(ids)} members, {sum(len(t) for t in ids)} tokens, {ids[0].dtype}" if clusters
+                            else f"{len(ids)} tokens, {ids.dtype}")
+                    print(f"  sample {s.path}/{key} ({size}) {json.dumps(meta)[:200]}\n"
                           f"    {text!r}")
                     shown += 1
                     if shown >= args.samples:
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     break
         if args.verify:
             for s in m.shards:
-                read_shard(d / s.path, s.samples)  # first: damage that breaks a member is named by that member
+                read(d / s.path, s.samples)  # first: damage that breaks a member is named by that member
                 digest = sha256_file(d / s.path)
                 if digest != s.sha256:
                     raise ShardError(f"{d / s.path}: sha256 {digest[:16]}... differs from the manifest's "
