@@ -201,6 +201,10 @@ class TrainConfig:
     # Also load the source's AdamW moments (a DeepSpeed checkpoint of the same world size and ZeRO stage); this run's
     # own lr, betas, eps, weight decay and schedule apply from step 0 either way.
     init_from_optimizer: bool = False
+    # Expert parallelism (ProtLingo MoE, ZeRO stage 1-2): each group of this many ranks holds the routed experts once,
+    # num_experts / expert_parallel_size per rank; it must divide model.num_experts and the world size. 1 = every
+    # rank holds every expert as an ordinary data-parallel parameter (the only choice under ZeRO-3).
+    expert_parallel_size: int = 1
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
@@ -214,6 +218,8 @@ class TrainConfig:
         _check(self.init_from is None or bool(self.init_from), "train.init_from", "must be a path or null")
         _check(self.init_from is not None or not self.init_from_optimizer, "train.init_from_optimizer",
                "needs train.init_from")
+        _check(self.expert_parallel_size >= 1, "train.expert_parallel_size",
+               f"must be >= 1, got {self.expert_parallel_size}")
 
 
 @dataclass

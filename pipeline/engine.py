@@ -7,6 +7,8 @@ One optimizer step:
      ``scale_wrt_gas=False`` turns off DeepSpeed's division by gradient_accumulation_steps (runtime/engine.py
      ``backward``); the factor ``world`` cancels its average over data-parallel ranks (zero/stage_1_and_2.py,
      comm/coalesced_collectives.py for stage 3). The update is then the gradient of the global token mean.
+     Under expert parallelism the same factor is exact for the experts too: DeepSpeed sums their gradients over the
+     expert-data-parallel group and divides by the whole data-parallel size (pipeline/parallel/expert_parallel.py).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from pipeline.checkpoint import (LATEST, check_same_model, is_export, latest_tag
 from pipeline.config import ConfigError, RunConfig, dump_yaml, load_yaml
 from pipeline.data.loader import ShardStream, Source, is_url_pattern, make_loader, resolve_shards
 from pipeline.families import get_family
+from pipeline.parallel import EP_KEY, check_parallelism, optimizer_groups, parallelize
 from pipeline.tracking import Tracker
 
 CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations")  # logged as total/<name>
@@ -179,6 +182,10 @@ class Trainer:
         self.ds_config = resolve_ds_config(load_ds_config(ds_config_path), cfg, world_size, ds_config_path,
                                            torch.cuda.is_available())
         self.ds_config_path = ds_config_path
+        self.zero_stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
+        # Expert parallelism and the MoE backend: EP size against experts, world size and ZeRO stage (ZeRO-3: none).
+        self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
+        self.moe_backend = check_parallelism(cfg, world_size, self.zero_stage, self.dtype)
         n_streams = max(1, cfg.data.num_workers)
         self.dataset_samples = 0  # one epoch: every sample of every source once (for train.max_epochs)
         for key, spec in self._shard_specs():
@@ -257,6 +264,11 @@ class Trainer:
             if client.get("zero_stage", stage) != stage:
                 raise ConfigError(f"train.init_from_optimizer: {src} was written under ZeRO stage "
                                   f"{client['zero_stage']}, this run uses {stage}")
+            src_ep = _expert_parallel_size(client.get("config", {}))
+            if src_ep != t.expert_parallel_size:
+                raise ConfigError(f"train.init_from_optimizer: {src} was written with {EP_KEY} {src_ep}, this run "
+                                  f"uses {t.expert_parallel_size}; the expert optimizer shards load only on the same "
+                                  "layout (set it to false to start from the weights alone)")
         return src
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -277,10 +289,14 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
         model = self.family.build_model(self.cfg.model)
         init_weights_only = self.init_source is not None and not self.cfg.train.init_from_optimizer
-        if init_weights_only:  # fp32 weights from any world size and ZeRO stage, or from an export
+        if init_weights_only:  # fp32 weights from any world size, ZeRO stage and EP size, or from an export
             load_weights_into(model, load_state_dict(self.init_source), self.init_source)
-        optimizer = torch.optim.AdamW(param_groups(model, self.cfg.optim), lr=self.cfg.optim.lr,
-                                      betas=tuple(self.cfg.optim.betas), eps=self.cfg.optim.eps)
+        # The full model is built and loaded on every rank; EP then keeps this rank's experts (and MegaBlocks, on
+        # CUDA, replaces the expert computation) before the optimizer sees the parameters. EP's expert parameters go
+        # into DeepSpeed's MoE groups (optimizer_groups), which ZeRO partitions over the expert-data-parallel group.
+        model = parallelize(model, self.cfg, self.zero_stage, self.dtype)
+        optimizer = torch.optim.AdamW(optimizer_groups(model, param_groups(model, self.cfg.optim)),
+                                      lr=self.cfg.optim.lr, betas=tuple(self.cfg.optim.betas), eps=self.cfg.optim.eps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
@@ -352,6 +368,11 @@ class Trainer:
             raise ConfigError(f"checkpoint {self.ckpt_dir / tag} was written by {saved['world_size']} ranks, "
                               f"this run has {self.world}; resume with the same number of ranks "
                               "(tools/convert_checkpoint.py exports the weights for any world size)")
+        saved_ep = _expert_parallel_size(saved["config"])
+        if saved_ep != self.cfg.train.expert_parallel_size:
+            raise ConfigError(f"{EP_KEY}: {self.cfg.train.expert_parallel_size} differs from {saved_ep} of checkpoint "
+                              f"{self.ckpt_dir / tag}; resume with the same expert-parallel size (--init-from starts "
+                              "a new run from its weights with any size)")
         path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.ckpt_dir / tag}")
@@ -543,6 +564,11 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
     if family.derive_metrics is not None:  # metrics of the reduced step totals (e.g. routing entropy)
         rec.update(family.derive_metrics(rec))
     return rec
+
+
+def _expert_parallel_size(saved_config: dict) -> int:
+    """train.expert_parallel_size of a saved run config (1 for checkpoints from before the key existed)."""
+    return int(saved_config.get("train", {}).get("expert_parallel_size", 1))
 
 
 def _all_gather_object(obj) -> list:
