@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,17 +76,142 @@ def check_same_model(saved: dict, cfg: RunConfig, source: Path):
 
 
 def load_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict of an export or of a ZeRO stage 1-3 checkpoint, whatever world size wrote it."""
+    """The full fp32 state dict of an export or of a ZeRO stage 1-3 checkpoint, whatever world size wrote it.
+
+    A checkpoint with DeepSpeed MoE layers (expert parallelism, ``layer_{L}_expert_{id}_*`` files) goes through
+    ``_moe_state_dict``: ``zero_to_fp32`` cannot read those (it takes the expert files for model-state files and
+    concatenates every expert partition as if it were data-parallel)."""
+    tag_dir = Path(tag_dir)
     if is_export(tag_dir):
         from safetensors.torch import load_file
 
         return load_file(str(tag_dir / EXPORTED_WEIGHTS))
     if not torch.cuda.is_available():  # no device work here; spare the user DeepSpeed's "no GPU found" warning
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if any(tag_dir.glob(EXPERT_FILES)):
+        return _moe_state_dict(tag_dir)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+    # zero_to_fp32 unpickles the shards with weights_only=False (DeepSpeed's own loader): a run's own checkpoint.
     with contextlib.redirect_stdout(sys.stderr):  # it reports progress on stdout; keep stdout for results
         return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+
+
+# ---- MoE checkpoints (DeepSpeed MoE layers, any expert-parallel size) ------------------------------------------------
+EXPERT_FILES = "layer_*_expert_*_mp_rank_00_model_states.pt"  # engine._save_moe_checkpoint: one file per expert
+_EXPERT_KEY = re.compile(r"^(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
+_SHARD_RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+def _load_ds_file(path: Path) -> dict:
+    """``torch.load(weights_only=True)`` of a DeepSpeed checkpoint file. The ZeRO-1/2 optimizer shards pickle three
+    DeepSpeed classes (its loss scaler, the ZeRO stage enum, the fragment addresses): those are allowed by name, so
+    nothing else in the file can execute code."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    try:
+        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ConfigError(f"{path}: cannot be read as a DeepSpeed checkpoint file with weights_only=True "
+                          f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+
+
+def _global_expert_name(name: str, ep_rank: int, num_local: int) -> str:
+    """``...deepspeed_experts.<local>.w`` of EP rank ``ep_rank`` -> ``...deepspeed_experts.<global>.w``."""
+    m = _EXPERT_KEY.match(name)
+    if not m:
+        raise ValueError(f"expert parameter {name!r} has no deepspeed_experts.<id> segment")
+    return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}"
+
+
+def _zero12_fp32_masters(tag_dir: Path, model_states: dict) -> dict[str, torch.Tensor]:
+    """The fp32 master of every trainable parameter from the ZeRO-1/2 optimizer shards, expert ids global.
+
+    Shard r holds, per optimizer group, rank r's slice of the group; ``param_slice_mappings`` names each slice's
+    parameter (local expert ids) and place in the partition. A data-parallel group is partitioned over all W ranks;
+    an MoE group (``moe: True``) over its expert-data-parallel group, P = partition_count ranks: with DeepSpeed's
+    layout (``use_data_before_expert_parallel_`` false, the only one the pipeline creates) EP rank e is every rank
+    r with r % ep == e, ep = W / P, in rank order, and holds global experts e * num_local .. (e + 1) * num_local - 1.
+    """
+    shards = sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                    key=lambda f: int(_SHARD_RANK.search(f.name).group(1)))
+    world = int(model_states["dp_world_size"])
+    if not shards:
+        return {}
+    if len(shards) != world:
+        raise ConfigError(f"{tag_dir}: {len(shards)} ZeRO optimizer shards, but the checkpoint was written by {world} "
+                          "ranks (an incomplete checkpoint)")
+    optim = [_load_ds_file(f)["optimizer_state_dict"] for f in shards]
+    stage = int(optim[0]["zero_stage"])
+    if stage not in (1, 2):
+        raise ConfigError(f"{tag_dir}: MoE checkpoint of ZeRO stage {stage}; expert parallelism runs on stage 1-2")
+    if model_states.get("ds_config", {}).get("use_data_before_expert_parallel_"):
+        raise ConfigError(f"{tag_dir}: written with use_data_before_expert_parallel_; only DeepSpeed's default "
+                          "expert-group layout is supported")
+    counts = optim[0]["partition_count"]
+    meta = optim[0]["base_optimizer_state"]["param_groups"]
+    shapes = model_states["param_shapes"]  # rank 0's names and shapes, one OrderedDict per optimizer group
+    experts_per_layer = set(model_states.get("num_experts") or [])
+    out = {}
+    for i, group_shapes in enumerate(shapes):
+        P = counts[i] if isinstance(counts, list) else counts
+        moe = bool(meta[i].get("moe"))
+        ep = world // P if moe else 1
+        if moe and (len(experts_per_layer) != 1 or world % P):
+            raise ConfigError(f"{tag_dir}: optimizer group {i}: cannot place experts (partition count {P}, world "
+                              f"{world}, experts per layer {sorted(experts_per_layer)})")
+        num_local = next(iter(experts_per_layer)) // ep if moe else 0
+        for e in range(ep):
+            pieces: dict[str, list] = {n: [] for n in group_shapes}
+            for r in range(e, world, ep):  # the ranks holding EP rank e's experts, in partition order
+                partition = optim[r]["single_partition_of_fp32_groups"][i]
+                for name, addr in optim[r]["param_slice_mappings"][i].items():
+                    pieces[name].append(partition.narrow(0, addr.start, addr.numel))
+            for name, shape in group_shapes.items():
+                full = torch.cat(pieces[name]) if pieces[name] else torch.empty(0)
+                if full.numel() != math.prod(shape):
+                    raise ConfigError(f"{tag_dir}: {name}: the optimizer shards hold {full.numel()} of its "
+                                      f"{math.prod(shape)} values")
+                out[_global_expert_name(name, e, num_local) if moe else name] = full.view(shape).clone()
+    return out
+
+
+def _moe_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict of a ZeRO-1/2 checkpoint with DeepSpeed MoE layers, any EP size, the names of the
+    single-process model.
+
+    ``mp_rank_00_model_states.pt['module']`` holds every non-expert parameter and buffer; the expert files hold each
+    expert under its global id; both in the training dtype (bf16 under bf16). The fp32 masters from the optimizer
+    shards replace them wherever they exist (every trainable parameter); each master must round to the saved weight
+    exactly, which checks the expert placement too. Frozen parameters keep their saved values.
+    """
+    module_file = tag_dir / "mp_rank_00_model_states.pt"
+    if not module_file.is_file():
+        raise ConfigError(f"{tag_dir}: MoE checkpoint without mp_rank_00_model_states.pt")
+    model_states = _load_ds_file(module_file)
+    saved = dict(model_states["module"])
+    for f in sorted(tag_dir.glob(EXPERT_FILES)):
+        saved.update(_load_ds_file(f))  # keys already carry the global expert id
+    masters = _zero12_fp32_masters(tag_dir, model_states)
+    state = {}
+    for k, v in saved.items():
+        if k in masters:
+            m = masters.pop(k)
+            if m.shape != v.shape or not torch.equal(m.to(v.dtype), v):
+                raise ConfigError(f"{tag_dir}: {k}: the fp32 master in the optimizer shards does not match the saved "
+                                  f"{v.dtype} weight (a checkpoint whose experts are not where DeepSpeed's layout puts "
+                                  "them)")
+            state[k] = m
+        else:
+            state[k] = v.float() if v.is_floating_point() else v
+    if masters:
+        raise ConfigError(f"{tag_dir}: the optimizer shards hold parameters with no saved weight: {sorted(masters)[:3]}")
+    for alias, source in model_states.get("shared_params", {}).items():  # tied parameters saved once
+        state[alias] = state[source]
+    return state
 
 
 def load_weights_into(model: torch.nn.Module, state: dict, source: Path):

@@ -5,6 +5,9 @@
 
 The output holds ``model.safetensors`` (the full fp32 state dict, independent of the world size and ZeRO stage that
 wrote it), ``config.yaml`` and ``export.json``; launchers/evaluate.py and pipeline.checkpoint load it directly.
+ProtLingo MoE checkpoints of any expert-parallel size (``train.expert_parallel_size``: one DeepSpeed file per expert,
+which DeepSpeed's own zero_to_fp32.py cannot read) export to the single-process model's names, every routed expert
+under its global id, from the fp32 masters (pipeline.checkpoint.load_state_dict).
 DeepSpeed checkpoints are pickles: share exports, which load without executing code.
 """
 from __future__ import annotations
