@@ -27,7 +27,8 @@ import torch
 
 if not torch.cuda.is_available():
     sys.exit(1)
-print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, python {sys.version.split()[0]}")
+print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"python {sys.version.split()[0]}")
 print("installed:", ", ".join(f"{m} {'yes' if importlib.util.find_spec(m) else 'no'}"
                               for m in ("megablocks", "grouped_gemm", "flash_attn", "deepspeed")))
 PY

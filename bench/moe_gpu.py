@@ -56,7 +56,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench/moe_gpu.py: needs a CUDA device (torch sees none); the CPU tests cover the grouped path's logic")
+        sys.exit("bench/moe_gpu.py: needs a CUDA device (torch sees none); the CPU tests cover the path's logic")
     if args.tokens % 1024 or args.tokens < 1024:
         sys.exit(f"bench/moe_gpu.py: --tokens must be a positive multiple of 1024, got {args.tokens}")
 

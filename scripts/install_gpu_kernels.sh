@@ -66,7 +66,7 @@ if [ -n "$DOWNLOAD" ]; then
   exit 0
 fi
 
-# ---- install -----------------------------------------------------------------------------------------------------------
+# ---- install ---------------------------------------------------------------------------------------------------------
 "$PY" - <<'PY' || die "$PY has no CUDA build of torch; this script is for GPU hosts (the pipeline runs without it)"
 import sys
 import torch
@@ -75,7 +75,8 @@ PY
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 # flash-attn reads its own list, "80;90;100;120" by default: keep the archs asked for (9.0 -> 90, 8.0+PTX -> 80)
-export FLASH_ATTN_CUDA_ARCHS=${FLASH_ATTN_CUDA_ARCHS:-$(echo "$TORCH_CUDA_ARCH_LIST" | sed 's/+PTX//g; s/\.//g; s/[ ,]\{1,\}/;/g')}
+archs=$(echo "$TORCH_CUDA_ARCH_LIST" | sed 's/+PTX//g; s/\.//g; s/[ ,]\{1,\}/;/g')
+export FLASH_ATTN_CUDA_ARCHS=${FLASH_ATTN_CUDA_ARCHS:-$archs}
 # flash-attn otherwise tries to download a prebuilt wheel it guesses from torch's CUDA major (a CUDA 12 one for
 # CUDA 13): build against this torch instead
 export FLASH_ATTENTION_FORCE_BUILD=${FLASH_ATTENTION_FORCE_BUILD:-TRUE}

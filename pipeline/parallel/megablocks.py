@@ -22,8 +22,8 @@ Why this and not MegaBlocks' ``dMoE`` module (DESIGN.md sections 4 and 8):
 - The per-expert parameters stay the source of truth. ``torch.stack`` in the forward is differentiable (its backward
   hands each expert its slice of the grouped weight gradient), so the state dict, DeepSpeed's
   ``deepspeed_experts.<e>`` checkpoint files and the reference path keep one layout; DeepSpeed crashes on fused keys
-  such as ``experts.mlp.w1``. The price is one copy of the routed weights per forward (E*h*d*2 elements: 6.6 MB in bf16
-  for ESM2-150M's MoE layer, against 4*T*d*h FLOPs of GEMMs).
+  such as ``experts.mlp.w1``. The price is one copy of the routed weights per forward (2*E*h*d elements: 6.6 M, 13 MB in
+  bf16 for ESM2-150M's MoE layer, against 4*T*d*h FLOPs of routed GEMMs).
 - MegaBlocks' module brings its own router, loss lists in module globals, an expert-parallel group read at
   construction and a 1/ep gradient scale (``megablocks.layers.mlp``: right for FSDP, wrong under DeepSpeed, which
   already divides expert gradients by the whole data-parallel size). Calling the kernel on our own parameters brings
@@ -32,9 +32,9 @@ Why this and not MegaBlocks' ``dMoE`` module (DESIGN.md sections 4 and 8):
 - MegaBlocks' experts have no input bias: b1 is added after the first grouped GEMM, one row of b1 per sorted token.
 - The permutation uses torch ops (argsort, index_select, index_copy) rather than MegaBlocks' Triton gather/scatter:
   a permutation is exact either way, and this keeps the CPU test on the code the GPU runs.
-- grouped_gemm allocates its weight gradient with ``torch.empty`` and never writes the slice of an expert that got no
-  token (tgale96/grouped_gemm issue 36, so MegaBlocks' own dMoE can return garbage there); ``_GroupedGemm`` hands
-  the kernel a zeroed buffer instead, so such an expert's gradient is exactly 0, as on the reference path.
+- grouped_gemm allocates its weight gradient with ``torch.empty``, and the slice of an expert that got no token may
+  stay unwritten (tgale96/grouped_gemm issue 36; MegaBlocks' own dMoE calls it so); ``_GroupedGemm`` hands the
+  kernel a zeroed buffer instead, so such an expert's gradient is exactly 0, as on the reference path.
 
 ``import megablocks`` fails without CUDA, so nothing here imports it at module level: importing this file works on
 CPU, and asking for MegaBlocks there raises ``MegaBlocksUnavailable`` naming the reason.
@@ -116,7 +116,7 @@ def _grouped_gemm_backend():
 # ------------------------------------------------------------------------------------------------------------------
 class _GroupedGemm(torch.autograd.Function):
     """grouped_gemm's ``ops.GroupedGemm`` (MegaBlocks' ``gg.ops.gmm``), except that the weight gradient is written
-    into a zeroed buffer: the kernel skips groups without rows, and grouped_gemm's own buffer is ``torch.empty``.
+    into a zeroed buffer: grouped_gemm's own is ``torch.empty``, and a group without rows may leave its slice unwritten.
 
     a [T, k] bf16 CUDA, rows grouped; b [E, n, k] if trans_b else [E, k, n]; batch_sizes [E] int64 on the CPU."""
 
@@ -237,8 +237,8 @@ def _register_for_zero3(moe: UpcycledMoE):
 def apply_megablocks(model: nn.Module, kernel: str = "grouped_gemm") -> nn.Module:
     """Run every UpcycledMoE of ``model`` (the root included) through ``grouped_experts`` with ``kernel``; in place,
     returns ``model``. Parameters are untouched, so it may come before or after loading weights; call it before
-    ``deepspeed.initialize`` (as ``pipeline.parallel.parallelize`` does); applying it twice changes only the kernel. 'grouped_gemm' raises
-    MegaBlocksUnavailable where MegaBlocks cannot run."""
+    ``deepspeed.initialize`` (as ``pipeline.parallel.parallelize`` does). Applying it twice changes only the kernel.
+    'grouped_gemm' raises MegaBlocksUnavailable where MegaBlocks cannot run."""
     _check_kernel(kernel)
     if kernel == "grouped_gemm":
         _grouped_gemm_backend()
