@@ -1,7 +1,7 @@
 """launchers/evaluate.py --task proteingym: the masked-LM adapter on a tiny random HF EsmForMaskedLM, and the whole
-CLI on a checkpoint the launcher loads (a tiny fixed-depth masked LM exported with a 33-token vocabulary: a family
-whose forward returns .logits; no protein family is registered yet, so this stands in for ProtLingo), one assay or a
-folder, JSON + per-mutant CSVs + MLflow, and one-line errors with a non-zero exit."""
+CLI on checkpoints the launcher loads (a tiny fixed-depth masked LM exported with a 33-token vocabulary, and an
+upcycled ProtLingo export), one assay or a folder, JSON + per-mutant CSVs + MLflow, and one-line errors with a
+non-zero exit."""
 import csv
 import json
 import subprocess
@@ -268,3 +268,26 @@ def test_cli_process_exit_status(folder, export33, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith(
         "mutant 'Q23E': position 23 is outside the wild type (1..22)")
+
+
+def test_cli_on_an_upcycled_protlingo_export_scores_as_its_esm2(folder, tmp_path, capsys):
+    """End to end with the ProtLingo family: a tiny random HF ESM2 upcycled (MoE at every block, memory) by
+    tools/upcycle_esm2.py computes the dense ESM2 exactly, so the CLI's scores equal the library's on the HF model."""
+    d, ref = folder
+    hf = tiny_esm(seed=3)
+    hf.save_pretrained(str(tmp_path / "esm"))
+    up = subprocess.run([sys.executable, str(REPO / "tools" / "upcycle_esm2.py"), "--esm", str(tmp_path / "esm"),
+                         "--out", str(tmp_path / "up"), "--moe-layers", "all", "--num-experts", "3",
+                         "--memory-layers", "1"], cwd=REPO, capture_output=True, text=True)
+    assert up.returncode == 0, up.stderr
+    assert load_trained_model(tmp_path / "up").cfg.family == "protlingo"
+    out = tmp_path / "pg.json"
+    assert main("--checkpoint", tmp_path / "up", "--task", "proteingym", "--data", d / "AAAA_TEST_2024.csv",
+                "--reference", ref, "--output", out, "--no-mlflow") == 0
+    capsys.readouterr()
+    rows = list(csv.DictReader(open(tmp_path / "pg-scores" / "AAAA_TEST_2024.csv", newline="")))
+    with torch.no_grad():
+        direct = library_scores(d / "AAAA_TEST_2024.csv", pg.load_reference(ref)["AAAA_TEST_2024.csv"],
+                                lambda t, m: hf(t, attention_mask=m.long()).logits)
+    assert [float(r["score"]) for r in rows] == pytest.approx(direct.tolist(), abs=1e-5)
+    assert np.ptp(direct) > 1e-3  # the scores differ between mutants: the comparison is not of constants
