@@ -36,6 +36,7 @@ Dispatch per MoE layer and forward, over the EP group (gloo on CPU, NCCL on GPU)
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -129,9 +130,18 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, zero_stage: int = 2) -
     moes = [(n, m) for n, m in model.named_modules() if isinstance(m, UpcycledMoE)]
     if any(isinstance(m, ExpertParallelMoE) for _, m in moes):
         raise RuntimeError("apply_expert_parallel: the model is already expert-parallel")
+    if any(type(m) is not UpcycledMoE for _, m in moes):
+        raise RuntimeError("apply_expert_parallel: an MoE layer already runs another compute_experts (MegaBlocks?); "
+                           "expert parallelism replaces only the reference one")
+    if any(not n for n, _ in moes):
+        raise RuntimeError("apply_expert_parallel: the root module is an MoE layer; pass the model that holds it")
+    sizes = {m.num_experts for _, m in moes}
+    if len(sizes) > 1:
+        raise ConfigError(f"{EP_KEY}: MoE layers with different numbers of experts {sorted(sizes)}")
+    layers = SimpleNamespace(moe_layers=[n for n, _ in moes], num_experts=sizes.pop() if sizes else 0)
+    check_expert_parallel(layers, ep_size, dist.get_world_size(), zero_stage)  # ep > 1 without MoE layers included
     if not moes:
-        raise ConfigError(f"{EP_KEY}: {ep_size} needs a model with MoE layers; set it to 1")
-    check_expert_parallel(model.cfg, ep_size, dist.get_world_size(), zero_stage)
+        return model
     name = group_name(ep_size)
     if name not in groups._get_expert_parallel_group_dict():
         groups._create_expert_and_data_parallel(ep_size)
