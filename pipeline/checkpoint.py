@@ -208,7 +208,8 @@ def _moe_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         else:
             state[k] = v.float() if v.is_floating_point() else v
     if masters:
-        raise ConfigError(f"{tag_dir}: the optimizer shards hold parameters with no saved weight: {sorted(masters)[:3]}")
+        raise ConfigError(f"{tag_dir}: the optimizer shards hold parameters with no saved weight: "
+                          f"{sorted(masters)[:3]}")
     for alias, source in model_states.get("shared_params", {}).items():  # tied parameters saved once
         state[alias] = state[source]
     return state

@@ -19,8 +19,8 @@ maps it back). Expert parameters carry ``allreduce = False`` and ``group_name = 
 their gradients over the expert-data-parallel group (the ranks holding the same experts) and partitions their
 optimizer state over it.
 
-Gradient convention (runtime/zero/stage_1_and_2.py ``average_tensor``): every bucket is divided by the whole data-parallel size W and summed over
-its group, the expert-data-parallel group for expert parameters. The engine's ``backward(sum_loss * W / n_global)``
+Gradient convention (runtime/zero/stage_1_and_2.py ``average_tensor``): every bucket is divided by the whole
+data-parallel size W and summed over its group, the expert-data-parallel group for expert parameters. The engine's ``backward(sum_loss * W / n_global)``
 therefore gives experts the exact global-token-mean gradient too: the all-to-all's backward returns to the expert's
 rank the gradient of every token routed to it from its EP group, and the sum over the expert-data-parallel group adds
 the other EP groups; dividing by W cancels the factor W. No extra 1/ep (MegaBlocks' ``gradient_scale`` would be wrong

@@ -1,4 +1,5 @@
-"""Expert parallelism (ProtLingo MoE) under real multi-process DeepSpeed on CPU (gloo), against single-process references.
+"""Expert parallelism (ProtLingo MoE) under real multi-process DeepSpeed on CPU (gloo), against single-process
+references.
 
 Worker runs (ep_worker.py): 2 processes with EP = 2 (one EP group) and 4 processes with EP = 2 (two EP groups, so
 each expert lives on two ranks: an expert-data-parallel group of 2), ZeRO-1 and ZeRO-2. Launcher runs
@@ -298,7 +299,7 @@ def test_launcher_zero3_then_expert_parallel_resume_and_convert(protein_shards, 
     assert_same({k: v for k, v in trained.model.state_dict().items()}, ref_state)
 
 
-# ---- errors before anything starts ------------------------------------------------------------------------------------
+# ---- errors before anything starts -----------------------------------------------------------------------------------
 def test_expert_parallel_errors_name_the_key(protlingo_yaml, tmp_path, monkeypatch):
     cfg = load_config(protlingo_yaml, ["train.expert_parallel_size=2"])
     m = cfg.model
