@@ -20,11 +20,11 @@ their gradients over the expert-data-parallel group (the ranks holding the same 
 optimizer state over it.
 
 Gradient convention (runtime/zero/stage_1_and_2.py ``average_tensor``): every bucket is divided by the whole
-data-parallel size W and summed over its group, the expert-data-parallel group for expert parameters. The engine's ``backward(sum_loss * W / n_global)``
-therefore gives experts the exact global-token-mean gradient too: the all-to-all's backward returns to the expert's
-rank the gradient of every token routed to it from its EP group, and the sum over the expert-data-parallel group adds
-the other EP groups; dividing by W cancels the factor W. No extra 1/ep (MegaBlocks' ``gradient_scale`` would be wrong
-here).
+data-parallel size W and summed over its group, the expert-data-parallel group for expert parameters. The engine's
+``backward(sum_loss * W / n_global)`` therefore gives experts the exact global-token-mean gradient too: the
+all-to-all's backward returns to the expert's rank the gradient of every token routed to it from its EP group, and
+the sum over the expert-data-parallel group adds the other EP groups; dividing by W cancels the factor W. No extra
+1/ep (MegaBlocks' ``gradient_scale`` would be wrong here).
 
 Dispatch per MoE layer and forward, over the EP group (gloo on CPU, NCCL on GPU):
   1. all_to_all of the per-expert token counts [E] (not differentiable, equal splits of num_local_experts);
