@@ -192,14 +192,7 @@ def read_tokens(path: Path, expected_samples: int | None = None) -> list[tuple[s
                         raise ShardError(f"{path}: member {m.name}: a UniRef50 cluster shard, read by cluster "
                                          "sampling only (its manifest must say layout 'clusters')")
                     continue
-                key = m.name[:-len(".tokens.npy")]
-                try:
-                    tokens = decode_tokens(tf.extractfile(m).read())
-                    if tokens.ndim != 1 or tokens.dtype.kind != "u":
-                        raise ValueError(f"holds {tokens.dtype} {tokens.shape}, expected 1-D unsigned ids")
-                except (ValueError, EOFError) as e:
-                    raise ShardError(f"{path}: corrupt member {m.name} ({e})") from None
-                out.append((key, tokens))
+                out.append((m.name[:-len(".tokens.npy")], _unsigned_member(path, tf, m)))
                 last = m.name
     except (tarfile.TarError, EOFError, OSError) as e:
         after = f" after member {last}" if last else " at its first member"
@@ -214,7 +207,7 @@ def _unsigned_member(path: Path, tf: tarfile.TarFile, m: tarfile.TarInfo) -> np.
     try:
         array = decode_tokens(tf.extractfile(m).read())
         if array.ndim != 1 or array.dtype.kind != "u":
-            raise ValueError(f"holds {array.dtype} {array.shape}, expected a 1-D unsigned array")
+            raise ValueError(f"holds {array.dtype} {array.shape}, expected 1-D unsigned ids")
     except (ValueError, EOFError) as e:
         raise ShardError(f"{path}: corrupt member {m.name} ({e})") from None
     return array

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pipeline.config import ConfigError
 from pipeline.data.tokenizer import NucleotideTokenizer
 from pipeline.models.eco_rna import initial_state
-from pipeline.objectives.masking import IGNORE_INDEX, corrupt
+from pipeline.objectives.masking import IGNORE_INDEX, make_mlm_transform
 
 
 @dataclass
@@ -118,21 +118,9 @@ def plan(batch, cfg, *, step: int, micro: int, rank: int) -> Plan:
 def make_transform(cfg):
     """Crop to the context, frame with <cls>/<eos>, corrupt. One sequence, all randomness from ``rng``."""
     tok = NucleotideTokenizer
-    m = cfg.data.masking
-    pool = NucleotideTokenizer.residue_ids(cfg.data.molecule)
-    body = cfg.data.context_length - 2
-
-    def transform(tokens: np.ndarray, rng: np.random.Generator) -> dict:
-        if len(tokens) > body:
-            start = int(rng.integers(0, len(tokens) - body + 1))
-            tokens = tokens[start:start + body]
-        framed = np.concatenate([[tok.cls_id], tokens, [tok.eos_id]])
-        inputs, labels = corrupt(framed, rng, kind=m.kind, select_prob=m.select_prob, span_mean=m.span_mean,
-                                 mask_prob=m.mask_prob, random_prob=m.random_prob, mask_id=tok.mask_id,
-                                 num_special=tok.num_special, random_pool=pool)
-        return {"input_ids": inputs, "labels": labels}
-
-    return transform
+    return make_mlm_transform(cfg.data.context_length, cfg.data.masking, cls_id=tok.cls_id, eos_id=tok.eos_id,
+                              mask_id=tok.mask_id, num_special=tok.num_special,
+                              random_pool=NucleotideTokenizer.residue_ids(cfg.data.molecule))
 
 
 def per_row_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,3 +58,24 @@ def corrupt(tokens: np.ndarray, rng: np.random.Generator, *, kind: str, select_p
     to_random = chosen[(u >= mask_prob) & (u < mask_prob + random_prob)]
     inputs[to_random] = rng.choice(random_pool, size=to_random.size)
     return inputs, labels
+
+
+def make_mlm_transform(context_length: int, masking, *, cls_id: int, eos_id: int, mask_id: int, num_special: int,
+                       random_pool: np.ndarray):
+    """The masked LMs' sample transform: a record longer than ``context_length - 2`` is cropped to a uniformly random
+    window of that many tokens, framed as <cls> window <eos>, then corrupted by ``masking`` (a MaskingConfig). All
+    randomness comes from the sample's ``rng``. Returns (uint tokens, rng) -> {"input_ids", "labels"}."""
+    body = context_length - 2
+
+    def transform(tokens: np.ndarray, rng: np.random.Generator) -> dict:
+        if len(tokens) > body:
+            start = int(rng.integers(0, len(tokens) - body + 1))
+            tokens = tokens[start:start + body]
+        framed = np.concatenate([[cls_id], tokens, [eos_id]])
+        inputs, labels = corrupt(framed, rng, kind=masking.kind, select_prob=masking.select_prob,
+                                 span_mean=masking.span_mean, mask_prob=masking.mask_prob,
+                                 random_prob=masking.random_prob, mask_id=mask_id, num_special=num_special,
+                                 random_pool=random_pool)
+        return {"input_ids": inputs, "labels": labels}
+
+    return transform

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from pipeline.config import ConfigError
 from pipeline.data.protein_tokenizer import ProteinTokenizer
-from pipeline.objectives.causal_lm import Plan, plan  # noqa: F401  (no cross-rank plan: nothing to synchronize)
+from pipeline.objectives.causal_lm import Plan
 from pipeline.objectives.eco_rna import LossOutput
-from pipeline.objectives.masking import IGNORE_INDEX, corrupt
+from pipeline.objectives.masking import IGNORE_INDEX, make_mlm_transform
 
 
 @dataclass
@@ -36,24 +36,16 @@ class ProtLingoObjectiveConfig:
                 raise ConfigError(f"objective.{name}: must be >= 0, got {getattr(self, name)}")
 
 
+def plan(batch, cfg, *, step: int, micro: int, rank: int) -> Plan:
+    return Plan()  # nothing to draw before the forward, nothing to synchronize across ranks
+
+
 def make_transform(cfg):
     """Crop (uniform window of context_length - 2 residues), frame <cls> .. <eos>, corrupt. Randomness from ``rng``."""
     tok = ProteinTokenizer
-    m = cfg.data.masking
-    pool = ProteinTokenizer.residue_ids()
-    body = cfg.data.context_length - 2
-
-    def transform(tokens: np.ndarray, rng: np.random.Generator) -> dict:
-        if len(tokens) > body:
-            start = int(rng.integers(0, len(tokens) - body + 1))
-            tokens = tokens[start:start + body]
-        framed = np.concatenate([[tok.cls_id], tokens, [tok.eos_id]])
-        inputs, labels = corrupt(framed, rng, kind=m.kind, select_prob=m.select_prob, span_mean=m.span_mean,
-                                 mask_prob=m.mask_prob, random_prob=m.random_prob, mask_id=tok.mask_id,
-                                 num_special=4, random_pool=pool)  # ids 0-3 are <cls> <pad> <eos> <unk>
-        return {"input_ids": inputs, "labels": labels}
-
-    return transform
+    return make_mlm_transform(cfg.data.context_length, cfg.data.masking, cls_id=tok.cls_id, eos_id=tok.eos_id,
+                              mask_id=tok.mask_id, num_special=4,  # ids 0-3 are <cls> <pad> <eos> <unk>
+                              random_pool=ProteinTokenizer.residue_ids())
 
 
 def loss(model, batch, cfg, p: Plan) -> LossOutput:
