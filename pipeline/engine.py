@@ -582,8 +582,17 @@ def _grad_norm(engine) -> float:
     return float(norm) if norm is not None else float("nan")
 
 
+def shutdown_distributed():
+    """Leave together: without it a rank can exit while a peer's gloo threads still talk to it, and the peer dies in
+    its process-group destructor ("terminate called without an active exception", seen once in a CI run)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto"):
     trainer = Trainer(cfg, ds_config_path, resume)
     trainer.setup()
     trainer.train()
+    shutdown_distributed()
     return trainer

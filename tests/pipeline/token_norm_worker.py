@@ -50,7 +50,7 @@ def main():
     import deepspeed
     import torch.distributed as dist
 
-    from pipeline.engine import init_distributed, train_step
+    from pipeline.engine import init_distributed, shutdown_distributed, train_step
 
     init_distributed()
     rank = dist.get_rank()
@@ -68,6 +68,7 @@ def main():
         state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     if rank == 0:
         torch.save({"state": state, "rec": rec}, args.out)
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def main():
     import deepspeed
     import torch.distributed as dist
 
-    from pipeline.engine import init_distributed, train_step
+    from pipeline.engine import init_distributed, shutdown_distributed, train_step
     from pipeline.parallel.expert_parallel import apply_expert_parallel
 
     init_distributed()
@@ -147,6 +147,7 @@ def main():
     summary = {"restored": restored, "same_next_step": same_next, "recs": recs,
                "local_experts": [n for n in before if ".deepspeed_experts." in n]}
     (out / f"rank{rank}.json").write_text(json.dumps(summary))
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
