@@ -4,18 +4,16 @@ per (seed, epoch, sample), the same whatever the rank / worker count and across 
 Shards: the UniRef sample shipped in data/samples (400 real UniRef50 clusters, 771 UniRef90 members), prepared by
 the real data_prep CLI; no ../shared needed.
 """
-import itertools
-import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from scipy.stats import chi2
 
 from data_prep.__main__ import main as prep
-from pipeline.data.loader import ShardStream, Source, make_loader, read_cluster_tokens
+from loader_checks import resumed_equals_uninterrupted, same, take
+from pipeline.data.loader import ShardStream, Source, read_cluster_tokens
 from pipeline.data.protein_tokenizer import CLS_ID, EOS_ID, PAD_ID
 from pipeline.data.shards import ShardError, load_manifest, read_clusters
 
@@ -87,13 +85,6 @@ def split(sample_id: str) -> tuple[str, int, int]:
     return base, int(epoch), int(member)
 
 
-def take(ds, workers, n):
-    return list(itertools.islice(make_loader(ds, workers), n))
-
-
-def same(a, b):
-    return (a.sample_ids == b.sample_ids and torch.equal(a.input_ids, b.input_ids)
-            and torch.equal(a.labels, b.labels) and torch.equal(a.attention_mask, b.attention_mask))
 
 
 def test_member_draw_is_uniform_over_epochs_and_redrawn_each_epoch(multi):
@@ -184,19 +175,6 @@ def contents_cache(directory: Path) -> dict:
         _CACHE[directory] = contents(directory)
     return _CACHE[directory]
 
-
-def resumed_equals_uninterrupted(make, workers, total, cut):
-    """Take ``cut`` batches, checkpoint the state through JSON, resume in a fresh loader: the rest is identical."""
-    full = take(make(), workers, total)
-    loader = make_loader(make(), workers)
-    head = list(itertools.islice(loader, cut))
-    state = json.loads(json.dumps(loader.state_dict()))
-    resumed = make_loader(make(), workers)
-    resumed.load_state_dict(state)
-    tail = list(itertools.islice(resumed, total - cut))
-    assert [b.sample_ids for b in head + tail] == [b.sample_ids for b in full]
-    assert all(same(a, b) for a, b in zip(full, head + tail))
-    return full
 
 
 @pytest.mark.parametrize("kind", ["single", "shuffle_buffer", "mixture_token_budget"])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pipeline.config import load_config
+from loader_checks import resumed_equals_uninterrupted, same, take
 from pipeline.data.loader import ShardStream, make_loader
 from pipeline.data.shards import load_manifest
 from pipeline.data.tokenizer import NucleotideTokenizer
@@ -19,13 +20,6 @@ def stream(shards, rank=0, world=1, workers=0, consumed=0, ctx=64, mb=4, shuffle
                        transform=make_transform(cfg), pad_id=0, batches_consumed=consumed, shuffle_buffer=shuffle)
 
 
-def take(ds, workers, n):
-    return list(itertools.islice(make_loader(ds, workers), n))
-
-
-def same(a, b):
-    return (a.sample_ids == b.sample_ids and torch.equal(a.input_ids, b.input_ids)
-            and torch.equal(a.labels, b.labels) and torch.equal(a.attention_mask, b.attention_mask))
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -125,21 +119,6 @@ def mixture(shards, rank=0, world=2, workers=2, mb=4, max_tokens=None, pack=Fals
                        grad_accum_steps=2, max_tokens=max_tokens, pack=pack, pack_separator=separator,
                        row_length=row or ctx)
 
-
-def resumed_equals_uninterrupted(make, workers, total, cut):
-    """Take ``cut`` batches, checkpoint the state (through JSON, as in client_state.json), resume in a fresh loader."""
-    import json
-
-    full = take(make(), workers, total)
-    loader = make_loader(make(), workers)
-    head = list(itertools.islice(loader, cut))
-    state = json.loads(json.dumps(loader.state_dict()))
-    resumed = make_loader(make(), workers)
-    resumed.load_state_dict(state)
-    tail = list(itertools.islice(resumed, total - cut))
-    assert [b.sample_ids for b in head + tail] == [b.sample_ids for b in full]
-    assert all(same(a, b) for a, b in zip(full, head + tail))
-    return full
 
 
 @pytest.mark.parametrize("kind", ["single", "shuffle_buffer", "mixture"])
