@@ -195,12 +195,19 @@ def read_tokens(path: Path, expected_samples: int | None = None) -> list[tuple[s
                 out.append((m.name[:-len(".tokens.npy")], _unsigned_member(path, tf, m)))
                 last = m.name
     except (tarfile.TarError, EOFError, OSError) as e:
-        after = f" after member {last}" if last else " at its first member"
-        raise ShardError(f"{path}: truncated or corrupt shard{after} ({e})") from None
-    if expected_samples is not None and len(out) != expected_samples:
-        raise ShardError(f"{path}: holds {len(out)} samples but the manifest says {expected_samples} "
-                         "(truncated shard?)")
-    return out
+        raise _truncated(path, last, e) from None
+    return _checked_count(path, out, expected_samples)
+
+
+def _truncated(path: Path, last: str | None, error: Exception) -> ShardError:
+    after = f" after member {last}" if last else " at its first member"
+    return ShardError(f"{path}: truncated or corrupt shard{after} ({error})")
+
+
+def _checked_count(path: Path, samples: list, expected: int | None) -> list:
+    if expected is not None and len(samples) != expected:
+        raise ShardError(f"{path}: holds {len(samples)} samples but the manifest says {expected} (truncated shard?)")
+    return samples
 
 
 def _unsigned_member(path: Path, tf: tarfile.TarFile, m: tarfile.TarInfo) -> np.ndarray:
@@ -254,12 +261,8 @@ def read_cluster_tokens(path: Path, expected_samples: int | None = None) -> list
             if key is not None:
                 finish()
     except (tarfile.TarError, EOFError, OSError) as e:
-        after = f" after member {last}" if last else " at its first member"
-        raise ShardError(f"{path}: truncated or corrupt shard{after} ({e})") from None
-    if expected_samples is not None and len(out) != expected_samples:
-        raise ShardError(f"{path}: holds {len(out)} samples but the manifest says {expected_samples} "
-                         "(truncated shard?)")
-    return out
+        raise _truncated(path, last, e) from None
+    return _checked_count(path, out, expected_samples)
 
 
 def draw_member(offsets: np.ndarray, rng) -> int:

@@ -9,8 +9,6 @@ the key.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from pipeline.config import ConfigError
@@ -52,11 +50,6 @@ def resolve_moe_backend(model_cfg, dtype: torch.dtype | None = None) -> str:
     backend is moot: 'torch'."""
     backend = getattr(model_cfg, "moe_backend", "torch")
     if backend == "torch" or not getattr(model_cfg, "moe_layers", None):
-        return "torch"
-    if importlib.util.find_spec("pipeline.parallel.megablocks") is None:
-        if backend == "megablocks":
-            raise ConfigError("model.moe_backend: megablocks has no integration in this checkout "
-                              "(pipeline/parallel/megablocks.py is missing); use torch (the reference) or auto")
         return "torch"
     from pipeline.parallel import megablocks as mb  # importable on CPU: it imports megablocks only when asked
 
