@@ -7,6 +7,7 @@ name), so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -115,6 +116,9 @@ class DataConfig:
     # of the shard and in-shard permutations); stateless, so resume stays exact. Holds ~this many samples in memory.
     # 0 = off. Must not change on resume.
     shuffle_buffer: int = 0
+    # Check each shard's sha256 against the manifest the first time a rank opens it (a corrupt or swapped shard
+    # fails with one error line instead of training on wrong data). Sources without a manifest are not checked.
+    verify: bool = True
 
     def __post_init__(self):
         _check(self.molecule in ("rna", "dna"), "data.molecule", f"must be 'rna' or 'dna', got {self.molecule!r}")
@@ -205,6 +209,12 @@ class TrainConfig:
     # num_experts / expert_parallel_size per rank; it must divide model.num_experts and the world size. 1 = every
     # rank holds every expert as an ordinary data-parallel parameter (the only choice under ZeRO-3).
     expert_parallel_size: int = 1
+    # Stop the run (with one error line) after this many consecutive optimizer steps whose loss or gradient norm
+    # is not finite; DeepSpeed skips such updates, so a run stuck on them would otherwise spin without learning.
+    max_nonfinite_steps: int = 20
+    # Wall-clock deadline in hours from the start of this process: on reaching it the run saves a checkpoint and
+    # exits cleanly (resume continues). null = no deadline.
+    max_hours: float | None = None
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
@@ -220,6 +230,10 @@ class TrainConfig:
                "needs train.init_from")
         _check(self.expert_parallel_size >= 1, "train.expert_parallel_size",
                f"must be >= 1, got {self.expert_parallel_size}")
+        _check(self.max_nonfinite_steps >= 1, "train.max_nonfinite_steps",
+               f"must be >= 1, got {self.max_nonfinite_steps}")
+        _check(self.max_hours is None or (math.isfinite(self.max_hours) and self.max_hours > 0), "train.max_hours",
+               f"must be a number > 0 or null, got {self.max_hours}")
 
 
 @dataclass
@@ -241,6 +255,13 @@ class TrackingConfig:
     experiment: str = "eco-rna"
     run_name: str | None = None
     tracking_uri: str | None = None  # default sqlite:///RUN_DIR/mlflow.db; MLFLOW_TRACKING_URI overrides both
+    # Bound in seconds on any single tracking call (start run, log metrics, log artifact): a hung tracking server
+    # must not stall training.
+    timeout_s: float = 10.0
+
+    def __post_init__(self):
+        _check(math.isfinite(self.timeout_s) and self.timeout_s > 0, "tracking.timeout_s",
+               f"must be > 0, got {self.timeout_s}")
 
 
 SECTIONS = {

@@ -162,3 +162,19 @@ def test_lr_scale_names_a_models_group():
         param_groups(get_family("eco_rna").build_model(cfg.model), cfg.optim)
     with pytest.raises(ConfigError, match=r"^optim.lr_scale: expected \{group: number > 0\}"):
         load_config(None, ["optim.lr_scale={memory_tables: 0}"])
+
+
+def test_reliability_fields_defaults_and_bounds():
+    cfg = load_config(None)
+    assert cfg.train.max_nonfinite_steps == 20 and cfg.train.max_hours is None
+    assert cfg.data.verify is True and cfg.tracking.timeout_s == 10.0
+    cfg = load_config(None, ["train.max_hours=1.5", "train.max_nonfinite_steps=1", "data.verify=false",
+                             "tracking.timeout_s=0.5"])
+    assert (cfg.train.max_hours, cfg.train.max_nonfinite_steps, cfg.data.verify, cfg.tracking.timeout_s) == \
+        (1.5, 1, False, 0.5)
+    for override, key in [("train.max_nonfinite_steps=0", "train.max_nonfinite_steps"),
+                          ("train.max_hours=0", "train.max_hours"), ("train.max_hours=-2", "train.max_hours"),
+                          ("data.verify=1", "data.verify"), ("tracking.timeout_s=0", "tracking.timeout_s"),
+                          ("tracking.timeout_s=-1", "tracking.timeout_s")]:
+        with pytest.raises(ConfigError, match=rf"^{key}: "):
+            load_config(None, [override])
