@@ -2,7 +2,9 @@
 
 Every section is a dataclass that validates itself in ``__post_init__`` with a ValueError naming the field. YAML
 goes through :func:`from_dict`, which refuses unknown keys and wrong types with the dotted key path (and the file
-name), so a typo never silently falls back to a default.
+name), so a typo never silently falls back to a default. Loading is strict: a key given twice in one YAML mapping,
+a non-finite number (``.nan``, ``.inf``) and a boolean where a number is expected are refused, and a malformed file
+is reported with its line and column.
 """
 from __future__ import annotations
 
@@ -46,11 +48,11 @@ class MaskingConfig:
     random_prob: float = 0.1
 
     def __post_init__(self):
-        _check(self.kind in ("token", "span"), "masking.kind", f"must be 'token' or 'span', got {self.kind!r}")
-        _check(self.span_mean > 0, "masking.span_mean", f"must be > 0, got {self.span_mean}")
-        _check(0 < self.select_prob <= 1, "masking.select_prob", f"must be in (0, 1], got {self.select_prob}")
+        _check(self.kind in ("token", "span"), "data.masking.kind", f"must be 'token' or 'span', got {self.kind!r}")
+        _check(self.span_mean > 0, "data.masking.span_mean", f"must be > 0, got {self.span_mean}")
+        _check(0 < self.select_prob <= 1, "data.masking.select_prob", f"must be in (0, 1], got {self.select_prob}")
         _check(self.mask_prob >= 0 and self.random_prob >= 0 and self.mask_prob + self.random_prob <= 1,
-               "masking.mask_prob", "mask_prob and random_prob must be >= 0 and sum to <= 1")
+               "data.masking.mask_prob", "mask_prob and random_prob must be >= 0 and sum to <= 1")
 
 
 @dataclass
@@ -161,7 +163,7 @@ class OptimConfig:
     warmup_steps: int = 10
     schedule_steps: int | None = None  # length of the cosine; defaults to train.max_steps
     weight_decay: float = 0.1  # matrices only: gains, biases and what the model names in no_weight_decay() are exempt
-    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0  # written into the ds_config as gradient_clipping; 0 disables
     # {group: multiplier} of optim.lr for the parameter groups a model names in lr_groups() (ProtLingo:
@@ -240,13 +242,14 @@ class TrainConfig:
 class CheckpointConfig:
     every_steps: int = 50  # also saved at the end of training
     keep_last: int = 3  # older step checkpoints are deleted; 0 keeps all. Milestones (below) are never deleted
-    at_words: list = field(default_factory=list)  # milestones: save when the running words total first reaches each
+    at_words: list[int] = field(default_factory=list)  # milestones: save when the running words total first reaches each
     at_steps: list[int] = field(default_factory=list)  # milestones: save at each of these optimizer steps
 
     def __post_init__(self):
         _check(self.every_steps >= 1, "checkpoint.every_steps", f"must be >= 1, got {self.every_steps}")
         _check(self.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0, got {self.keep_last}")
         _check(all(s >= 1 for s in self.at_steps), "checkpoint.at_steps", f"steps must be >= 1, got {self.at_steps}")
+        _check(all(w >= 1 for w in self.at_words), "checkpoint.at_words", f"word totals must be >= 1, got {self.at_words}")
 
 
 @dataclass
@@ -290,6 +293,8 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def __post_init__(self):
+        _check(bool(self.run_dir), "run_dir", "must be a non-empty path")
+        _check(0 <= self.seed < 2**63, "seed", f"must be an integer in [0, 2^63), got {self.seed}")
         budget = self.train.max_tokens_per_microbatch
         _check(budget is None or budget >= self.data.context_length, "train.max_tokens_per_microbatch",
                f"{budget} < data.context_length {self.data.context_length}: a cropped sequence would not fit")
@@ -328,6 +333,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
         return from_dict(tp, value, prefix=key + ".")
+    # bool is a subclass of int in Python: true is never an integer or a number here, and 1 is never true.
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true/false, got {value!r}")
@@ -344,6 +350,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -359,6 +367,12 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
 
 def from_dict(cls, data: dict, prefix: str = ""):
     """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ConfigError naming the key."""
+    where = prefix.rstrip(".") or cls.__name__
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"{prefix}{bad[0]!r}: config keys must be names, got {type(bad[0]).__name__}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -370,7 +384,10 @@ def from_dict(cls, data: dict, prefix: str = ""):
     except ConfigError:
         raise
     except TypeError as e:  # a required field missing
-        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {e}") from None
+        raise ConfigError(f"{where}: {e}") from None
+    except ValueError as e:  # a section's own check (model and objective configs): keep its key, make it one line
+        msg = " ".join(str(e).split())
+        raise ConfigError(msg if msg.startswith(prefix) and prefix else f"{where}: {msg}") from None
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -403,16 +420,81 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _yaml_error(path: Path, e: yaml.YAMLError) -> ConfigError:
+    """One line with the file, line and column of a YAML syntax error (PyYAML's own message spans five lines)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    context, cmark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    if context and cmark is not None and (mark is None or cmark.line != mark.line):
+        problem += f" ({context} started at line {cmark.line + 1})"
+    elif context:
+        problem += f" ({context})"
+    return ConfigError(f"{where}: invalid YAML: {problem}")
+
+
+def _check_duplicate_keys(node, path: Path, key: str = "", seen: set | None = None):
+    """Refuse a key given twice in one mapping, at any depth: PyYAML would silently keep the last one."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already checked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first = {}
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                name = k.value
+                if name in first:
+                    raise ConfigError(f"{path}:{k.start_mark.line + 1}: {key + name}: duplicate key (first given at "
+                                      f"line {first[name] + 1})")
+                first[name] = k.start_mark.line
+                _check_duplicate_keys(v, path, f"{key}{name}.", seen)
+            else:
+                _check_duplicate_keys(v, path, key, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _check_duplicate_keys(v, path, f"{key.rstrip('.')}[{i}].", seen)
+
+
+def _check_finite(value, key: str = ""):
+    """``.nan`` / ``.inf`` are YAML floats; no config value means them (null means "none")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key.rstrip('.') or 'value'}: expected a finite number, got {value!r}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{key}{k}.")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{key.rstrip('.')}[{i}].")
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The document of one YAML file, strictly: errors carry the file and line, a duplicate key is refused."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is None:
+            return None
+        _check_duplicate_keys(node, path)
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise _yaml_error(path, e) from None
+
+
 def load_yaml(path: str | Path, _chain: tuple = ()) -> dict:
     """A YAML mapping; ``inherit: parent.yaml`` makes it the parent's mapping with this file's keys merged on top
     (so a Stage-B or control config states only what differs from its Stage-A config)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    raw = read_yaml(path)
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
     parent = raw.pop(INHERIT, None)
@@ -430,6 +512,10 @@ def build_config(raw: dict) -> RunConfig:
     from pipeline.families import get_family  # families import models; keep config importable on its own
 
     raw = dict(raw)
+    bad = [k for k in raw if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"{bad[0]!r}: config keys must be names, got {type(bad[0]).__name__}")
+    _check_finite(raw)
     family_name = raw.get("family", "eco_rna")
     if not isinstance(family_name, str):
         raise ConfigError(f"family: expected a string, got {family_name!r}")

@@ -178,3 +178,134 @@ def test_reliability_fields_defaults_and_bounds():
                           ("tracking.timeout_s=-1", "tracking.timeout_s")]:
         with pytest.raises(ConfigError, match=rf"^{key}: "):
             load_config(None, [override])
+
+
+# ---- strict loading (issue 11) --------------------------------------------------------------------------------------
+def _write(tmp_path, text, name="c.yaml"):
+    f = tmp_path / name
+    f.write_text(text)
+    return f
+
+
+@pytest.mark.parametrize("text, match", [
+    ("train:\n  max_steps: 3\ntrain:\n  log_every: 2\n", r"c.yaml:3: train: duplicate key \(first given at line 1\)"),
+    ("train:\n  max_steps: 3\n  log_every: 2\n  max_steps: 4\n",
+     r"c.yaml:4: train.max_steps: duplicate key \(first given at line 2\)"),
+    ("data:\n  masking:\n    kind: token\n    kind: span\n", r"c.yaml:4: data.masking.kind: duplicate key"),
+    ("data:\n  sources:\n    - {name: a, shards: x, name: b}\n", r"c.yaml:3: data.sources\[0\].name: duplicate key"),
+], ids=["top", "nested", "deep", "in-list"])
+def test_duplicate_yaml_keys_are_refused_with_key_file_and_line(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(_write(tmp_path, text))
+
+
+def test_yaml_anchors_and_merge_keys_are_not_duplicates(tmp_path):
+    f = _write(tmp_path, "optim: &o {lr: 0.002, warmup_steps: 3}\ntrain: {max_steps: 4}\n"
+                         "checkpoint: {every_steps: 2}\ntracking: {experiment: x}\n")
+    assert load_config(f).optim.lr == 0.002
+    (tmp_path / "m.yaml").write_text("train: &t {max_steps: 4, log_every: 2}\n"
+                                     "checkpoint: {every_steps: 2}\noptim: {<<: {lr: 0.1, warmup_steps: 1}, lr: 0.3}\n")
+    cfg = load_config(tmp_path / "m.yaml")
+    assert cfg.optim.lr == 0.3 and cfg.optim.warmup_steps == 1  # an explicit key overrides a merged one
+
+
+@pytest.mark.parametrize("text, match", [
+    ("train:\n  max_steps: [1, 2\n  log_every: 3\n", r"c.yaml:3:12: invalid YAML: expected ',' or '\]'.*line 2"),
+    ("train:\n\tmax_steps: 3\n", r"c.yaml:2:1: invalid YAML: found character '\\t'"),
+    ("a: 1\n---\nb: 2\n", r"c.yaml:2:1: invalid YAML: .*single document"),
+    ('run_dir: "x\n', r"c.yaml:2:1: invalid YAML: found unexpected end of stream"),
+])
+def test_malformed_yaml_keeps_its_line_on_one_line(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        load_config(_write(tmp_path, text))
+    assert "\n" not in str(e.value)
+
+
+def test_non_utf8_config_is_one_error(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_bytes(b"train:\n  max_steps: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: not UTF-8 text"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("optim:\n  lr: .nan\n", r"c.yaml: optim.lr: expected a finite number, got nan"),
+    ("optim:\n  lr: .inf\n", r"c.yaml: optim.lr: expected a finite number, got inf"),
+    ("optim:\n  lr: nan\n", r"c.yaml: optim.lr: expected a finite number"),  # a string a float field would accept
+    ("train:\n  max_hours: -.inf\n", r"c.yaml: train.max_hours: expected a finite number"),
+    ("optim:\n  lr_scale: {memory_tables: .inf}\n", r"c.yaml: optim.lr_scale.memory_tables: expected a finite"),
+    ("optim:\n  betas: [0.9, .nan]\n", r"c.yaml: optim.betas\[1\]: expected a finite number"),
+])
+def test_non_finite_values_are_refused_naming_the_key(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(_write(tmp_path, text))
+
+
+def test_non_finite_override_is_refused():
+    with pytest.raises(ConfigError, match=r"^objective.mu_k: expected a finite number, got inf"):
+        load_config(None, ["objective.mu_k=.inf"])
+    with pytest.raises(ConfigError, match=r"^model.sigma_init: expected a finite number, got nan"):
+        load_config(None, ["model.sigma_init=.nan"])
+
+
+@pytest.mark.parametrize("override, match", [
+    ("train.max_steps=true", r"^train.max_steps: expected an integer, got True"),
+    ("seed=false", r"^seed: expected an integer"),
+    ("optim.lr=true", r"^optim.lr: expected a number"),
+    ("optim.betas=[false, 0.9]", r"^optim.betas\[0\]: expected a number, got False"),
+    ("checkpoint.at_steps=[true]", r"^checkpoint.at_steps\[0\]: expected an integer"),
+    ("checkpoint.at_words=[true]", r"^checkpoint.at_words\[0\]: expected an integer"),
+    ("train.expert_parallel_size=true", r"^train.expert_parallel_size: expected an integer"),
+    ("model.n_heads=true", r"^model.n_heads: expected an integer"),
+    ("data.verify=1", r"^data.verify: expected true/false, got 1"),
+])
+def test_bools_are_not_numbers_and_numbers_are_not_bools(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("family, override, key", [
+    ("eco_rna", "model.n_heads=5", "model.n_heads"),  # 768 / 5
+    ("eco_rna", "model.n_kv_heads=5", "model.n_kv_heads"),
+    ("eco_rna", "model.d_ff=-3", "model.d_ff"),
+    ("eco_rna", "model.n_prelude=-1", "model.n_prelude"),
+    ("eco_rna", "model.norm_eps=0", "model.norm_eps"),
+    ("eco_rna", "model.alpha_max=1.5", "model.alpha_min"),
+    ("eco_rna_control", "model.d_model=0", "model.d_model"),
+    ("recursive_gpt", "model.n_heads=7", "model.n_heads"),
+    ("recursive_gpt", "model.recurrence=0", "model.recurrence"),
+    ("recursive_gpt", "model.embed_dim=-1", "model.embed_dim"),
+    ("recursive_gpt", "model.mlp_ratio=-2", "model.mlp_ratio"),
+    ("standard_gpt", "model.n_layers=0", "model.n_layers"),
+    ("protlingo", "model.n_heads=3", "model.n_heads"),
+    ("protlingo", "model.vocab_size=10", "model.mask_token_id"),
+    ("protlingo", "model.memory_dim=0", "model.memory_dim"),
+    ("protlingo", "model.moe_layers=[40]", "model.moe_layers"),
+    ("protlingo", "model.router_init_std=-1", "model.router_init_std"),
+])
+def test_model_shape_errors_are_config_errors_naming_key_and_file(tmp_path, family, override, key):
+    f = _write(tmp_path, f"family: {family}\n")
+    with pytest.raises(ConfigError, match=rf"^{f}: {key}: ") as e:
+        load_config(f, [override])
+    assert "\n" not in str(e.value)
+
+
+def test_sections_must_be_mappings_with_name_keys(tmp_path):
+    with pytest.raises(ConfigError, match=r"c.yaml: model: expected a mapping, got 5"):
+        load_config(_write(tmp_path, "model: 5\n"))
+    with pytest.raises(ConfigError, match=r"c.yaml: train: expected a mapping"):
+        load_config(_write(tmp_path, "train: [1]\n"))
+    with pytest.raises(ConfigError, match=r"c.yaml: 1: config keys must be names"):
+        load_config(_write(tmp_path, "1: 2\n"))
+    with pytest.raises(ConfigError, match=r"c.yaml: top level must be a mapping"):
+        load_config(_write(tmp_path, "- 1\n"))
+
+
+def test_seed_run_dir_and_word_milestones():
+    with pytest.raises(ConfigError, match=r"^seed: must be an integer in \[0, 2\^63\)"):
+        load_config(None, ["seed=-1"])
+    with pytest.raises(ConfigError, match=r"^run_dir: must be a non-empty path"):
+        load_config(None, ["run_dir=''"])
+    with pytest.raises(ConfigError, match=r"^checkpoint.at_words: word totals must be >= 1"):
+        load_config(None, ["checkpoint.at_words=[0]"])
+    assert load_config(None, ["checkpoint.at_words=[10_000_000]"]).checkpoint.at_words == [10_000_000]
