@@ -58,8 +58,13 @@ class EcoRNAConfig:
         if not 0 < self.alpha_min < self.alpha_max < 1:
             raise ValueError(f"model.alpha_min: need 0 < alpha_min < alpha_max < 1, "
                              f"got {self.alpha_min}, {self.alpha_max}")
-        if self.sigma_init < 0:
+        if not self.sigma_init >= 0:
             raise ValueError(f"model.sigma_init: must be >= 0, got {self.sigma_init}")
+        for name in ("norm_eps", "rope_theta", "init_std"):  # written "not > 0" so that nan fails too
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name}: must be > 0, got {getattr(self, name)}")
+        if not abs(self.a_cap) < float("inf"):
+            raise ValueError(f"model.a_cap: must be a finite number, got {self.a_cap}")
         if self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"model.attn_backend: must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
 

@@ -98,6 +98,15 @@ class ProtLingoConfig:
             raise ValueError(f"model.memory_bits: d_model {self.d_model} is not divisible by {self.memory_bits}")
         if self.memory_radius < 0:
             raise ValueError(f"model.memory_radius: must be >= 0, got {self.memory_radius}")
+        for name in ("mask_token_id", "pad_token_id", "cls_token_id", "eos_token_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ValueError(f"model.{name}: must be a token id in [0, vocab_size={self.vocab_size}), "
+                                 f"got {getattr(self, name)}")
+        for name in ("layer_norm_eps", "rope_theta", "init_std"):  # written "not > 0" so that nan fails too
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name}: must be > 0, got {getattr(self, name)}")
+        if not self.router_init_std >= 0:
+            raise ValueError(f"model.router_init_std: must be >= 0, got {self.router_init_std}")
         if self.memory_layers and self.window_keys >= 2 ** 62:
             raise ValueError(f"model.memory_radius: (2^b + 1)^N = {self.window_keys} does not fit the int64 window "
                              "key; use a smaller window or fewer bits")

@@ -86,9 +86,13 @@ class _GPTConfig:
             raise ValueError(f"model.n_heads: d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError(f"model.n_heads: head dim {self.d_model // self.n_heads} must be even for RoPE")
-        if self.mlp_ratio <= 0 or abs(self.mlp_ratio * self.d_model - round(self.mlp_ratio * self.d_model)) > 1e-6:
+        if not (0 < self.mlp_ratio < float("inf")) or \
+                abs(self.mlp_ratio * self.d_model - round(self.mlp_ratio * self.d_model)) > 1e-6:
             raise ValueError(f"model.mlp_ratio: mlp_ratio * d_model must be a positive integer, got "
                              f"{self.mlp_ratio} * {self.d_model}")
+        for name in ("norm_eps", "rope_theta", "init_std"):  # written "not > 0" so that nan fails too
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name}: must be > 0, got {getattr(self, name)}")
         if self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"model.attn_backend: must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
 
