@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from pipeline.engine import resolve_ds_config, load_ds_config
+from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.models.eco_rna import EcoRNAConfig
 
 REPO = Path(__file__).resolve().parents[2]
