@@ -13,26 +13,46 @@ One optimizer step:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
 import shutil
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint import (LATEST, check_same_model, is_export, latest_tag, load_state_dict, load_weights_into,
-                                 read_client_state, resolve_tag_dir)
+from pipeline.checkpoint import (check_same_model, is_export, load_state_dict, load_weights_into, read_client_state,
+                                 resolve_tag_dir)
 from pipeline.config import ConfigError, RunConfig, dump_yaml, load_yaml
 from pipeline.data.loader import ShardStream, Source, is_url_pattern, make_loader, resolve_shards
 from pipeline.families import get_family
 from pipeline.parallel import EP_KEY, check_parallelism, optimizer_groups, parallelize
+from pipeline.run_dir import (CHECKPOINT_FORMAT, COMPLETE, LATEST, RunDirLock, checkpoint_tags, is_complete,
+                              mark_complete, resume_tag, rotate, write_atomic)
+from pipeline.run_dir import read_latest as read_latest_tag
+from pipeline.run_log import current as current_run_log
 from pipeline.tracking import Tracker
 
-CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations")  # logged as total/<name>
+CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations",  # logged as total/<name>
+              "skipped", "nonfinite")
+# What a resumed run must share with its checkpoint to see the data the uninterrupted run would have seen
+# (--allow-config-change overrides): the seed, the batch arithmetic and the data spec.
+RESUME_INVARIANTS = ("seed", "train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size",
+                     "train.max_tokens_per_microbatch", "data")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself with a non-zero exit (divergence); the message says why and what is kept."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (disk full, ...); ``latest`` still names the previous one."""
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -83,17 +103,42 @@ def load_ds_config(path: str) -> dict:
     return raw
 
 
+def schedule_horizon(cfg: RunConfig, dataset_samples: int) -> dict:
+    """What the cosine decays over, fixed at a run's first start and kept in its checkpoints.
+
+    ``optim.schedule_steps`` if set; else the word budget (``train.max_words``) or the epoch budget
+    (``train.max_epochs``, in samples) when one is set, so a budgeted run decays over its budget instead of sitting
+    at peak lr until ``max_steps``; else ``train.max_steps``. Extending a resumed run (``--set train.max_steps=...``)
+    does not re-stretch it: past the horizon the lr stays at the floor.
+    """
+    o, t = cfg.optim, cfg.train
+    if o.schedule_steps:
+        return {"unit": "steps", "total": o.schedule_steps}
+    if t.max_words is not None:
+        return {"unit": "words", "total": t.max_words}
+    if t.max_epochs is not None:
+        return {"unit": "samples", "total": t.max_epochs * dataset_samples}
+    return {"unit": "steps", "total": t.max_steps}
+
+
+def lr_factor(optim, horizon: dict, step: int, cumulative: dict) -> float:
+    """lr / optim.lr at 0-based ``step``: linear warmup over optim.warmup_steps, then cosine to optim.min_lr_ratio
+    over the horizon's progress (steps, or the words or samples consumed before this step)."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if horizon["unit"] == "steps":
+        progress = (step - optim.warmup_steps) / max(1, horizon["total"] - optim.warmup_steps)
+    else:
+        progress = cumulative.get(horizon["unit"], 0.0) / max(1.0, horizon["total"])
+    progress = min(1.0, max(0.0, progress))
+    floor = optim.min_lr_ratio
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def lr_lambda(cfg: RunConfig):
-    """Linear warmup to optim.lr, then cosine to optim.lr * min_lr_ratio at schedule_steps (default max_steps)."""
-    warmup, total, floor = cfg.optim.warmup_steps, cfg.optim.schedule_steps or cfg.train.max_steps, cfg.optim.min_lr_ratio
-
-    def fn(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return fn
+    """The step-horizon schedule as a function of the 0-based step (optim.schedule_steps or train.max_steps)."""
+    horizon = {"unit": "steps", "total": cfg.optim.schedule_steps or cfg.train.max_steps}
+    return lambda step: lr_factor(cfg.optim, horizon, step, {})
 
 
 def param_groups(model: torch.nn.Module, optim) -> list[dict]:
@@ -160,22 +205,83 @@ def init_distributed():
     deepspeed.init_distributed(dist_backend="gloo")
 
 
-# --------------------------------------------------------------------------------------------------------------------
-# Checkpoints
-# --------------------------------------------------------------------------------------------------------------------
-def _write_atomic(path: Path, text: str):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+class StopRequest:
+    """Why this rank wants the run to stop after its current step: SIGTERM or SIGUSR1 (what SLURM and Kubernetes
+    send before a kill), the death of the launcher that started it, or ``train.max_hours``.
+
+    The handlers only set ``reason``; the training loop all-reduces the flag once per step, so every rank finishes
+    the same step, writes its part of one checkpoint and exits 0. SIGTERM to the ``deepspeed`` runner kills the
+    runner alone and leaves its ``deepspeed.launcher.launch`` child and the ranks running (runner.py installs no
+    handler for a local launch): the ranks watch the launcher processes and stop when one is gone. DeepSpeed's
+    launch.py forwards SIGTERM to the ranks and kills them 30 s later, so a save that takes longer needs SIGUSR1
+    sent to the ranks themselves (README, "Preemption").
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, max_hours: float | None):
+        self.max_hours = max_hours
+        self.deadline = time.monotonic() + max_hours * 3600 if max_hours else None
+        self.reason: str | None = None
+        self._previous = {}
+
+    def install(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        watched = _launcher_processes()
+        if watched:
+            threading.Thread(target=self._watch, args=(watched,), daemon=True, name="launcher-watch").start()
+
+    def _on_signal(self, signum, frame):
+        self.reason = self.reason or signal.Signals(signum).name
+
+    def _watch(self, processes):
+        while self.reason is None:
+            for proc in processes:
+                if not proc.is_running() or proc.status() == "zombie":
+                    self.reason = self.reason or f"the launcher (pid {proc.pid}) exited"
+                    return
+            time.sleep(1.0)
+
+    def requested(self) -> bool:
+        if self.reason is None and self.deadline is not None and time.monotonic() >= self.deadline:
+            self.reason = f"train.max_hours ({self.max_hours:g} h) reached"
+        return self.reason is not None
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def _launcher_processes() -> list:
+    """The DeepSpeed launcher processes above this rank (launch.py and the runner or remote shell that started it),
+    as psutil handles; [] when this rank was not started by DeepSpeed's launcher."""
+    import psutil  # a DeepSpeed dependency
+
+    try:
+        parent = psutil.Process(os.getppid())
+        if "deepspeed.launcher.launch" not in " ".join(parent.cmdline()):
+            return []
+        watched = [parent]
+        grand = parent.parent()
+        if grand is not None and grand.pid > 1 and "deepspeed" in " ".join(grand.cmdline()):
+            watched.append(grand)
+        return watched
+    except psutil.Error:
+        return []
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, ds_config_path: str, resume: str = "auto"):
+    def __init__(self, cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False):
         self.cfg = cfg
         self.family = get_family(cfg.family)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.resume = resume
+        self.allow_config_change = allow_config_change
+        self.resume_note = None  # set when resume falls back from what 'latest' names
         world_size = self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         # Everything that can be wrong with the inputs fails here, before DeepSpeed starts.
         cfg.check_world_size(world_size)
@@ -196,6 +302,9 @@ class Trainer:
                 raise ConfigError(f"{key}: {spec} has {n} shards, fewer than {world_size} ranks x {n_streams} "
                                   "loader streams")
         self.resume_tag = self._find_resume_tag()
+        if self.resume_tag:  # before DeepSpeed starts: a resume that would change the data order is refused here
+            self._check_resume_config(read_client_state(self.ckpt_dir / self.resume_tag)["config"],
+                                      self.ckpt_dir / self.resume_tag)
         # A run that has checkpoints of its own continues from them; init_from only seeds its first start.
         self.init_source = self._check_init_source() if cfg.train.init_from and not self.resume_tag else None
         self.init_from_record = str(self.init_source.resolve()) if self.init_source else None  # kept on resume
@@ -227,15 +336,19 @@ class Trainer:
 
     def _find_resume_tag(self) -> str | None:
         if self.resume == "never":
-            if latest_tag(self.ckpt_dir):
+            if checkpoint_tags(self.ckpt_dir):
                 raise ConfigError(f"--resume never: {self.ckpt_dir} already holds checkpoints; "
                                   "use --resume auto or another run_dir")
             return None
         if self.resume == "auto":
-            return latest_tag(self.ckpt_dir)
+            tag, self.resume_note = resume_tag(self.ckpt_dir)
+            return tag
         tag_dir = Path(self.resume)
         if not (tag_dir / "client_state.json").is_file():
             raise ConfigError(f"--resume {self.resume}: not a checkpoint directory (no client_state.json)")
+        if not is_complete(tag_dir):
+            raise ConfigError(f"--resume {self.resume}: incomplete checkpoint (no {COMPLETE} marker or an unreadable "
+                              "client_state.json); it cannot be resumed")
         if tag_dir.resolve().parent != self.ckpt_dir.resolve():
             # Continuing another run's checkpoint here would write into its folder, rotate its checkpoints away and
             # look its MLflow run up in this run's store: starting from another run is --init-from.
@@ -277,6 +390,26 @@ class Trainer:
 
         init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # One training per run directory: rank 0 takes the lock before anything is written there, and every rank
+        # learns the outcome, so a refused second training exits on all of its ranks at once.
+        self.lock, error = RunDirLock(self.run_dir), None
+        if self.rank == 0:
+            try:
+                self.lock.acquire()
+            except ConfigError as e:
+                error = str(e)
+        error = broadcast_object(error)
+        if error:
+            raise ConfigError(error)
+        log = current_run_log()
+        if log is not None:
+            log.attach(self.run_dir, fresh_errors=self.rank == 0)
+        dist.barrier()  # rank 0 has cleared the last attempt's errors before any rank can record one
+        if self.rank == 0 and self.resume_note:
+            print(f"note: {self.resume_note}", flush=True)
+        self.stop = StopRequest(self.cfg.train.max_hours)
+        self.stop.install()
+        self.started = time.time()
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -297,12 +430,16 @@ class Trainer:
         model = parallelize(model, self.cfg, self.zero_stage, self.dtype)
         optimizer = torch.optim.AdamW(optimizer_groups(model, param_groups(model, self.cfg.optim)),
                                       lr=self.cfg.optim.lr, betas=tuple(self.cfg.optim.betas), eps=self.cfg.optim.eps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(self.cfg))
-        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
+        # Each group's peak lr; the trainer sets lr = peak * lr_factor before every step (no torch scheduler: the
+        # factor may follow the words or samples consumed, which a step-counting scheduler cannot see).
+        self.peak_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                                 config=self.ds_config)
 
         self.step, self.batches_consumed, self.loader_states, run_id = 0, 0, None, None
         self.cumulative = {}  # running totals over the whole run (all ranks): tokens, words, FLOPs, ...
+        self.best = None  # (loss, step) of the lowest finite logged loss
+        self.horizon = schedule_horizon(self.cfg, self.dataset_samples)
         parent = None
         if self.resume_tag:
             run_id = self._load(self.resume_tag)
@@ -315,8 +452,12 @@ class Trainer:
                       f"({'weights and optimizer moments' if not init_weights_only else 'weights'})", flush=True)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            _write_atomic(self.run_dir / "config.yaml", dump_yaml(self.cfg))
-            _write_atomic(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=1))
+            if self.resume_tag and read_latest_tag(self.ckpt_dir) != self.resume_tag:
+                # A rollback (--resume of an older tag) or a fallback past an incomplete latest: this is the
+                # timeline now, and a crash before the next save must come back here.
+                write_atomic(self.ckpt_dir / LATEST, self.resume_tag)
+            write_atomic(self.run_dir / "config.yaml", dump_yaml(self.cfg))
+            write_atomic(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=1))
             self._truncate_logs()
         dist.barrier()
         self.tracker = Tracker(self.cfg, self.run_dir, self.rank, run_id, self.step if self.resume_tag else None,
@@ -373,49 +514,106 @@ class Trainer:
             raise ConfigError(f"{EP_KEY}: {self.cfg.train.expert_parallel_size} differs from {saved_ep} of checkpoint "
                               f"{self.ckpt_dir / tag}; resume with the same expert-parallel size (--init-from starts "
                               "a new run from its weights with any size)")
-        path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag)
+        path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {self.ckpt_dir / tag}")
         self.step, self.batches_consumed = client["step"], client["batches_consumed"]
         self.cumulative = dict(client.get("cumulative", {}))
+        self.best = tuple(client["best"]) if client.get("best") else None
+        self.horizon = self._resumed_horizon(client, saved["config"])
         self.loader_states = client.get("loader")  # [world] loader state_dicts, one per rank
         self.init_from_record = client.get("init_from")
         if self.rank == 0:
             print(f"resumed from {self.ckpt_dir / tag} at step {self.step}", flush=True)
         return client.get("mlflow_run_id")
 
+    def _check_resume_config(self, saved: dict, source: Path):
+        """A resumed run must see the data the uninterrupted run would have seen: same seed, batch arithmetic and
+        data spec (RESUME_INVARIANTS), unless --allow-config-change."""
+        ours = self.cfg.to_dict()
+        for key in RESUME_INVARIANTS:
+            a, b = _get_path(saved, key), _get_path(ours, key)
+            if a != b:
+                if self.allow_config_change:
+                    if os.environ.get("RANK", "0") == "0":
+                        print(f"warning: {key} changed since checkpoint {source} ({a!r} -> {b!r}); continuing "
+                              "(--allow-config-change): the data order is no longer the uninterrupted run's",
+                              flush=True)
+                    continue
+                detail = _first_difference(a, b, key)
+                raise ConfigError(f"{detail} in checkpoint {source}; a resumed run must keep the seed, batch "
+                                  "arithmetic and data spec of its checkpoint (--allow-config-change to continue "
+                                  "anyway, --init-from to start a new run from it)")
+
+    def _resumed_horizon(self, client: dict, saved: dict) -> dict:
+        """The checkpoint's schedule horizon; a changed optim.schedule_steps is the one way to re-schedule."""
+        if client.get("schedule"):
+            horizon = client["schedule"]
+        else:  # checkpoints from before the horizon was stored: what their own config gave
+            saved_cfg = {**saved.get("optim", {}), **saved.get("train", {})}
+            horizon = {"unit": "steps", "total": saved_cfg.get("schedule_steps") or saved_cfg.get("max_steps")}
+        wanted = self.cfg.optim.schedule_steps
+        if wanted and wanted != saved.get("optim", {}).get("schedule_steps"):
+            if self.rank == 0:
+                print(f"note: optim.schedule_steps {wanted} replaces the checkpoint's schedule horizon {horizon}",
+                      flush=True)
+            return {"unit": "steps", "total": wanted}
+        return horizon
+
     def _truncate_logs(self):
         """Drop log lines of steps after the resume point (a killed run may have logged past its last checkpoint)."""
         for f in [self.run_dir / "metrics.jsonl", *self.run_dir.glob("samples-rank*.jsonl")]:
             if f.is_file():
                 keep = [ln for ln in f.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
-                _write_atomic(f, "".join(ln + "\n" for ln in keep))
+                write_atomic(f, "".join(ln + "\n" for ln in keep))
 
     def save(self, milestone: bool = False):
-        """Checkpoint this step; ``milestone`` checkpoints (checkpoint.at_steps / at_words) survive keep_last."""
+        """Checkpoint this step; ``milestone`` checkpoints (checkpoint.at_steps / at_words) survive keep_last.
+
+        Order: every rank's shards, then (rank 0) client_state.json and config.yaml, then the COMPLETE marker, then
+        ``latest``, then rotation. A failure at any point leaves ``latest`` on the previous complete checkpoint.
+        """
         tag = f"step{self.step:08d}"
+        tag_dir = self.ckpt_dir / tag
         # DeepSpeed stores client_state from rank 0 only, and every rank's loader is somewhere else: gather them.
         loader = _all_gather_object(self.data.state_dict())
-        client = {"step": self.step, "batches_consumed": self.batches_consumed, "world_size": self.world,
-                  "zero_stage": self.ds_config.get("zero_optimization", {}).get("stage", 0),
+        client = {"format": CHECKPOINT_FORMAT, "step": self.step, "batches_consumed": self.batches_consumed,
+                  "world_size": self.world, "zero_stage": self.ds_config.get("zero_optimization", {}).get("stage", 0),
                   "cumulative": self.cumulative, "loader": loader, "mlflow_run_id": self.tracker.run_id,
-                  "mlflow_tracking_uri": self.tracker.uri, "milestone": milestone,
+                  "mlflow_tracking_uri": self.tracker.uri, "milestone": milestone, "schedule": self.horizon,
+                  "best": list(self.best) if self.best else None,
                   "init_from": self.init_from_record, "config": self.cfg.to_dict()}
-        # save_latest=False: DeepSpeed writes 'latest' on rank 0 before the other ranks finish their shards; we write
-        # it ourselves after save_checkpoint's closing barrier, atomically, so 'latest' only ever names a whole one.
-        self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
+        if self.rank == 0 and tag_dir.exists():
+            # The same tag from an abandoned timeline (after a rollback) or a save that died: never let its old
+            # COMPLETE marker vouch for the files about to be rewritten.
+            shutil.rmtree(tag_dir)
         dist.barrier()
+        try:
+            # save_latest=False: DeepSpeed writes 'latest' on rank 0 before the other ranks finish their shards; we
+            # write it after save_checkpoint's closing barrier, atomically, so 'latest' only names a whole one.
+            self.engine.save_checkpoint(str(self.ckpt_dir), tag=tag, client_state=client, save_latest=False)
+            failed = None
+        except Exception as e:  # noqa: BLE001 - every rank must reach the barrier below to agree on the outcome
+            failed = _describe_save_error(e, tag_dir)
+        failures = [f for f in _all_gather_object(failed) if f]
+        if failures:
+            raise CheckpointWriteError(f"{failures[0]}; {LATEST} still names "
+                                       f"{read_latest_tag(self.ckpt_dir) or 'no checkpoint'}")
+        failed = None
         if self.rank == 0:
-            _write_atomic(self.ckpt_dir / tag / "client_state.json", json.dumps(client, indent=1))
-            _write_atomic(self.ckpt_dir / tag / "config.yaml", dump_yaml(self.cfg))
-            _write_atomic(self.ckpt_dir / LATEST, tag)
-            keep = self.cfg.checkpoint.keep_last
-            tags = sorted(p.name for p in self.ckpt_dir.glob("step*") if p.is_dir())
-            rotating = [t for t in tags if not read_client_state(self.ckpt_dir / t).get("milestone")]
-            for old in rotating[:-keep] if keep else []:
-                if old != tag:
-                    shutil.rmtree(self.ckpt_dir / old, ignore_errors=True)
-        dist.barrier()
+            try:
+                write_atomic(tag_dir / "client_state.json", json.dumps(client, indent=1))
+                write_atomic(tag_dir / "config.yaml", dump_yaml(self.cfg))
+                mark_complete(tag_dir)
+                write_atomic(self.ckpt_dir / LATEST, tag)
+                rotate(self.ckpt_dir, self.cfg.checkpoint.keep_last, tag)
+            except OSError as e:
+                failed = _describe_save_error(e, tag_dir)
+        failed = broadcast_object(failed)
+        if failed:
+            raise CheckpointWriteError(f"{failed}; {LATEST} still names "
+                                       f"{read_latest_tag(self.ckpt_dir) or 'no checkpoint'}")
+        self.last_saved = tag
 
     def _budget_spent(self) -> bool:
         t, c = self.cfg.train, self.cumulative
@@ -441,24 +639,50 @@ class Trainer:
         return out
 
     # ---------------------------------------------------------------------------------------------------------------
+    def set_lr(self) -> float:
+        """Put the schedule's lr for 0-based step ``self.step`` into every param group; returns the base group's."""
+        factor = lr_factor(self.cfg.optim, self.horizon, self.step, self.cumulative)
+        for group, peak in zip(self.optimizer.param_groups, self.peak_lrs):
+            group["lr"] = peak * factor
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank wants to stop after this step (one all-reduce, MAX, of one number per step)."""
+        flag = torch.tensor([float(self.stop.requested())], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def train(self):
         cfg = self.cfg
         data = self.data
         metrics_file = open(self.run_dir / "metrics.jsonl", "a") if self.rank == 0 else None
         samples_file = (open(self.run_dir / f"samples-rank{self.rank}.jsonl", "a") if cfg.train.log_samples else None)
         peak = cfg.train.peak_flops_per_device
-        status = "FAILED"
+        status, self.stopped_by, self.last_saved = "FAILED", "train.max_steps", None
+        streak, streak_start = 0, None  # consecutive non-finite steps and the first of them
+        start_step, t_start, self.last_loss = self.step, time.perf_counter(), float("nan")
         try:
             while self.step < cfg.train.max_steps:
                 if self._budget_spent():
+                    self.stopped_by = "budget"
                     break  # resumed after the word or epoch budget was spent
                 t0 = time.perf_counter()
                 micro = [next(data) for _ in range(cfg.train.grad_accum_steps)]
                 self.batches_consumed += len(micro)
-                lr = self.optimizer.param_groups[0]["lr"]
+                lr = self.set_lr()
+                skipped_before = self.engine.skipped_steps
                 rec = train_step(self.engine, self.family, cfg, micro, self.step, self.device)
                 rec.update(self.mixture_metrics(self.step))
                 self.step += 1
+                # Non-finite: a loss or gradient norm that is inf/NaN, or DeepSpeed's own overflow check skipping
+                # the update (it does on every ZeRO stage). The weights are then those of the last good step.
+                overflow = self.engine.skipped_steps > skipped_before
+                # A step without supervised tokens (loss NaN by definition) is skipped but is no sign of divergence.
+                nonfinite = overflow or not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"]))
+                rec["nonfinite"] = int(nonfinite and rec["supervised_tokens"] > 0)
+                rec["skipped"] = int(rec["skipped"] or overflow)
+                streak = streak + 1 if rec["nonfinite"] else 0
+                streak_start = (streak_start or self.step) if streak else None
                 dt = time.perf_counter() - t0
                 rec.update(step=self.step, lr=lr, step_time=dt, tokens_per_s=rec["tokens"] / dt,
                            tflops_per_device=rec.get("flops", 0.0) / self.world / dt / 1e12)
@@ -469,6 +693,10 @@ class Trainer:
                     if k in rec:
                         self.cumulative[k] = self.cumulative.get(k, 0.0) + rec[k]
                         rec[f"total/{k}"] = self.cumulative[k]
+                self.last_loss = rec["loss"]
+                if not rec["nonfinite"] and math.isfinite(rec["loss"]) and (self.best is None
+                                                                            or rec["loss"] < self.best[0]):
+                    self.best = (rec["loss"], self.step)
                 words = self.cumulative.get("words", 0.0)
                 milestone = (any(words_before < w <= words for w in cfg.checkpoint.at_words)
                              or self.step in cfg.checkpoint.at_steps)
@@ -480,30 +708,77 @@ class Trainer:
                 if metrics_file:
                     metrics_file.write(json.dumps(rec) + "\n")
                     metrics_file.flush()
+                if rec["nonfinite"] and self.rank == 0:
+                    print(f"warning: step {self.step}: non-finite loss {rec['loss']} / grad norm {rec['grad_norm']}: "
+                          f"update skipped ({streak} in a row, train.max_nonfinite_steps "
+                          f"{cfg.train.max_nonfinite_steps})", flush=True)
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
                     self.tracker.log_metrics({k: v for k, v in rec.items() if k != "step"}, self.step)
                     if self.rank == 0:
                         print(f"step {self.step}/{cfg.train.max_steps} | loss {rec['loss']:.4f} | lr {lr:.3e} | "
                               f"grad_norm {rec['grad_norm']:.3f} | tok/s {rec['tokens_per_s']:.0f} | "
                               f"TFLOP/s/dev {rec['tflops_per_device']:.3f} | step {dt * 1000:.0f} ms", flush=True)
-                if (self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps or milestone
-                        or budget_spent):
+                if streak >= cfg.train.max_nonfinite_steps:
+                    raise TrainingStopped(
+                        f"training diverged: {streak} consecutive non-finite steps ({streak_start}-{self.step}, "
+                        f"train.max_nonfinite_steps {cfg.train.max_nonfinite_steps}); no checkpoint was written "
+                        f"during them, the last good one is {read_latest_tag(self.ckpt_dir) or 'none'}. Lower "
+                        "optim.lr or raise optim.warmup_steps and resume from it")
+                stop = self._stop_requested()
+                periodic = (self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps
+                            or milestone or budget_spent or stop)
+                if periodic and streak == 0:  # never checkpoint a model in a non-finite streak
                     if samples_file:
                         samples_file.flush()
                     self.save(milestone)
                 if budget_spent:
+                    self.stopped_by = "budget"
                     if self.rank == 0:
                         print(f"budget reached: {words:.0f} words (train.max_words {cfg.train.max_words}), "
                               f"{rec['epochs']:.3f} epochs (train.max_epochs {cfg.train.max_epochs})", flush=True)
                     break
-            status = "FINISHED"
+                if stop:
+                    self.stopped_by = self.stop.reason or "a stop request on another rank"
+                    if self.rank == 0:
+                        print(f"stopping at step {self.step}: {self.stopped_by}; checkpoint "
+                              f"{self.last_saved or 'not written (non-finite step)'}; the same command resumes",
+                              flush=True)
+                    break
+            status = "FINISHED" if self.stopped_by in ("train.max_steps", "budget") else "KILLED"
         finally:
             for f in (metrics_file, samples_file):
                 if f:
                     f.close()
-            if status == "FINISHED" and self.rank == 0:
-                self.tracker.log_artifact(self.run_dir / "metrics.jsonl")
-            self.tracker.finish(status)
+            self.stop.restore()
+            try:
+                if status == "FINISHED" and self.rank == 0:
+                    self.tracker.log_artifact(self.run_dir / "metrics.jsonl")
+                self.tracker.finish(status)
+            except Exception as e:  # noqa: BLE001 - tracking never masks the training's own outcome
+                print(f"warning: tracking: could not finish the MLflow run ({type(e).__name__}: {e})", flush=True)
+            if self.rank == 0:
+                self._print_summary(status, self.step - start_step, time.perf_counter() - t_start)
+
+    def _print_summary(self, status: str, steps_this_attempt: int, seconds: float):
+        """The run's last lines: how far it got, where its checkpoints and tracking live, how to export it."""
+        c = self.cumulative
+        latest = read_latest_tag(self.ckpt_dir)
+        best = f"{self.best[0]:.4f} at step {self.best[1]}" if self.best else "n/a"
+        lines = [
+            f"==== run {self.run_dir} {status.lower()}: step {self.step}/{self.cfg.train.max_steps} "
+            f"(stopped by {self.stopped_by}), {steps_this_attempt} steps in {_hms(seconds)} ====",
+            f"loss: final {self.last_loss:.4f}, best {best} | tokens {c.get('tokens', 0):.4g} | samples {c.get('samples', 0):.4g} | skipped steps "
+            f"{c.get('skipped', 0):.0f} | non-finite steps {c.get('nonfinite', 0):.0f}",
+            f"checkpoints: {self.ckpt_dir} (latest {latest or 'none'})",
+        ]
+        if latest:
+            lines.append(f"export: python tools/convert_checkpoint.py --checkpoint {self.run_dir} "
+                         f"--output exports/{self.run_dir.name}")
+        if self.tracker.uri:
+            lines.append(f"mlflow: run {self.tracker.run_id} in {self.tracker.uri} "
+                         f"(mlflow ui --backend-store-uri {self.tracker.uri})")
+        lines.append(f"log: {self.run_dir / 'train.log'}, metrics: {self.run_dir / 'metrics.jsonl'}")
+        print("\n".join(lines), flush=True)
 
 
 def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -> dict:
@@ -529,11 +804,7 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
     rec = {"supervised_tokens": n_global, "tokens": tokens_global, "samples": samples_global,
            "skipped": int(n_global == 0)}
     if n_global == 0:  # an update needs a positive token count (A.2); skip it rather than divide by zero
-        rec.update(loss=float("nan"), grad_norm=0.0)
-        # No engine.step(), so DeepSpeed does not advance the schedule: advance it here, so that the lr of step s
-        # is always the schedule at s, skipped steps included.
-        if engine.lr_scheduler is not None:
-            engine.lr_scheduler.step()
+        rec.update(loss=float("nan"), grad_norm=0.0)  # the trainer sets each step's lr itself: nothing to advance
         return rec
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     stats, totals = {}, {}
@@ -577,6 +848,45 @@ def _all_gather_object(obj) -> list:
     return out
 
 
+def broadcast_object(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _get_path(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def _first_difference(a, b, key: str) -> str:
+    """'KEY: NEW differs from OLD' for the first differing leaf under ``key`` (the checkpoint's value is OLD)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{key}.{k}")
+    return f"{key}: {b!r} differs from {a!r}"
+
+
+def _describe_save_error(e: BaseException, tag_dir: Path) -> str:
+    """One line for a failed checkpoint write; a full disk says so (torch reports it as 'file write failed')."""
+    text = f"{type(e).__name__}: {e}".splitlines()[0]
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    try:
+        full = full or shutil.disk_usage(tag_dir.parent).free < 64 * 2**20
+    except OSError:
+        pass
+    if full:
+        return f"disk full writing checkpoint {tag_dir} ({text})"
+    return f"could not write checkpoint {tag_dir} ({text})"
+
+
+def _hms(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m{s:02d}s" if m >= 60 else f"{m}m{s:02d}s"
+
+
 def _grad_norm(engine) -> float:
     norm = engine.get_global_grad_norm()
     return float(norm) if norm is not None else float("nan")
@@ -590,9 +900,14 @@ def shutdown_distributed():
         dist.destroy_process_group()
 
 
-def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto"):
-    trainer = Trainer(cfg, ds_config_path, resume)
-    trainer.setup()
-    trainer.train()
+def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False):
+    trainer = Trainer(cfg, ds_config_path, resume, allow_config_change)
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        lock = getattr(trainer, "lock", None)
+        if lock is not None:
+            lock.release()
     shutdown_distributed()
     return trainer

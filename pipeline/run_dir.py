@@ -1,0 +1,159 @@
+"""A run directory's safety rules: one training at a time, complete checkpoints only, rotation that never loses the
+resume point.
+
+Layout::
+
+    RUN_DIR/.lock                       held (flock) by rank 0 of the training using RUN_DIR; names its host and pid
+    RUN_DIR/checkpoints/stepNNNNNNNN/   DeepSpeed shards + client_state.json + config.yaml + COMPLETE (written last)
+    RUN_DIR/checkpoints/latest          the tag of the newest complete checkpoint (written after COMPLETE)
+
+A checkpoint is complete when its ``COMPLETE`` marker exists and its ``client_state.json`` parses: the marker is
+written after every rank's shards and the client state, so a kill at any moment of a save leaves either a complete
+checkpoint or one that resume skips. Checkpoints written before the marker existed (``client_state.json`` without a
+``format`` key) count as complete when their client state parses.
+
+Nothing here writes or deletes outside ``RUN_DIR``.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+from pipeline.config import ConfigError
+
+LATEST = "latest"
+COMPLETE = "COMPLETE"
+CHECKPOINT_FORMAT = 2  # client_state.json["format"]: 2 = written with a COMPLETE marker
+
+
+def tag_step(tag: str) -> int:
+    return int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else -1
+
+
+def checkpoint_tags(ckpt_dir: Path) -> list[str]:
+    """Every stepNNNNNNNN directory, complete or not, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted((p.name for p in ckpt_dir.iterdir() if p.is_dir() and tag_step(p.name) >= 0), key=tag_step)
+
+
+def read_client(tag_dir: Path) -> dict | None:
+    """The parsed client_state.json, or None when it is missing, truncated or not an object."""
+    try:
+        client = json.loads((tag_dir / "client_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return client if isinstance(client, dict) else None
+
+
+def is_complete(tag_dir: Path) -> bool:
+    client = read_client(tag_dir)
+    if client is None:
+        return False
+    return (tag_dir / COMPLETE).is_file() or "format" not in client
+
+
+def read_latest(ckpt_dir: Path) -> str | None:
+    """What ``latest`` names (stripped), or None when it is missing or empty."""
+    try:
+        return (ckpt_dir / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def resume_tag(ckpt_dir: Path) -> tuple[str | None, str | None]:
+    """(tag to resume from, a note when it is not what ``latest`` names).
+
+    ``latest`` wins when it names a complete checkpoint; otherwise the newest complete checkpoint, and the note says
+    why. A checkpoint directory whose checkpoints are all incomplete is a ConfigError, never a fresh start that would
+    overwrite them.
+    """
+    tags = checkpoint_tags(ckpt_dir)
+    named = read_latest(ckpt_dir)
+    if named and named in tags and is_complete(ckpt_dir / named):
+        return named, None
+    complete = [t for t in tags if is_complete(ckpt_dir / t)]
+    if not complete:
+        if tags:
+            raise ConfigError(f"{ckpt_dir}: holds checkpoints ({', '.join(tags[-3:])}) but none is complete (no "
+                              f"{COMPLETE} marker or an unreadable client_state.json); refusing to start over them. "
+                              "Move them away or use another run_dir")
+        return None, None
+    if not (ckpt_dir / LATEST).exists():
+        why = f"{LATEST} is missing"
+    elif named is None:
+        why = f"{LATEST} is empty"
+    elif named not in tags:
+        why = f"{LATEST} names {named}, which does not exist"
+    else:
+        why = f"{LATEST} names {named}, which is incomplete"
+    return complete[-1], f"{ckpt_dir}: {why}; resuming from the newest complete checkpoint {complete[-1]}"
+
+
+def write_atomic(path: Path, text: str):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def mark_complete(tag_dir: Path):
+    write_atomic(tag_dir / COMPLETE, time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+
+
+def rotate(ckpt_dir: Path, keep_last: int, current: str) -> list[str]:
+    """Delete old rotating checkpoints so that ``keep_last`` complete ones remain; returns the deleted tags.
+
+    Only checkpoints of the current timeline (steps up to ``current``, the one just written) are considered: after a
+    rollback (``--resume`` of an older tag) the abandoned later checkpoints are left alone until the run writes the
+    same tag again. Milestones (client_state ``milestone``) are never rotated; ``current`` and the tag ``latest``
+    names are never deleted. Incomplete checkpoints older than the kept ones go with them.
+    """
+    if not keep_last:
+        return []
+    protected = {current, read_latest(ckpt_dir)}
+    timeline = [t for t in checkpoint_tags(ckpt_dir) if tag_step(t) <= tag_step(current)]
+    rotating = [t for t in timeline if not (read_client(ckpt_dir / t) or {}).get("milestone")]
+    kept = [t for t in rotating if is_complete(ckpt_dir / t)][-keep_last:]
+    oldest_kept = tag_step(kept[0]) if kept else tag_step(current)
+    doomed = [t for t in rotating if t not in protected and t not in kept and tag_step(t) < oldest_kept]
+    for t in doomed:
+        shutil.rmtree(ckpt_dir / t, ignore_errors=True)
+    return doomed
+
+
+class RunDirLock:
+    """An exclusive ``flock`` on RUN_DIR/.lock for the life of the training (rank 0 holds it).
+
+    The kernel drops the lock when the holder dies, so a killed run never leaves a stale lock; the file's text
+    (host, pid, start time) is only for the message a second training gets.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ".lock"
+        self.fd = None
+
+    def acquire(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown holder"
+            os.close(fd)
+            raise ConfigError(f"run_dir {self.path.parent}: in use by another training ({holder}); wait for it to "
+                              "end or give this run another run_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                      .encode(), 0)
+        self.fd = fd
+
+    def release(self):
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
