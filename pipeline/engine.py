@@ -30,6 +30,7 @@ import torch.distributed as dist
 from pipeline.checkpoint import (check_same_model, is_export, load_state_dict, load_weights_into, read_client_state,
                                  resolve_tag_dir)
 from pipeline.config import ConfigError, RunConfig, dump_yaml, load_yaml
+from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.data.loader import ShardStream, Source, is_url_pattern, make_loader, resolve_shards
 from pipeline.families import get_family
 from pipeline.parallel import EP_KEY, check_parallelism, optimizer_groups, parallelize
@@ -53,56 +54,11 @@ class TrainingStopped(RuntimeError):
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, ...); ``latest`` still names the previous one."""
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Set-up that can fail fast, before any process group or compute
 # --------------------------------------------------------------------------------------------------------------------
-def resolve_ds_config(raw: dict, cfg: RunConfig, world_size: int, path: str, cuda: bool) -> dict:
-    """Fill batch sizes, clipping and precision from the run config; a value the file sets must agree."""
-    ds = json.loads(json.dumps(raw))  # deep copy
-    t = cfg.train
-    want = {
-        "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": t.grad_accum_steps,
-        "train_batch_size": t.micro_batch_size * t.grad_accum_steps * world_size,
-        "gradient_clipping": cfg.optim.grad_clip,
-    }
-    for key, value in want.items():
-        if key in ds and ds[key] != value:
-            detail = (f"train.micro_batch_size {t.micro_batch_size} x train.grad_accum_steps {t.grad_accum_steps} "
-                      f"x world size {world_size} = {want['train_batch_size']}" if key in BATCH_KEYS
-                      else f"optim.grad_clip = {value}")
-            raise ConfigError(f"{path}: {key} is {ds[key]} but the run config gives {value} ({detail})")
-        ds[key] = value
-    precision = t.precision if t.precision != "auto" else ("bf16" if cuda else "fp32")
-    for name in ("fp16", "bf16"):
-        enabled = ds.get(name, {}).get("enabled", False)
-        if enabled and enabled != "auto" and name != precision:
-            raise ConfigError(f"{path}: {name}.enabled is true but train.precision resolves to {precision}")
-    ds["bf16"] = {**ds.get("bf16", {}), "enabled": precision == "bf16"}
-    ds.pop("fp16", None)
-    ds.setdefault("steps_per_print", 10**9)  # our own log line replaces DeepSpeed's
-    return ds
-
-
-def load_ds_config(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{path}: ds_config file not found")
-    try:
-        raw = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: top level must be an object")
-    stage = raw.get("zero_optimization", {}).get("stage", 0)
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"{path}: zero_optimization.stage must be 0-3, got {stage!r}")
-    return raw
-
-
 def schedule_horizon(cfg: RunConfig, dataset_samples: int) -> dict:
     """What the cosine decays over, fixed at a run's first start and kept in its checkpoints.
 
