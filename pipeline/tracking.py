@@ -1,18 +1,91 @@
-"""MLflow tracking: one run per training job, created and written by rank 0 only.
+"""MLflow tracking: one run per training job, written by rank 0 in a background thread; training never waits on it.
 
-The run id is broadcast so every rank knows it, stored in each checkpoint, and a resumed job re-attaches to it.
-Default store: ``sqlite:///RUN_DIR/mlflow.db`` with artifacts under ``RUN_DIR/mlartifacts`` (no server needed);
+Store. Default ``sqlite:///RUN_DIR/mlflow.db`` with artifacts under ``RUN_DIR/mlartifacts`` (no server needed);
 ``MLFLOW_TRACKING_URI`` or ``tracking.tracking_uri`` override it.
+
+Threading. ``Tracker`` is built on every rank; only rank 0 talks to MLflow, from one daemon worker thread.
+``log_metrics``, ``log_artifact`` and ``finish`` put an item on an in-memory queue and return (microseconds; an
+artifact of up to 8 MiB is first copied into ``RUN_DIR/tracking_spool/``, so that what is sent later is what was
+logged). The worker imports mlflow, opens the store, creates or re-attaches the run, then sends the queue in order.
+When the store fails (refused, timed out, 5xx), the worker prints one ``tracking:`` line, keeps the queue (at most
+``MAX_PENDING`` metric records; older ones are dropped from memory, never from metrics.jsonl) and retries with
+exponential backoff (``retry_s`` doubling up to ``max_retry_s``); when it succeeds again it prints one more line and
+catches up. Errors the store will never accept (a bad value, an unknown run) drop that item with one line per error
+code.
+
+Timeouts. Every HTTP request of the worker runs with ``tracking.timeout_s`` (default 10 s) and no MLflow-level retry
+(``MLFLOW_HTTP_REQUEST_TIMEOUT`` = timeout_s, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` = 0, backoff 0); MLflow's defaults
+(120 s, 7 retries with backoff) are what made one call block for ~4 minutes. These values apply to the tracker's
+thread only: MLflow reads them through ``mlflow.environment_variables.<NAME>.get()`` on every request, and
+``bounded_http`` wraps those getters with a thread-local override, so ``os.environ`` and every other thread in the
+process keep the user's settings.
+
+Start. The constructor waits for the worker to know the run id: at most the mlflow import (local, 2-4 s) plus
+``timeout_s``, and not at all beyond the first failed attempt. Rank 0 then broadcasts the id to every rank.
+
+Run id when the store is unreachable. MLflow run ids are made by the store, so a run that could not be created has
+none yet. Each run directory has a run key (a uuid4 hex, kept in the journal); the MLflow run carries it as tag
+``pipeline.run_key``. Until the run exists, ``Tracker.run_id`` is ``pending:<run key>``: that is what checkpoints
+saved meanwhile hold. Whoever reaches the store first (the worker later in this job, a resumed job, or
+``tools/mlflow_sync.py``) looks the run up by that tag and creates it (with the params of the job's first start) only
+if it is not there, and records the real id in the journal; ``resolve_run_id`` maps a checkpoint's id to it. On rank 0
+``run_id`` becomes the real id as soon as the worker has it, so later checkpoints hold the real id; other ranks keep
+the broadcast value.
+
+Journal (``RUN_DIR/tracking_state.json``, written atomically by rank 0's tracker and by mlflow_sync): the run key;
+the tracking URI; the run id per store URI; the flattened config of the first start (the params); creation tags;
+experiment, run name and artifact location; the highest step confirmed in each store; the artifacts (source, spool
+copy, stores they reached); the last status and the stores that have it; wall-clock anchors ``[step, ms]`` of each
+start (to date replayed steps when metrics.jsonl has no ``time``).
+
+No duplicated steps. MLflow has no API to delete a metric value, so duplicates are prevented by design. Every step's
+metrics go in one ``log_batch`` (one store transaction for the metrics), in step order. Before sending after every
+(re)connection the worker reads the store's high-water mark H: the step of the latest value of the probe key
+(``loss``, or the first key of a record without it). Records with step <= H are not sent: they are in the store,
+either committed by a request whose response was lost, or logged by an earlier attempt of this run that was killed
+after its last checkpoint (resume at step R < H). Guarantee: each key has at most one value per step in the store for
+the steps this tracker and mlflow_sync send; for steps R+1..H of a resume the store keeps the values of the attempt
+that first ran them (identical where resume is bit-exact, as on CPU; possibly not bit-identical with nondeterministic
+GPU kernels), metrics.jsonl holds the re-run's, and the run gets tag ``resumed_at_step_<R>.kept_steps`` = ``R+1-H``.
+A resumed job also replays from metrics.jsonl the steps <= R that the store misses (what mlflow_sync does), so one
+outage is repaired by the next resume. A ``time`` key in a record (seconds since the epoch) is used as the metric
+timestamp and not logged as a metric.
+
+Params on resume. MLflow params are immutable: the params stay the config of the run's first start. On each later
+start the tracker compares the current config with them and sets tag ``config.<key>`` = current value for every key
+that differs or is new (tags are mutable, so ``config.train.max_steps`` says 600 after a 100-step run was resumed to
+600), and tag ``config.changed_at_step_<R>`` lists the keys.
+
+Finish. ``finish(status)`` queues the status and waits at most ``flush_timeout_s`` (default 2 x timeout_s) for the
+queue to drain; with the store down it gives up after the first failed attempt. What is left is in the journal and
+metrics.jsonl for ``python tools/mlflow_sync.py RUN_DIR``, and one line says so.
 """
 from __future__ import annotations
 
+import collections
+import json
 import os
+import shutil
+import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import torch.distributed as dist
 
 from pipeline.config import ConfigError
+
+STATE_FILE = "tracking_state.json"
+SPOOL_DIR = "tracking_spool"
+PENDING = "pending:"
+RUN_KEY_TAG = "pipeline.run_key"
+SPOOL_MAX_BYTES = 8 << 20
+MAX_PENDING = 10_000  # metric records held in memory while the store is down (metrics.jsonl keeps every step)
+BATCH_METRICS = 1000  # MLflow's log_batch limit
+# Codes of errors a retry cannot fix: drop the item instead of retrying forever.
+PERMANENT_CODES = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE", "RESOURCE_DOES_NOT_EXIST",
+                   "RESOURCE_ALREADY_EXISTS"}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -23,6 +96,11 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def config_params(cfg_dict: dict) -> dict:
+    """The flattened config as MLflow params (strings)."""
+    return {k: str(v) for k, v in _flatten(cfg_dict).items()}
 
 
 def broadcast_object(obj, src: int = 0):
@@ -38,60 +116,719 @@ def tracking_uri(cfg, run_dir: Path) -> str:
             or f"sqlite:///{Path(run_dir).resolve()}/mlflow.db")
 
 
-class Tracker:
-    """``tags`` go on a new run (e.g. the parent run and checkpoint of a run started with --init-from)."""
+def _warn(msg: str):
+    print(f"tracking: {msg}", file=sys.stderr, flush=True)
 
-    def __init__(self, cfg, run_dir: Path, rank: int, resume_run_id: str | None, resume_step: int | None,
-                 tags: dict | None = None):
-        self.rank, self.client, self.run_id = rank, None, None
-        self.uri = tracking_uri(cfg, run_dir) if cfg.tracking.enabled else None
-        run_id, error = None, None
-        if rank == 0 and cfg.tracking.enabled:
-            from mlflow.exceptions import MlflowException
-            from mlflow.tracking import MlflowClient  # 1.5-3 s to import: rank 0 only
 
-            run_dir = Path(run_dir).resolve()
-            self.client = MlflowClient(tracking_uri=self.uri)
-            exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(
-                cfg.tracking.experiment, artifact_location=(run_dir / "mlartifacts").as_uri())
-            if resume_run_id:
-                run_id = resume_run_id
-                try:
-                    self.client.update_run(run_id, status="RUNNING")
-                except MlflowException:
-                    error = (f"tracking.tracking_uri: the checkpoint's MLflow run {run_id} is not in the store "
+def _short(e: BaseException) -> str:
+    """One short line for an exception; connection failures reduced to their cause."""
+    text = " ".join(str(e).split())
+    for pattern, say in (("Connection refused", "connection refused"), ("timed out", "timed out"),
+                         ("Name or service not known", "unknown host"), ("Temporary failure in name", "unknown host"),
+                         ("RemoteDisconnected", "connection closed by the server"),
+                         ("Connection reset", "connection reset"), ("Connection aborted", "connection aborted")):
+        if pattern in text:
+            return say
+    return f"{type(e).__name__}: {text[:160]}"
+
+
+def _code(e: BaseException) -> str | None:
+    return getattr(e, "error_code", None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MLflow's HTTP timeout and retries, for one thread only
+# ----------------------------------------------------------------------------------------------------------------
+_HTTP_VARS = ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
+              "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER")
+_thread = threading.local()
+_install_lock = threading.Lock()
+
+
+def _install_http_overrides():
+    """Wrap the ``get`` of MLflow's HTTP settings so that a thread that called ``bounded_http`` sees its own values.
+
+    MLflow's REST client reads ``MLFLOW_HTTP_REQUEST_TIMEOUT.get()`` etc. on every request (mlflow 3.17,
+    ``utils/rest_utils.http_request``); other threads, and the environment, are untouched. If a future mlflow drops one
+    of these objects, that setting is simply not overridden (the worker thread still keeps training from waiting).
+    """
+    from mlflow import environment_variables as ev
+
+    with _install_lock:
+        for name in _HTTP_VARS:
+            var = getattr(ev, name, None)
+            if var is None or getattr(var, "_pipeline_scoped", False):
+                continue
+            original = var.get
+
+            def get(_original=original, _name=name):
+                over = getattr(_thread, "http", None)
+                if over and _name in over:
+                    return over[_name]
+                return _original()
+
+            var.get = get
+            var._pipeline_scoped = True
+
+
+def bounded_http(timeout_s: float, max_retries: int = 0, backoff_factor: float = 0):
+    """MLflow HTTP requests made by the calling thread from now on: ``timeout_s`` per connect/read, ``max_retries``."""
+    _install_http_overrides()
+    _thread.http = {"MLFLOW_HTTP_REQUEST_TIMEOUT": float(timeout_s), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": int(max_retries),
+                    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": backoff_factor, "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": 0.0}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The journal
+# ----------------------------------------------------------------------------------------------------------------
+def state_path(run_dir: Path) -> Path:
+    return Path(run_dir) / STATE_FILE
+
+
+def read_state(run_dir: Path) -> dict | None:
+    p = state_path(run_dir)
+    if not p.is_file():
+        return None
+    try:
+        state = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        _warn(f"{p}: unreadable ({_short(e)}); starting a new journal")
+        return None
+    return state if isinstance(state, dict) and state.get("run_key") else None
+
+
+def write_state(run_dir: Path, state: dict):
+    p = state_path(run_dir)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+    os.replace(tmp, p)
+
+
+def new_state(run_key: str | None = None) -> dict:
+    return {"version": 1, "run_key": run_key or uuid.uuid4().hex, "uri": None, "runs": {}, "params": {}, "tags": {},
+            "experiment": None, "artifact_location": None, "run_name": None, "confirmed_step": {},
+            "probe_keys": ["loss"], "artifacts": {}, "status": "RUNNING", "status_sent": {}, "anchors": []}
+
+
+def resolve_run_id(run_dir: Path, run_id: str | None, uri: str | None = None) -> str | None:
+    """The real MLflow run id for a checkpoint's ``mlflow_run_id`` (which may be ``pending:<run key>``), from the
+    run directory's journal; None while the run has not been created in that store (run tools/mlflow_sync.py)."""
+    if not run_id or not run_id.startswith(PENDING):
+        return run_id
+    state = read_state(run_dir)
+    if not state or state.get("run_key") != run_id[len(PENDING):]:
+        return None
+    runs = state.get("runs", {})
+    return runs.get(uri or state.get("uri")) or (next(iter(runs.values())) if uri is None and runs else None)
+
+
+def probe_key(metrics: dict) -> str:
+    return "loss" if "loss" in metrics else min(metrics)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Store operations shared by the worker and tools/mlflow_sync.py (call them from a thread that called bounded_http)
+# ----------------------------------------------------------------------------------------------------------------
+class NotInStore(Exception):
+    pass
+
+
+class Store:
+    def __init__(self, uri: str):
+        from mlflow.tracking import MlflowClient
+
+        self.uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+
+    def experiment_id(self, name: str, artifact_location: str | None) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=artifact_location)
+        except Exception as e:
+            if _code(e) == "RESOURCE_ALREADY_EXISTS":  # created meanwhile by another job
+                return self.client.get_experiment_by_name(name).experiment_id
+            raise
+
+    def exists(self, run_id: str) -> bool:
+        try:
+            self.client.get_run(run_id)
+            return True
+        except Exception as e:
+            if _code(e) == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
+
+    def find_by_key(self, exp_id: str, run_key: str) -> str | None:
+        runs = self.client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def attach(self, state: dict, resume_id: str | None = None) -> tuple[str, bool]:
+        """(run id, created) for the journal's run in this store: the journal's id for this URI, or ``resume_id``
+        (a real id from a checkpoint), or the run tagged with the run key, or a new run with the journal's params.
+
+        Raises NotInStore when ``resume_id`` is a real id this store does not have (pointed at the wrong store)."""
+        known = state["runs"].get(self.uri)
+        for rid in dict.fromkeys(r for r in (known, resume_id) if r):
+            if self.exists(rid):
+                return rid, False
+        exp_id = self.experiment_id(state["experiment"], state.get("artifact_location"))
+        rid = self.find_by_key(exp_id, state["run_key"])
+        if rid:
+            return rid, False
+        if resume_id:
+            raise NotInStore(f"tracking.tracking_uri: the checkpoint's MLflow run {resume_id} is not in the store "
                              f"{self.uri}; point tracking.tracking_uri (or MLFLOW_TRACKING_URI) at the store this "
                              "run was started with")
-                if error is None:
-                    self.client.set_tag(run_id, f"resumed_at_step_{resume_step}", time.strftime("%Y-%m-%dT%H:%M:%S"))
-            else:
-                run = self.client.create_run(exp_id, run_name=cfg.tracking.run_name or run_dir.name,
-                                             tags=dict(tags or {}))
-                run_id = run.info.run_id
-                params = {k: str(v) for k, v in _flatten(cfg.to_dict()).items()}
-                from mlflow.entities import Param
+        tags = {**state.get("tags", {}), RUN_KEY_TAG: state["run_key"]}
+        run = self.client.create_run(exp_id, run_name=state.get("run_name"), tags=tags)
+        return run.info.run_id, True
 
-                items = [Param(k, v) for k, v in params.items()]
-                for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
-                    self.client.log_batch(run_id, params=items[i:i + 100])
-        # Every rank learns the run id, or the error, so that no rank waits on a peer that has given up.
-        self.run_id, error = broadcast_object((run_id, error))
-        if error:
-            raise ConfigError(error)
+    def log_params(self, run_id: str, params: dict):
+        """The journal's params; re-logging the same value is accepted by MLflow, so this is safe to repeat."""
+        from mlflow.entities import Param
 
-    def log_metrics(self, metrics: dict, step: int):
-        if self.client is None:
-            return
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+            self.client.log_batch(run_id, params=items[i:i + 100])
+
+    def config_tags(self, run_id: str, params_now: dict, at_step: int | None) -> list:
+        """Tags ``config.<key>`` for the current config values that differ from the run's (immutable) params."""
+        from mlflow.entities import RunTag
+
+        run = self.client.get_run(run_id)
+        logged = run.data.params
+        changed = [k for k, v in params_now.items() if logged.get(k) != v]
+        if not changed:
+            return []
+        tags = [RunTag(f"config.{k}", str(params_now[k])[:5000]) for k in changed]
+        if at_step is not None:
+            tags.append(RunTag(f"config.changed_at_step_{at_step}", ",".join(changed)[:5000]))
+        for i in range(0, len(tags), 100):
+            self.client.log_batch(run_id, tags=tags[i:i + 100])
+        return changed
+
+    def high_water(self, run_id: str, keys) -> int:
+        """Highest step of the latest values of ``keys`` in the store (-1 if none)."""
+        run = self.client.get_run(run_id)
+        steps = [m.step for m in run.data.to_proto().metrics if m.key in set(keys)]
+        return max(steps, default=-1)
+
+    def present_steps(self, run_id: str, key: str) -> set:
+        return {m.step for m in self.client.get_metric_history(run_id, key)}
+
+    def send(self, run_id: str, records: list):
+        """records: [(step, ts_ms, {key: value})], in step order; one log_batch per <= 1000 metrics, whole steps."""
         from mlflow.entities import Metric
 
-        ts = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+        batch = []
+        for step, ts, metrics in records:
+            ms = [Metric(k, v, ts, step) for k, v in metrics.items()]
+            if batch and len(batch) + len(ms) > BATCH_METRICS:
+                self.client.log_batch(run_id, metrics=batch)
+                batch = []
+            batch.extend(ms)
+            while len(batch) > BATCH_METRICS:  # one step with more keys than a batch takes
+                self.client.log_batch(run_id, metrics=batch[:BATCH_METRICS])
+                batch = batch[BATCH_METRICS:]
+        if batch:
+            self.client.log_batch(run_id, metrics=batch)
+
+
+def numeric(metrics: dict) -> tuple[dict, int | None]:
+    """(float metrics, timestamp in ms from a ``time`` key or None); non-numeric values are left out."""
+    out, ts = {}, None
+    for k, v in metrics.items():
+        if k == "step":
+            continue
+        if k == "time":
+            try:
+                ts = int(float(v) * 1000)
+            except (TypeError, ValueError):
+                pass
+            continue
+        try:
+            out[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out, ts
+
+
+def read_metrics_jsonl(path: Path) -> list:
+    """Records of a metrics.jsonl; a torn last line (a killed writer) is ignored."""
+    out = []
+    if not Path(path).is_file():
+        return out
+    for ln in Path(path).read_text().splitlines():
+        try:
+            rec = json.loads(ln)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+    return out
+
+
+def estimate_times(records: list, anchors: list) -> dict:
+    """step -> ms for records without ``time``: the latest start anchor [step, ms] before the step plus the step
+    times in between (data loading and checkpoints not counted)."""
+    anchors = sorted((int(s), int(ms)) for s, ms in anchors) or [(0, int(time.time() * 1000))]
+    out, acc, current = {}, 0.0, None
+    for rec in sorted(records, key=lambda r: r["step"]):
+        s = rec["step"]
+        a = max((x for x in anchors if x[0] < s), default=anchors[0])
+        if a != current:
+            current, acc = a, 0.0
+        acc += float(rec.get("step_time") or 0.0)
+        out[s] = current[1] + int(acc * 1000)
+    return out
+
+
+def replay(store: Store, run_id: str, records: list, anchors: list, skip_steps: set = frozenset()) -> tuple:
+    """Send the records whose step the store misses. Returns (steps sent, steps already there)."""
+    todo = [r for r in records if r["step"] not in skip_steps]
+    probes = {}
+    for r in todo:
+        m, _ = numeric(r)
+        if m:
+            probes.setdefault(probe_key(m), []).append(r)
+    times = estimate_times(records, anchors)
+    missing, there = [], 0
+    for key, recs in probes.items():
+        have = store.present_steps(run_id, key)
+        for r in recs:
+            if r["step"] in have:
+                there += 1
+            else:
+                m, ts = numeric(r)
+                missing.append((r["step"], ts if ts is not None else times[r["step"]], m))
+    missing.sort(key=lambda x: x[0])
+    store.send(run_id, missing)
+    return [s for s, _, _ in missing], there
+
+
+def logged_cadence(records: list, log_every: int, max_steps: int | None) -> list:
+    """The records the engine passes to log_metrics: every log_every-th step, train.max_steps and the last one."""
+    if not records:
+        return []
+    last = max(r["step"] for r in records)
+    return [r for r in records if r["step"] % max(1, log_every) == 0 or r["step"] in (max_steps, last)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+class Tracker:
+    """``tags`` go on a new run (e.g. the parent run and checkpoint of a run started with --init-from).
+
+    ``flush_timeout_s`` bounds ``finish`` (default 2 x tracking.timeout_s); ``retry_s`` / ``max_retry_s`` the backoff
+    between attempts while the store is down.
+    """
+
+    def __init__(self, cfg, run_dir: Path, rank: int, resume_run_id: str | None, resume_step: int | None,
+                 tags: dict | None = None, *, flush_timeout_s: float | None = None, retry_s: float = 1.0,
+                 max_retry_s: float = 60.0):
+        self.rank, self.run_dir = rank, Path(run_dir).resolve()
+        self.enabled = bool(cfg.tracking.enabled)
+        self.uri = tracking_uri(cfg, run_dir) if self.enabled else None
+        self.timeout_s = float(getattr(cfg.tracking, "timeout_s", 10.0))
+        self.flush_timeout_s = 2 * self.timeout_s if flush_timeout_s is None else float(flush_timeout_s)
+        self.retry_s, self.max_retry_s = float(retry_s), float(max_retry_s)
+        self._run_id = self._real_id = self._worker = None
+        self._is_offline = False
+        error = None
+        if rank == 0 and self.enabled:
+            try:
+                error = self._start(cfg, resume_run_id, resume_step, tags)
+            except Exception as e:  # e.g. a journal that cannot be written: tracking off, training on
+                _warn(f"disabled ({_short(e)}); metrics stay in {self.run_dir / 'metrics.jsonl'}")
+                self._stop_worker()
+                self._worker = None
+        # Every rank learns the run id, or the error, so that no rank waits on a peer that has given up.
+        self._run_id, error = broadcast_object((self._run_id, error))
+        if error:
+            self._stop_worker()
+            raise ConfigError(error)
+
+    # -- main-thread side --------------------------------------------------------------------------------------------
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run id; ``pending:<run key>`` while the run could not be created (see the module docstring)."""
+        return self._real_id or self._run_id
+
+    @property
+    def offline(self) -> bool:
+        """True while the store is known to be unreachable (rank 0)."""
+        return self._is_offline
+
+    @property
+    def pending(self) -> int:
+        """Items (metric steps, artifacts, status) not yet sent (rank 0)."""
+        if self._worker is None:
+            return 0
+        with self._cv:
+            return len(self._queue) + len(self._inflight)
+
+    def _start(self, cfg, resume_run_id, resume_step, tags) -> str | None:
+        run_dir = self.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        state = read_state(run_dir)
+        params_now = config_params(cfg.to_dict())
+        pending_key = resume_run_id[len(PENDING):] if resume_run_id and resume_run_id.startswith(PENDING) else None
+        resume_real = resume_run_id if resume_run_id and pending_key is None else None
+        if resume_run_id and state is not None:
+            if not (pending_key == state["run_key"] or resume_run_id in state.get("runs", {}).values()):
+                state = None  # another run's journal: start a new one for the checkpoint's run
+        if resume_run_id is None or state is None:  # a new run; or a resumed run from before journals
+            state = new_state(pending_key)
+            state["params"] = params_now if resume_run_id is None else {}
+            state["tags"] = {k: str(v) for k, v in (tags or {}).items()}
+        state.update(uri=self.uri, experiment=cfg.tracking.experiment, status="RUNNING", status_sent={},
+                     run_name=state.get("run_name") or cfg.tracking.run_name or run_dir.name,
+                     artifact_location=state.get("artifact_location") or (run_dir / "mlartifacts").as_uri())
+        if resume_real:
+            state["runs"].setdefault(self.uri, resume_real)
+        state["anchors"] = (state.get("anchors", []) + [[int(resume_step or 0), int(time.time() * 1000)]])[-1000:]
+        self._state, self._params_now = state, params_now
+        self._resume_real, self._resume_step = resume_real, resume_step
+        self._run_id = state["runs"].get(self.uri) or PENDING + state["run_key"]
+
+        self._cv = threading.Condition()
+        self._file_lock = threading.Lock()
+        self._queue = collections.deque()
+        self._n_metrics = 0
+        self._inflight = []
+        self._busy = self._stop = self._finishing = self._gave_up = self._quiet = False
+        self._constructed = self._connected = False
+        self._store = self._start_error = None
+        self._skip_upto = -1
+        self._resume_done = resume_step is None
+        self._warned = set()
+        self._seq = self._written_seq = 0
+        self._last_write = 0.0
+        self._imported, self._first_attempt = threading.Event(), threading.Event()
+        with self._cv:
+            for art, entry in state["artifacts"].items():  # what an earlier attempt could not send
+                if self.uri not in entry.get("sent", []):
+                    self._queue.append(("a", art))
+            snap = self._snapshot(force=True)
+        self._write(snap)
+        self._worker = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True)
+        self._worker.start()
+        self._imported.wait(120)  # importing mlflow is local work (2-4 s); the store gets timeout_s from here
+        self._first_attempt.wait(self.timeout_s)
+        with self._cv:
+            self._constructed = True
+            return self._start_error
+
+    def log_metrics(self, metrics: dict, step: int):
+        if self._worker is None:
+            return
+        try:
+            with self._cv:
+                if self._stop:
+                    return
+                self._queue.append(("m", int(step), time.time(), dict(metrics)))
+                self._n_metrics += 1
+                if self._n_metrics > MAX_PENDING:
+                    for i, it in enumerate(self._queue):
+                        if it[0] == "m":
+                            del self._queue[i]
+                            self._n_metrics -= 1
+                            break
+                    if not self._state.get("dropped"):
+                        self._state["dropped"] = True
+                        _warn(f"more than {MAX_PENDING} steps waiting for {self.uri}: dropping the oldest from "
+                              "memory (metrics.jsonl keeps them; tools/mlflow_sync.py replays them)")
+                self._cv.notify_all()
+        except Exception as e:  # never into training
+            self._warn_once("log", f"log_metrics: {_short(e)}")
 
     def log_artifact(self, path: str | Path, subdir: str | None = None):
-        if self.client is not None:
-            self.client.log_artifact(self.run_id, str(path), subdir)
+        if self._worker is None or self._stop:
+            return
+        try:
+            src = Path(path)
+            if not src.is_file():
+                self._warn_once(f"missing:{src}", f"log_artifact: {src} is not a file; skipped")
+                return
+            art = f"{subdir}/{src.name}" if subdir else src.name
+            spool = None
+            if src.stat().st_size <= SPOOL_MAX_BYTES:  # send what was logged, even if the file changes later
+                spool = self.run_dir / SPOOL_DIR / (subdir or "") / src.name
+                spool.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, spool)
+            with self._cv:
+                self._state["artifacts"][art] = {"src": str(src.resolve()), "subdir": subdir,
+                                                 "spool": str(spool) if spool else None, "sent": []}
+                self._queue.append(("a", art))
+                self._cv.notify_all()
+                snap = self._snapshot(force=True)
+            self._write(snap)
+        except Exception as e:
+            self._warn_once("artifact", f"log_artifact {path}: {_short(e)}")
 
     def finish(self, status: str = "FINISHED"):
-        if self.client is not None:
-            self.client.set_terminated(self.run_id, status=status)
+        """Queue the run's status, wait at most flush_timeout_s for everything to be sent, then stop the worker."""
+        if self._worker is None or self._stop:
+            return
+        deadline = time.monotonic() + self.flush_timeout_s
+        with self._cv:
+            self._state["status"] = status
+            self._queue.append(("f", status))
+            self._finishing = True
+            self._cv.notify_all()
+            snap = self._snapshot(force=True)
+        self._write(snap)
+        with self._cv:
+            while ((self._queue or self._busy) and not self._gave_up and self._worker.is_alive()
+                   and time.monotonic() < deadline):
+                self._cv.wait(max(0.0, min(0.5, deadline - time.monotonic())))
+            left = list(self._inflight) + list(self._queue)
+            self._stop = self._quiet = True
+            self._cv.notify_all()
+        if left:
+            steps = sum(1 for it in left if it[0] == "m")
+            arts = sum(1 for it in left if it[0] == "a")
+            what = ", ".join(x for x in (f"{steps} logged step{'s' * (steps != 1)}" if steps else "",
+                                         f"{arts} artifact{'s' * (arts != 1)}" if arts else "", f"status {status}")
+                             if x)
+            _warn(f"{what} not sent to {self.uri} (gave up after the first failed attempt or "
+                  f"{self.flush_timeout_s:g} s); run `python tools/mlflow_sync.py {self.run_dir}` when it is reachable")
+
+    def close(self):
+        """Stop the worker without sending a status (``finish`` does this itself)."""
+        self._stop_worker()
+
+    def _stop_worker(self):
+        if getattr(self, "_worker", None) is not None:
+            with self._cv:
+                self._stop = self._quiet = True
+                self._cv.notify_all()
+
+    def _warn_once(self, key: str, msg: str):
+        if key not in self._warned and not self._quiet:
+            self._warned.add(key)
+            _warn(msg)
+
+    def _snapshot(self, force: bool = False):
+        """The journal's text, numbered (caller holds self._cv); None when written less than 0.5 s ago."""
+        now = time.monotonic()
+        if not force and now - self._last_write < 0.5:
+            return None
+        self._last_write = now
+        self._seq += 1
+        return self._seq, json.dumps(self._state, indent=1, sort_keys=True)
+
+    def _write(self, snap):
+        """Write a snapshot outside self._cv (a slow disk must not hold up log_metrics); never an older one."""
+        if snap is None:
+            return
+        seq, text = snap
+        with self._file_lock:
+            if seq <= self._written_seq:
+                return
+            p = state_path(self.run_dir)
+            tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, p)
+            self._written_seq = seq
+
+    # -- worker thread ----------------------------------------------------------------------------------------------
+    def _work(self):
+        try:
+            try:
+                import mlflow.tracking  # noqa: F401  (1.5-3 s; off the training thread)
+
+                bounded_http(self.timeout_s, max_retries=0)
+            except Exception as e:
+                _warn(f"mlflow does not import ({_short(e)}); tracking off, metrics stay in metrics.jsonl")
+                with self._cv:
+                    self._stop = True
+                return
+            finally:
+                self._imported.set()
+            delay = self.retry_s
+            while True:
+                with self._cv:
+                    while not self._stop and self._connected and not self._queue:
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                try:
+                    if not self._connected:
+                        self._connect()
+                    self._drain()
+                    delay = self.retry_s
+                except NotInStore as e:
+                    with self._cv:
+                        self._start_error, late = str(e), self._constructed
+                        self._stop = True
+                    if late:
+                        _warn(f"{e}; not tracking this job (every step stays in metrics.jsonl)")
+                    return
+                except Exception as e:
+                    self._failed(e)
+                    self._first_attempt.set()
+                    with self._cv:
+                        if self._finishing or self._stop:
+                            self._gave_up = True
+                            return
+                        self._cv.wait(delay)  # finish() wakes it for one last attempt
+                    delay = min(delay * 2, self.max_retry_s)
+        except BaseException as e:  # a bug here must not take training down
+            if not self._quiet:
+                _warn(f"worker stopped ({_short(e)}); tools/mlflow_sync.py replays what the store misses")
+        finally:
+            self._first_attempt.set()
+            with self._cv:
+                self._busy = False
+                self._gave_up = True
+                self._cv.notify_all()
+
+    def _failed(self, e: BaseException):
+        with self._cv:
+            self._connected = self._busy = False
+            was, self._is_offline = self._is_offline, True
+            self._cv.notify_all()
+        if not was and not self._quiet:
+            _warn(f"{self.uri} unreachable ({_short(e)}); training goes on, retrying with backoff; every step is in "
+                  f"metrics.jsonl, `python tools/mlflow_sync.py {self.run_dir}` replays what the store misses")
+
+    def _save(self, force: bool = False):
+        with self._cv:
+            snap = self._snapshot(force)
+        self._write(snap)
+
+    def _connect(self):
+        if self._store is None:
+            self._store = Store(self.uri)
+        store, state = self._store, self._state
+        run_id, created = store.attach(state, self._resume_real)
+        with self._cv:
+            state["runs"][self.uri] = run_id
+            self._real_id = run_id
+        self._save(force=True)
+        self._first_attempt.set()
+        if created or not state.get("params_sent", {}).get(self.uri):
+            if state.get("params"):
+                self._guarded(lambda: store.log_params(run_id, state["params"]), "params")
+            with self._cv:
+                state.setdefault("params_sent", {})[self.uri] = True
+            self._save(force=True)
+        if not self._resume_done:
+            self._on_resume(run_id)
+            self._resume_done = True
+        high = store.high_water(run_id, state.get("probe_keys", ["loss"]))
+        with self._cv:
+            self._skip_upto = max(self._skip_upto, high)
+            self._connected = True
+            was, self._is_offline = self._is_offline, False
+        if was and not self._quiet:
+            _warn(f"{self.uri} reachable again; sending what it missed")
+
+    def _on_resume(self, run_id: str):
+        store, r = self._store, int(self._resume_step)
+        self._guarded(lambda: store.client.update_run(run_id, status="RUNNING"), "status")
+        self._guarded(lambda: store.client.set_tag(run_id, f"resumed_at_step_{r}", time.strftime("%Y-%m-%dT%H:%M:%S")),
+                      "tags")
+        self._guarded(lambda: store.config_tags(run_id, self._params_now, r), "tags")
+        high = store.high_water(run_id, self._state.get("probe_keys", ["loss"]))
+        if high > r:
+            self._guarded(lambda: store.client.set_tag(run_id, f"resumed_at_step_{r}.kept_steps", f"{r + 1}-{high}"),
+                          "tags")
+        # Steps <= r an earlier attempt could not send are in metrics.jsonl (the engine truncated it to <= r).
+        records = [x for x in read_metrics_jsonl(self.run_dir / "metrics.jsonl") if x["step"] <= r]
+        log_every = int(self._params_now.get("train.log_every", "1") or 1)
+        max_steps = self._params_now.get("train.max_steps", "")
+        records = logged_cadence(records, log_every, int(max_steps) if max_steps.isdigit() else None)
+        confirmed = self._state.get("confirmed_step", {}).get(self.uri, -1)
+        if records and (self._state.get("dropped") or confirmed < max(x["step"] for x in records)):
+            sent = []
+            self._guarded(lambda: sent.extend(replay(store, run_id, records, self._state.get("anchors", []))[0]),
+                          "metrics")
+            if sent and not self._quiet:
+                _warn(f"sent {len(sent)} steps (<= {r}) that {self.uri} had missed")
+
+    def _drain(self):
+        """Send the queue in order. Items leave the queue while in flight (log_metrics may drop the oldest meanwhile)
+        and go back to its front if the store fails."""
+        store = self._store
+        while True:
+            with self._cv:
+                if not self._queue:
+                    self._busy = False
+                    self._cv.notify_all()
+                    snap = self._snapshot(force=True)
+                    break
+                self._busy = True
+                items = [self._queue.popleft()]
+                if items[0][0] == "m":
+                    n = len(items[0][3])
+                    while self._queue and self._queue[0][0] == "m" and n + len(self._queue[0][3]) <= BATCH_METRICS:
+                        n += len(self._queue[0][3])
+                        items.append(self._queue.popleft())
+                    self._n_metrics -= len(items)
+                self._inflight = items
+            try:
+                snap = self._send(store, items)
+            except BaseException:
+                with self._cv:
+                    self._queue.extendleft(reversed(items))
+                    self._n_metrics += sum(1 for it in items if it[0] == "m")
+                    self._inflight = []
+                raise
+            self._write(snap)
+        self._write(snap)
+
+    def _send(self, store, items: list):
+        run_id, head = self._real_id, items[0]
+        if head[0] == "m":
+            records = []
+            for _, step, t, metrics in items:
+                m, ts = numeric(metrics)
+                if step <= self._skip_upto or not m:
+                    continue  # already in the store (see the module docstring)
+                records.append((step, ts if ts is not None else int(t * 1000), m))
+            if records:
+                self._guarded(lambda: store.send(run_id, records), "metrics")
+            with self._cv:
+                self._inflight = []
+                for _, _, m in records:
+                    if probe_key(m) not in self._state["probe_keys"]:
+                        self._state["probe_keys"].append(probe_key(m))
+                if records:
+                    top = records[-1][0]
+                    self._skip_upto = max(self._skip_upto, top)
+                    cs = self._state.setdefault("confirmed_step", {})
+                    cs[self.uri] = max(cs.get(self.uri, -1), top)
+                return self._snapshot()
+        if head[0] == "a":
+            entry = self._state["artifacts"].get(head[1])
+            if entry is not None:
+                spool = entry.get("spool")
+                src = spool if spool and Path(spool).is_file() else entry["src"]
+                if Path(src).is_file():
+                    self._guarded(lambda: store.client.log_artifact(run_id, src, entry.get("subdir")), "artifact")
+                else:
+                    self._warn_once(f"gone:{src}", f"artifact {src} is gone; skipped")
+            with self._cv:
+                self._inflight = []
+                if entry is not None and self.uri not in entry["sent"]:
+                    entry["sent"].append(self.uri)
+                return self._snapshot(force=True)
+        status = head[1]
+        self._guarded(lambda: store.client.set_terminated(run_id, status=status), "status")
+        with self._cv:
+            self._inflight = []
+            self._state["status_sent"][self.uri] = status
+            return self._snapshot(force=True)
+
+    def _guarded(self, fn, what: str):
+        """One store call; an error a retry cannot fix drops the item (one line per kind), others propagate."""
+        try:
+            fn()
+        except Exception as e:
+            if _code(e) in PERMANENT_CODES:
+                self._warn_once(f"{what}:{_code(e)}", f"{self.uri} refused {what} ({_short(e)}); dropped")
+                return
+            raise
