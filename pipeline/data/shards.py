@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from webdataset.tariterators import group_by_keys, tar_file_iterator
+from webdataset.tariterators import group_by_keys
 from webdataset.writer import TarWriter
 
 FORMAT = "bioseq-wds/1"
@@ -126,6 +126,34 @@ def load_manifest(directory: str | Path) -> Manifest:
     return Manifest(source=raw["source"], tokenizer=raw["tokenizer"], shards=shards,
                     filtered=raw.get("filtered", {}), inputs=raw.get("inputs", []), stats=raw.get("stats", {}),
                     layout=layout)
+
+
+def member_problem(member: tarfile.TarInfo) -> str | None:
+    """Why a tar member may not be read from a shard, or None. Every shard reader asks (read_shard, read_clusters,
+    hence tools/inspect_shards.py and launchers/evaluate.py, and the training loader): a name that is absolute or
+    has a ``..`` part would escape the shard if extracted, a symbolic or hard link points at data outside the
+    member, and a device, FIFO or other special member is no sample. ShardWriter writes none of these."""
+    name = member.name
+    if member.issym() or member.islnk():
+        return f"member {name} is a {'symbolic' if member.issym() else 'hard'} link (to {member.linkname!r})"
+    if name.startswith("/") or ".." in name.split("/"):
+        return f"member {name!r} escapes the shard"
+    if not (member.isreg() or member.isdir()):
+        return f"member {name} is not a regular file"
+    return None
+
+
+def _checked_members(f, path: Path):
+    """tar_file_iterator's {"fname", "data", "__url__"} of every regular member, in stream order; a member that
+    :func:`member_problem` refuses is a ValueError naming it."""
+    with tarfile.open(fileobj=f, mode="r|*") as tf:
+        for info in tf:
+            why = member_problem(info)
+            if why is not None:
+                raise ValueError(why)
+            if info.isreg():
+                yield {"fname": info.name, "data": tf.extractfile(info).read(), "__url__": str(path)}
+            tf.members = []  # a stream-mode TarFile keeps every TarInfo otherwise
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -256,9 +284,10 @@ def _npy(array: np.ndarray) -> bytes:
 def read_shard(path: str | Path, expected_samples: int | None = None) -> list[tuple[str, np.ndarray, dict]]:
     """All samples of one shard as (key, tokens, meta), in file order; tokens keep their stored unsigned dtype.
 
-    A truncated or corrupt tar, a member name that escapes the shard, an unreadable member (named), or fewer samples
-    than the manifest promises is one ShardError naming the file. So is a cluster shard (``<key>.offsets.npy``):
-    its tokens are several proteins end to end, which no caller should take for one sequence; use read_clusters.
+    A truncated or corrupt tar, a member that escapes the shard or is a link (:func:`member_problem`), an unreadable
+    member (named), or fewer samples than the manifest promises is one ShardError naming the file. So is a cluster
+    shard (``<key>.offsets.npy``): its tokens are several proteins end to end, which no caller should take for one
+    sequence; use read_clusters.
     """
     return [(key, tokens, meta) for key, tokens, _, meta in _read_samples(Path(path), expected_samples, False)]
 
@@ -279,11 +308,8 @@ def _read_samples(path: Path, expected_samples: int | None, clusters: bool) -> l
     last = None  # last member read whole: locates tar-level corruption
     try:
         with open(path, "rb") as f:
-            members = tar_file_iterator(f)
-            for sample in group_by_keys(({**m, "__url__": str(path)} for m in members)):
+            for sample in group_by_keys(_checked_members(f, path)):
                 key = sample["__key__"]
-                if key.startswith("/") or ".." in key.split("/"):
-                    raise ValueError(f"member {key!r} escapes the shard")
                 if "tokens.npy" not in sample or "meta.json" not in sample:
                     raise ValueError(f"sample {key!r} lacks tokens.npy or meta.json")
                 if ("offsets.npy" in sample) != clusters:
