@@ -8,13 +8,20 @@ full read + decode of the source, per process; cached for the process) -- use a 
 Streams. The shards of a source in epoch ``e`` are permuted with seed (key, e), key = (seed,) for the single-source
 loader and (seed, crc32(name)) for a mixture source; with R ranks and W streams per rank (one per DataLoader worker,
 or one without workers), stream w of rank r owns the shards at positions r*W + w, r*W + w + R*W, ... of that
-permutation. Inside a shard the samples are permuted with seed (key, e, shard). With ``shuffle_buffer`` N the stream's
-epoch is then cut into consecutive windows of N samples, each permuted with seed (key, e, rank, stream, window, N),
-so samples of neighbouring shards mix as in a shuffle buffer; unlike a reservoir buffer it holds no state to
-checkpoint (a position is still one count) and every window is a uniform permutation. Every source is an
-infinite stream: after its shards it continues with its next epoch, independently of the other sources (sampling
-with replacement across epochs). Every random choice for a sample (crop, masking) is seeded by (key, epoch, shard,
-index), so a sample's content never depends on who read it or when.
+permutation. Inside a shard the samples are permuted with seed (key, e, shard). Shard mixing (``mix_shards`` K,
+default 4): the stream's n shards of the epoch, in that order, form ceil(n / K) groups of consecutive shards (sizes
+differing by at most one; no group of one when K > 1), and a group's samples are a uniformly random interleaving of
+its shards' permuted samples, seeded (key, e, rank, stream, group, K, tag), so a corpus written one domain per shard
+still gives batches that mix domains; a stream holds one group's shards (about K) in memory. K = 1 reads the shards
+one after the other (the order before mixing existed); a stream that owns a single shard in an epoch cannot mix
+(more shards: ``data_prep --shard-size``). With ``shuffle_buffer`` N the stream's epoch is then cut into consecutive
+windows of N samples, each permuted with seed (key, e, rank, stream, window, N), so samples of neighbouring groups
+mix as in a shuffle buffer; unlike a reservoir buffer neither holds state to checkpoint (a position is still one
+count) and every group and window is a uniform permutation. The order of a stream is thus a function of (seed,
+rank, stream, K, N) and the manifest counts alone; resuming needs the same K and N (both are in the state and
+checked). Every source is an infinite stream: after its shards it continues with its next epoch, independently of
+the other sources (sampling with replacement across epochs). Every random choice for a sample (crop, masking) is
+seeded by (key, epoch, shard, index), so a sample's content never depends on who read it or when.
 
 Clusters. A source whose manifest has layout "clusters" (``data_prep uniref --clusters``) holds one UniRef50 cluster
 per sample with all its UniRef90 members (pipeline/data/shards.py). Such a sample is a draw: the member is chosen
@@ -43,10 +50,19 @@ re-read from its source's position. Each Batch carries its stream's state after 
 keeps the state of the last batch it handed out per stream plus N, the microbatches consumed. torch's DataLoader
 takes batches from its workers in strict rotation, so batch j came from stream j mod W; a resumed loader rotates the
 streams so that the next batch comes from stream N mod W. State size: W x (3 + 2 x sources) integers per rank.
+
+Checks while reading. Every shard passes the tar-member check all shard readers share (shards.member_problem: no
+``..`` or absolute names, no links), its sample count is the manifest's, with ``vocab_size`` every token id is below
+it (one max per sample), and with ``verify`` (default) its sha256 is compared with the manifest the first time a
+process reads it, hashed from the same in-memory read that decodes it (brace URLs have no manifest: no digest). Each
+failure is one ShardError line naming the shard file (and the member or sample); raised in a DataLoader worker, it
+reaches the main process as the same one-line error (WorkerError), not a worker traceback. Whether a source's
+tokenizer fits the model at all is checked before training by pipeline/data/compat.py.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import re
 import tarfile
@@ -61,12 +77,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.mixture import MixtureSchedule, SourceChooser
-from pipeline.data.shards import ShardError, check_offsets, load_manifest
+from pipeline.data.shards import ShardError, check_offsets, load_manifest, member_problem
 from pipeline.objectives.masking import IGNORE_INDEX
 
 # (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}
 SampleTransform = Callable[[np.ndarray, np.random.Generator], dict]
 STATE_VERSION = 1
+_MIX_TAG = 0x6D6978  # "mix": last seed entry of a group's interleaving, apart from every other seed key
 
 
 @dataclass
@@ -160,13 +177,14 @@ def pack_rows(rows: list[list[dict]], row_length: int, pad_id: int, separator: i
 _NPY_1D_UNSIGNED = re.compile(rb"\{'descr': '([|<]u[1248])', 'fortran_order': False, 'shape': \((\d+),\), \} *\n")
 
 
-def decode_tokens(raw: bytes) -> np.ndarray:
-    """A ``.tokens.npy`` member's array. The 1-D unsigned arrays of our shards are decoded from a regex match of the
-    header (np.load parses every header with ast.literal_eval: about 40% of the loader's time on short records);
-    anything else, and any header the regex does not match exactly, goes through np.load with its checks."""
-    if raw[:8] == b"\x93NUMPY\x01\x00" and len(raw) >= 10:
+def decode_tokens(raw: bytes | memoryview) -> np.ndarray:
+    """A ``.tokens.npy`` member's array. The 1-D unsigned arrays of our shards are decoded (as views of ``raw``) from a
+    regex match of the header (np.load parses every header with ast.literal_eval: about 40% of the loader's time on
+    short records); anything else, and any header the regex does not match exactly, goes through np.load with its
+    checks."""
+    if len(raw) >= 10 and raw[:8] == b"\x93NUMPY\x01\x00":
         end = 10 + int.from_bytes(raw[8:10], "little")
-        m = _NPY_1D_UNSIGNED.fullmatch(raw, 10, end)
+        m = _NPY_1D_UNSIGNED.fullmatch(bytes(raw[10:end]))
         if m is not None:
             dtype, n = np.dtype(m.group(1).decode()), int(m.group(2))
             if len(raw) - end != n * dtype.itemsize:
@@ -175,27 +193,59 @@ def decode_tokens(raw: bytes) -> np.ndarray:
     return np.load(io.BytesIO(raw), allow_pickle=False)
 
 
-def read_tokens(path: Path, expected_samples: int | None = None) -> list[tuple[str, np.ndarray]]:
-    """(key, tokens) of every sample of a shard, in file order: the loader's hot path.
+def _shard_members(path: Path, sha256: str | None = None) -> Iterator[tuple[tarfile.TarInfo, memoryview]]:
+    """(member, its bytes) of every regular member of a shard, in file order; the loader's one way into a tar.
 
-    Plain tarfile iteration + np.load of the ``.tokens.npy`` members only (``meta.json`` is not needed to train and is
-    skipped; shards.read_shard and tools/inspect_shards.py check it). About 3x faster than webdataset's
-    tar_file_iterator + group_by_keys, which bench/data.py measures against the bare read floor. A truncated tar, a
-    corrupt tokens member or a count differing from the manifest is a ShardError naming the file (and member).
+    The file is read whole in one call and the members are views of that buffer (the arrays decoded from them share
+    it: no copy per member). Every member passes the check all shard readers share (shards.member_problem: no
+    ``..`` or absolute names, no links). With ``sha256`` the buffer's digest is compared with it after the last
+    member, so the check costs one pass of hashlib over bytes already in memory, not a second read; a member-level
+    error (a corrupt member named) is reported before a digest mismatch. Damage is one ShardError naming the file.
     """
-    out, last = [], None
+    last = None
     try:
-        with tarfile.open(path, "r:") as tf:
+        data = path.read_bytes()
+        view = memoryview(data)
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
             for m in tf:
-                if not m.isfile() or not m.name.endswith(".tokens.npy"):
-                    if m.name.endswith(".offsets.npy"):  # never hand out a cluster's members end to end
-                        raise ShardError(f"{path}: member {m.name}: a UniRef50 cluster shard, read by cluster "
-                                         "sampling only (its manifest must say layout 'clusters')")
+                why = member_problem(m)
+                if why is not None:
+                    raise ShardError(f"{path}: {why}")
+                if not m.isreg():
                     continue
-                out.append((m.name[:-len(".tokens.npy")], _unsigned_member(path, tf, m)))
+                if m.offset_data + m.size > len(data):
+                    raise tarfile.ReadError("unexpected end of data")
+                yield m, view[m.offset_data:m.offset_data + m.size]
                 last = m.name
     except (tarfile.TarError, EOFError, OSError) as e:
         raise _truncated(path, last, e) from None
+    if sha256 is not None:
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != sha256:
+            raise ShardError(f"{path}: sha256 {digest[:16]}... differs from the manifest's {sha256[:16]}... (the "
+                             "shard changed after data_prep wrote it; rebuild it, or set data.verify=false)")
+
+
+def read_tokens(path: Path, expected_samples: int | None = None, *, sha256: str | None = None,
+                vocab_size: int | None = None) -> list[tuple[str, np.ndarray]]:
+    """(key, tokens) of every sample of a shard, in file order: the loader's hot path.
+
+    Plain tar iteration + decode of the ``.tokens.npy`` members only (``meta.json`` is not needed to train and is
+    skipped; shards.read_shard and tools/inspect_shards.py check it). About 3x faster than webdataset's
+    tar_file_iterator + group_by_keys, which bench/data.py measures against the bare read floor. A truncated tar, a
+    corrupt tokens member, a member that is a link or escapes the shard, a token id >= ``vocab_size``, a count
+    differing from the manifest or a digest differing from ``sha256`` (see _shard_members) is a ShardError naming the
+    file (and member or sample).
+    """
+    out = []
+    for m, raw in _shard_members(path, sha256):
+        if not m.name.endswith(".tokens.npy"):
+            if m.name.endswith(".offsets.npy"):  # never hand out a cluster's members end to end
+                raise ShardError(f"{path}: member {m.name}: a UniRef50 cluster shard, read by cluster "
+                                 "sampling only (its manifest must say layout 'clusters')")
+            continue
+        key = m.name[:-len(".tokens.npy")]
+        out.append((key, _token_ids(path, key, _unsigned_member(path, m, raw), vocab_size)))
     return _checked_count(path, out, expected_samples)
 
 
@@ -210,9 +260,9 @@ def _checked_count(path: Path, samples: list, expected: int | None) -> list:
     return samples
 
 
-def _unsigned_member(path: Path, tf: tarfile.TarFile, m: tarfile.TarInfo) -> np.ndarray:
+def _unsigned_member(path: Path, m: tarfile.TarInfo, raw) -> np.ndarray:
     try:
-        array = decode_tokens(tf.extractfile(m).read())
+        array = decode_tokens(raw)
         if array.ndim != 1 or array.dtype.kind != "u":
             raise ValueError(f"holds {array.dtype} {array.shape}, expected 1-D unsigned ids")
     except (ValueError, EOFError) as e:
@@ -220,13 +270,27 @@ def _unsigned_member(path: Path, tf: tarfile.TarFile, m: tarfile.TarInfo) -> np.
     return array
 
 
-def read_cluster_tokens(path: Path, expected_samples: int | None = None) -> list[tuple[str, np.ndarray, np.ndarray]]:
+def _token_ids(path: Path, key: str, tokens: np.ndarray, vocab_size: int | None) -> np.ndarray:
+    """``tokens`` once every id is below ``vocab_size`` (None: unchecked). Ids are unsigned, so one max suffices, and
+    a dtype that cannot hold an id >= vocab_size needs none: an out-of-range id would otherwise surface as an index
+    error inside the embedding, far from the shard."""
+    if vocab_size is not None and tokens.size and np.iinfo(tokens.dtype).max >= vocab_size:
+        top = int(tokens.max())
+        if top >= vocab_size:
+            raise ShardError(f"{path}: sample {key}: token id {top} at position {int(np.argmax(tokens)) + 1} is "
+                             f"outside the model's vocabulary 0..{vocab_size - 1} (model.vocab_size {vocab_size}; "
+                             "shards from another tokenizer?)")
+    return tokens
+
+
+def read_cluster_tokens(path: Path, expected_samples: int | None = None, *, sha256: str | None = None,
+                        vocab_size: int | None = None) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """(key, members' tokens end to end, offsets) of every sample of a cluster shard, in file order.
 
-    The cluster counterpart of read_tokens (same errors), plus: a sample without both members, or offsets that do not
-    split its tokens into non-empty members, is a ShardError naming the member.
+    The cluster counterpart of read_tokens (same errors and checks), plus: a sample without both members, or offsets
+    that do not split its tokens into non-empty members, is a ShardError naming the member.
     """
-    out, last = [], None
+    out = []
     key = tokens = offsets = None
 
     def finish():
@@ -236,32 +300,25 @@ def read_cluster_tokens(path: Path, expected_samples: int | None = None) -> list
         why = check_offsets(offsets, len(tokens))
         if why is not None:
             raise ShardError(f"{path}: corrupt member {key}.offsets.npy ({why})")
-        out.append((key, tokens, offsets))
+        out.append((key, _token_ids(path, key, tokens, vocab_size), offsets))
 
-    try:
-        with tarfile.open(path, "r:") as tf:
-            for m in tf:
-                if not m.isfile():
-                    continue
-                if m.name.endswith(".tokens.npy"):
-                    k, kind = m.name[:-len(".tokens.npy")], "tokens"
-                elif m.name.endswith(".offsets.npy"):
-                    k, kind = m.name[:-len(".offsets.npy")], "offsets"
-                else:
-                    continue
-                if k != key:  # the members of a sample are adjacent in a WebDataset tar
-                    if key is not None:
-                        finish()
-                    key, tokens, offsets = k, None, None
-                if kind == "tokens":
-                    tokens = _unsigned_member(path, tf, m)
-                else:
-                    offsets = _unsigned_member(path, tf, m)
-                last = m.name
+    for m, raw in _shard_members(path, sha256):
+        if m.name.endswith(".tokens.npy"):
+            k, kind = m.name[:-len(".tokens.npy")], "tokens"
+        elif m.name.endswith(".offsets.npy"):
+            k, kind = m.name[:-len(".offsets.npy")], "offsets"
+        else:
+            continue
+        if k != key:  # the members of a sample are adjacent in a WebDataset tar
             if key is not None:
                 finish()
-    except (tarfile.TarError, EOFError, OSError) as e:
-        raise _truncated(path, last, e) from None
+            key, tokens, offsets = k, None, None
+        if kind == "tokens":
+            tokens = _unsigned_member(path, m, raw)
+        else:
+            offsets = _unsigned_member(path, m, raw)
+    if key is not None:
+        finish()
     return _checked_count(path, out, expected_samples)
 
 
@@ -296,6 +353,7 @@ class ShardRef:
     samples: int
     tokens: int
     layout: str = "sequences"  # the directory's layout: a sample is a sequence, or a cluster of members
+    sha256: str | None = None  # the manifest's digest of the file; None for brace URLs (no manifest: not verified)
 
 
 def is_url_pattern(spec: str) -> bool:
@@ -308,7 +366,7 @@ def resolve_shards(spec: str) -> tuple[ShardRef, ...]:
     if not is_url_pattern(spec):
         directory = Path(spec)
         manifest = load_manifest(directory)
-        return tuple(ShardRef(directory / s.path, s.path, s.samples, s.tokens, manifest.layout)
+        return tuple(ShardRef(directory / s.path, s.path, s.samples, s.tokens, manifest.layout, s.sha256)
                      for s in manifest.shards)
     from braceexpand import braceexpand
 
@@ -338,13 +396,22 @@ class Source:
 
 
 class SourceStream:
-    """The infinite sample streams of one source for one rank (one stream per loader stream)."""
+    """The infinite sample streams of one source for one rank (one stream per loader stream).
+
+    ``mix_shards`` K: a stream's epoch interleaves its shards K at a time (module docstring, "Streams");
+    ``vocab_size``: every token id is checked against it as a shard is read; ``verify``: each shard's sha256 is
+    checked against the manifest the first time this process reads it (shards of brace URLs have no manifest and
+    are not verified).
+    """
 
     def __init__(self, source: Source, key: tuple, *, rank: int, world_size: int, num_streams: int,
                  transform: SampleTransform, id_prefix: str, shuffle_buffer: int = 0,
-                 cluster_sampling: bool | None = None):
+                 cluster_sampling: bool | None = None, mix_shards: int = 1, vocab_size: int | None = None,
+                 verify: bool = True):
         self.name, self.spec = source.name, str(source.shards)
-        self.shuffle_buffer = shuffle_buffer
+        self.shuffle_buffer, self.mix_shards = shuffle_buffer, mix_shards
+        self.vocab_size, self.verify = vocab_size, verify
+        self._verified: set[int] = set()  # shards whose digest this process has checked
         self.shards = resolve_shards(self.spec)
         self.clusters = self.shards[0].layout == "clusters"
         if cluster_sampling is True and not self.clusters:
@@ -366,6 +433,16 @@ class SourceStream:
         perm = np.random.default_rng([*self.key, epoch]).permutation(len(self.counts))
         return perm[self.rank * self.num_streams + stream::self.world_size * self.num_streams]
 
+    def read(self, sid: int) -> list:
+        """Shard ``sid``'s records, checked (counts, member names, token ids; the digest on its first read here)."""
+        ref = self.shards[sid]
+        sha256 = ref.sha256 if self.verify and sid not in self._verified else None
+        read = read_cluster_tokens if self.clusters else read_tokens
+        records = read(ref.path, expected_samples=int(self.counts[sid]), sha256=sha256, vocab_size=self.vocab_size)
+        if sha256 is not None:
+            self._verified.add(sid)
+        return records
+
     def samples(self, stream: int, skip: int) -> Iterator[dict]:
         """Infinite sample stream of ``stream``, starting after its first ``skip`` samples."""
         epoch = 0
@@ -378,14 +455,14 @@ class SourceStream:
                 skip -= total
                 epoch += 1
                 continue
-            records: dict[int, list] = {}  # shard index -> its (key, tokens), for the shards of the current window
-            clusters, read = self.clusters, read_cluster_tokens if self.clusters else read_tokens
-            for window in self._epoch_windows(stream, epoch, shards, skip):
-                for sid in set(records) - {sid for sid, _ in window}:
+            records: dict[int, list] = {}  # shard index -> its records, for the shards still to be read from
+            clusters = self.clusters
+            for window, live in self._epoch_windows(stream, epoch, shards, skip):
+                for sid in set(records) - live:
                     del records[sid]
                 for sid, j in window:
                     if sid not in records:
-                        records[sid] = read(self.shards[sid].path, expected_samples=int(self.counts[sid]))
+                        records[sid] = self.read(sid)
                     rng = LazyRng([*self.key, epoch, sid, j])
                     if clusters:  # the member first, from the sample's own generator: see "Clusters" above
                         key, tokens, offsets = records[sid][j]
@@ -401,40 +478,66 @@ class SourceStream:
             skip = 0
             epoch += 1
 
-    def _epoch_windows(self, stream: int, epoch: int, shards: np.ndarray, start: int) -> Iterator[list]:
-        """The stream's epoch from position ``start`` on, as lists of (shard, index in shard).
+    def _epoch_windows(self, stream: int, epoch: int, shards: np.ndarray, start: int) -> Iterator[tuple[list, set]]:
+        """The stream's epoch from position ``start`` on, as (list of (shard, index in shard), live shards).
 
-        The epoch is the stream's shards in order, each in its own permutation. With ``shuffle_buffer`` N > 1 that
-        sequence is cut into consecutive windows of N samples and each window is permuted again, so samples of the
-        ~N / shard_size neighbouring shards mix; without it each shard is one window. Both permutations are seeded
-        by their coordinates alone, so any position is reached from its count: a shuffle buffer with no state to
-        checkpoint, and resume stays exact.
+        The stream's n shards, in order, form ceil(n / K) groups of consecutive shards (K = ``mix_shards``; group
+        sizes differ by at most one, and with K > 1 no shard is left alone: K = 2 with n odd makes one group of 3); a
+        group's samples are a uniformly random interleaving of its shards, each shard in its own permutation (K = 1:
+        the shards one after the other). With
+        ``shuffle_buffer`` N > 1 that sequence is cut into consecutive windows of N samples and each window is
+        permuted again, so samples of neighbouring groups mix too; without it each group is one window. Every
+        permutation is seeded by its coordinates alone, so any position is reached from its count: a shuffle with no
+        state to checkpoint, and resume stays exact. ``live`` holds the shards of the groups the window touches:
+        the caller keeps their records (at most 2K shards read at a time) and drops the others.
         """
-        ends = np.cumsum(self.counts[shards])  # [shards] epoch position after each shard
-        orders: dict[int, np.ndarray] = {}  # shard position -> in-shard permutation; a shard can span several windows
+        K, n = max(1, self.mix_shards), len(shards)
+        # ceil(n / K) groups of sizes differing by at most one; with K = 2 and n odd one group takes 3, never 1
+        G = n if K == 1 else min(-(-n // K), max(1, n // 2))
+        bounds = [g * n // G for g in range(G + 1)]  # group g: shard positions bounds[g] .. bounds[g + 1] - 1
+        members = [shards[bounds[g]:bounds[g + 1]] for g in range(G)]
+        ends = np.cumsum([int(self.counts[m].sum()) for m in members])  # epoch position after each group
+        orders: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # group -> (shard, index) per group position
 
-        def span(lo: int, hi: int) -> list[tuple[int, int]]:  # epoch positions [lo, hi)
+        def group(g: int) -> tuple[np.ndarray, np.ndarray]:
+            sids = members[g]
+            n = self.counts[sids]
+            # each shard's permutation, end to end: entry k is the k-th sample of the group in shard order
+            inner = np.concatenate([np.random.default_rng([*self.key, epoch, int(sid)]).permutation(int(c))
+                                    for sid, c in zip(sids, n)])
+            label = np.repeat(np.arange(len(sids)), n)  # which of the group's shards each position reads
+            if len(sids) > 1:
+                label = np.random.default_rng([*self.key, epoch, self.rank, stream, g, K, _MIX_TAG]).permutation(label)
+            # the i-th position reading shard s takes that shard's i-th sample: a stable sort by label lists the
+            # positions in exactly the order of ``inner``
+            at = np.empty(len(label), dtype=np.int64)
+            at[np.argsort(label, kind="stable")] = np.arange(len(label))
+            return sids[label], inner[at]
+
+        def span(lo: int, hi: int) -> tuple[list[tuple[int, int]], set]:  # epoch positions [lo, hi)
             first, last = int(np.searchsorted(ends, lo, "right")), int(np.searchsorted(ends, hi - 1, "right"))
-            for i in [i for i in orders if i < first]:  # windows only move forward
-                del orders[i]
-            out = []
-            for i in range(first, last + 1):
-                sid, n = int(shards[i]), int(self.counts[shards[i]])
-                if i not in orders:
-                    orders[i] = np.random.default_rng([*self.key, epoch, sid]).permutation(n)
-                at = int(ends[i]) - n
-                out += [(sid, int(j)) for j in orders[i][max(lo - at, 0):min(hi - at, n)]]
-            return out
+            for g in [g for g in orders if g < first]:  # windows only move forward
+                del orders[g]
+            out, live = [], set()
+            for g in range(first, last + 1):
+                if g not in orders:
+                    orders[g] = group(g)
+                sids, js = orders[g]
+                at = int(ends[g]) - len(js)
+                a, b = max(lo - at, 0), min(hi - at, len(js))
+                out += zip(sids[a:b].tolist(), js[a:b].tolist())
+                live.update(int(sid) for sid in members[g])
+            return out, live
 
         total, N = int(ends[-1]), self.shuffle_buffer
         if N <= 1:
-            for i in range(int(np.searchsorted(ends, start, "right")), len(shards)):
-                yield span(max(start, int(ends[i] - self.counts[shards[i]])), int(ends[i]))
+            for g in range(int(np.searchsorted(ends, start, "right")), G):
+                yield span(max(start, int(ends[g - 1]) if g else 0), int(ends[g]))
             return
         for w in range(start // N, -(-total // N)):
-            window = span(w * N, min((w + 1) * N, total))
+            window, live = span(w * N, min((w + 1) * N, total))
             perm = np.random.default_rng([*self.key, epoch, self.rank, stream, w, N]).permutation(len(window))
-            yield [window[i] for i in perm[start - w * N if w == start // N else 0:]]
+            yield [window[i] for i in perm[start - w * N if w == start // N else 0:]], live
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -459,19 +562,28 @@ class ShardStream(IterableDataset):
     ``mixture`` (required for several sources) gives the weights per optimizer step; ``grad_accum_steps`` maps
     microbatches to steps. ``max_tokens`` turns on token-budget batching, ``pack`` packing into rows of
     ``row_length`` (optionally with ``pack_separator`` after each document), ``shuffle_buffer`` the cross-shard
-    window shuffle. ``batches_consumed`` resumes a single-source, fixed-size loader from that count alone (what
-    checkpoints before loader state_dicts stored); otherwise use :meth:`load_state_dict`. ``cluster_sampling``:
-    None reads each source as its manifest's layout says (a cluster source draws one member per sample), True
-    requires every source to be UniRef50 clusters, False refuses cluster sources (module docstring, "Clusters").
-    """
+    window shuffle; ``mix_shards`` K interleaves the samples of K shards at a time in every stream (1: one shard
+    after the other, the order before shard mixing existed; holds about K shards per source and stream in memory).
+    ``vocab_size`` (the model's) makes a token id at or above it a ShardError naming the shard and sample;
+    ``verify`` checks each shard's sha256 against its manifest on its first read by a stream (sources given as
+    brace URLs have no manifest and are not verified). ``batches_consumed`` resumes a single-source, fixed-size
+    loader from that count alone (what checkpoints before loader state_dicts stored); otherwise use
+    :meth:`load_state_dict`. ``cluster_sampling``: None reads each source as its manifest's layout says (a cluster
+    source draws one member per sample), True requires every source to be UniRef50 clusters, False refuses cluster
+    sources (module docstring, "Clusters"). Errors in the data (ShardError, a missing file) raised in a DataLoader
+    worker reach the main process as the same exception with the same one-line message."""
 
     def __init__(self, shards: str | Path | list[Source], *, rank: int, world_size: int, num_workers: int,
                  micro_batch_size: int, seed: int, transform: SampleTransform, pad_id: int,
                  batches_consumed: int = 0, mixture: MixtureSchedule | None = None, grad_accum_steps: int = 1,
                  max_tokens: int | None = None, pack: bool = False, pack_separator: int | None = None,
-                 row_length: int | None = None, shuffle_buffer: int = 0, cluster_sampling: bool | None = None):
+                 row_length: int | None = None, shuffle_buffer: int = 0, cluster_sampling: bool | None = None,
+                 mix_shards: int = 4, vocab_size: int | None = None, verify: bool = True):
         self.rank, self.world_size = rank, world_size
         self.num_streams, self.shuffle_buffer = max(1, num_workers), shuffle_buffer
+        if mix_shards < 1:
+            raise ValueError(f"data.mix_shards: must be >= 1, got {mix_shards}")
+        self.mix_shards = mix_shards
         self.micro_batch_size, self.seed = micro_batch_size, seed
         self.pad_id, self.grad_accum_steps = pad_id, grad_accum_steps
         self.max_tokens, self.pack, self.pack_separator, self.row_length = max_tokens, pack, pack_separator, row_length
@@ -489,7 +601,8 @@ class ShardStream(IterableDataset):
         self.sources = [SourceStream(s, (seed,) if single else (seed, zlib.crc32(s.name.encode())), rank=rank,
                                      world_size=world_size, num_streams=self.num_streams, transform=transform,
                                      id_prefix="" if single else f"{s.name}:", shuffle_buffer=shuffle_buffer,
-                                     cluster_sampling=cluster_sampling)
+                                     cluster_sampling=cluster_sampling, mix_shards=mix_shards,
+                                     vocab_size=vocab_size, verify=verify)
                         for s in sources]
         self.shard_dir = Path(str(shards)) if single else None
         self.counts = self.sources[0].counts
@@ -508,7 +621,7 @@ class ShardStream(IterableDataset):
     def _fresh_state(self) -> dict:
         S = len(self.sources)
         return {"version": STATE_VERSION, "rank": self.rank, "world_size": self.world_size, "sources": self.names,
-                "shuffle_buffer": self.shuffle_buffer, "batches_consumed": 0,
+                "shuffle_buffer": self.shuffle_buffer, "mix_shards": self.mix_shards, "batches_consumed": 0,
                 "streams": [StreamState(taken=[0] * S, tokens=[0] * S).as_dict() for _ in range(self.num_streams)]}
 
     def state_dict(self) -> dict:
@@ -519,11 +632,14 @@ class ShardStream(IterableDataset):
         """Accepts a full state, or ``{"batches_consumed": N}`` alone for a single-source fixed-size loader."""
         if set(state) == {"batches_consumed"}:
             state = self._legacy_state(int(state["batches_consumed"]))
-        state = {"shuffle_buffer": 0, **state}  # states written before the shuffle buffer existed
+        # states written before the shuffle buffer / shard mixing existed read their shards one after the other
+        state = {"shuffle_buffer": 0, "mix_shards": 1, **state}
         for key, ours in (("sources", self.names), ("world_size", self.world_size), ("rank", self.rank),
-                          ("shuffle_buffer", self.shuffle_buffer)):
+                          ("shuffle_buffer", self.shuffle_buffer), ("mix_shards", self.mix_shards)):
             if state.get(key) != ours:
-                raise ValueError(f"loader state: {key} {state.get(key)!r} differs from this loader's {ours!r}")
+                hint = (f" (data.{key} must not change on resume; set data.{key}={state.get(key)!r} to continue "
+                        "this run)" if key in ("shuffle_buffer", "mix_shards") else "")
+                raise ValueError(f"loader state: {key} {state.get(key)!r} differs from this loader's {ours!r}{hint}")
         if len(state["streams"]) != self.num_streams:
             raise ValueError(f"loader state: {len(state['streams'])} streams, this loader has {self.num_streams} "
                              "(data.num_workers must not change on resume)")
@@ -547,7 +663,8 @@ class ShardStream(IterableDataset):
         physical = info.id if info is not None else 0
         W = self.num_streams
         stream = (physical + self.state["batches_consumed"]) % W
-        return self._batches(stream, StreamState(**copy.deepcopy(self.state["streams"][stream])))
+        batches = self._batches(stream, StreamState(**copy.deepcopy(self.state["streams"][stream])))
+        return batches if info is None else _reporting(batches)
 
     def _batches(self, w: int, st: StreamState) -> Iterator[Batch]:
         chooser = SourceChooser(self.seed, self.rank, w)
@@ -613,6 +730,30 @@ class ShardStream(IterableDataset):
             yield batch
 
 
+@dataclass
+class WorkerError:
+    """A data error raised in a DataLoader worker, sent to the main process as an item of the stream: torch would
+    re-raise it as ``ShardError("Caught ShardError in DataLoader worker process 0. Original Traceback ...")``, many
+    lines with the message at the end; the main process re-raises the original type and one-line message."""
+
+    kind: type
+    message: str
+
+    def error(self) -> Exception:
+        return self.kind(self.message)
+
+
+_WORKER_ERRORS = (ShardError, FileNotFoundError)  # errors in the data, not in the code: their message is the report
+
+
+def _reporting(batches: Iterator[Batch]) -> Iterator:
+    """A worker's batches, ending with a WorkerError item when the data it reads is bad."""
+    try:
+        yield from batches
+    except _WORKER_ERRORS as e:
+        yield WorkerError(type(e), str(e))
+
+
 class StreamLoader:
     """Iterator over a ShardStream's microbatches (through DataLoader workers if any) with a live position.
 
@@ -637,6 +778,9 @@ class StreamLoader:
                 self._it = iter(DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers,
                                            prefetch_factor=4, persistent_workers=False))
         batch = next(self._it)
+        if isinstance(batch, WorkerError):
+            self._it = None  # the DataLoader and its workers go with it; a retry restarts from the last batch
+            raise batch.error() from None
         self._state["batches_consumed"] += 1
         self._state["streams"][batch.stream] = batch.state
         return batch
