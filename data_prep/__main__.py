@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from . import SOURCES, FastaError
+from .progress import MODES
 
 
 def _positive(text: str) -> int:
@@ -21,6 +22,26 @@ def _nonnegative(text: str) -> int:
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v
+
+
+def _fraction(low_open: bool):
+    """A float in [0, 1] (``low_open``: in (0, 1))."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        ok = (0.0 < v < 1.0) if low_open else (0.0 <= v <= 1.0)
+        if not ok:  # nan fails both
+            raise argparse.ArgumentTypeError(f"must be in {'(0, 1)' if low_open else '[0, 1]'}, got {text}")
+        return v
+    return parse
+
+
+def _char(text: str) -> str:
+    if len(text) != 1:
+        raise argparse.ArgumentTypeError(f"one character expected, got {text!r}")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,12 +80,47 @@ def build_parser() -> argparse.ArgumentParser:
                             "whole and cropped at load time)")
         p.add_argument("--strict", action="store_true",
                        help="the first invalid record is an error naming file:line (default: skip and count it)")
+        p.add_argument("--max-filtered-fraction", type=_fraction(False), default=0.01, metavar="F",
+                       help="fail (exit 1, nothing written) when more than this fraction of the records is dropped "
+                            "as invalid (characters outside the alphabet, invalid UTF-8, broken tags) or empty; "
+                            "--min-length/--max-length/--dedup drops do not count. Default 0.01; 1 never fails. "
+                            "Every dropped record is listed in DIR/filtered.tsv")
+        if src.tokenizer != "sentencepiece":
+            p.add_argument("--replace-invalid", type=_char, default=None, metavar="CHAR",
+                           help="write characters outside the alphabet as CHAR (e.g. N for genomes, X for proteins) "
+                                "instead of dropping the record; counted per character in the manifest "
+                                "(stats.replaced) and the summary")
+            p.add_argument("--window", type=_positive, default=None, metavar="L",
+                           help="tile each record into windows of L positions, one sample each, id "
+                                "RECORD:START-END (0-based, end exclusive); for long genomes")
+            p.add_argument("--stride", type=_positive, default=None, metavar="S",
+                           help="step between window starts (default L: no overlap; S < L overlaps by L - S; "
+                                "S > L is refused). Note: Hugging Face tokenizers' 'stride' is the overlap instead")
+            p.add_argument("--window-tail", choices=("short", "align", "drop"), default="short",
+                           help="the last window of a record when it would be shorter than L: short keeps it "
+                                "short (default), align ends it at the record's end (full length, more overlap), "
+                                "drop leaves those residues out (counted); every case is counted in "
+                                "stats.windows")
+        else:
+            p.add_argument("--text-column", default=None, metavar="NAME",
+                           help="read the column NAME of .csv inputs (csv module, header row) as the text, one "
+                                "record a row; a .csv input without it is refused")
+        p.add_argument("--val-fraction", type=_fraction(True), default=None, metavar="F",
+                       help="split by record id (sha256) into DIR/train and DIR/val, each with its own "
+                            "manifest.json; a fraction F of the records (all windows of a record together) goes to "
+                            "val, the same whatever the job count or record order")
         p.add_argument("--dedup", action="store_true",
                        help="drop exact duplicate sequences (sha1 of the normalized sequence), counted as 'duplicate'")
         p.add_argument("--num-jobs", type=_positive, default=1, metavar="N")
         p.add_argument("--job-index", type=_nonnegative, default=0, metavar="I")
         p.add_argument("--overwrite", action="store_true",
                        help="replace an existing output directory (or, with --num-jobs > 1, this job's files)")
+        p.add_argument("--progress", choices=MODES, default="auto",
+                       help="progress on stderr with a time estimate: bar (tqdm), log (a plain line every "
+                            "--progress-interval seconds, for batch logs), off; auto (default): bar on a terminal, "
+                            "else off")
+        p.add_argument("--progress-interval", type=float, default=60.0, metavar="SECONDS",
+                       help="seconds between two --progress log lines (default 60)")
     m = sub.add_parser("merge", help="combine the job manifests in DIR into manifest.json",
                        description="Combine manifest-jobIIII-of-NNNN.json files into manifest.json.")
     m.add_argument("--output", required=True, type=Path, metavar="DIR")
@@ -75,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=_positive, default=32768, metavar="N")
     t.add_argument("--max-sentences", type=_positive, default=10_000_000, metavar="N",
                    help="lines sampled for training (sentencepiece input_sentence_size)")
+    t.add_argument("--text-column", default=None, metavar="NAME",
+                   help="read the column NAME of .csv inputs as the text (as the babylm source does)")
     return parser
 
 
@@ -83,26 +141,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command not in ("merge", "train-spm") and args.job_index >= args.num_jobs:
         parser.error(f"--job-index {args.job_index} must be < --num-jobs {args.num_jobs}")
+    if args.command not in ("merge", "train-spm") and not args.progress_interval > 0:
+        parser.error(f"--progress-interval {args.progress_interval} must be > 0")
     # SIGTERM (scheduler preemption) unwinds like Ctrl-C: the partial shard is dropped, finished ones are kept.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # Imported here so that --help and argument errors do not pay for torch (imported by webdataset).
-    from .jobs import PrepError, Settings, merge, run, summary
+    from .jobs import PrepError, Settings, merge, run, split_summary, summary
     try:
         if args.command == "merge":
             result = merge(args.output)
-            print(summary(result.manifest.source, result.manifest, result.location, job=" merge"))
+            if result.splits:
+                print(split_summary(result.manifest.source, result, job=" merge"))
+            else:
+                print(summary(result.manifest.source, result.manifest, result.location, job=" merge"))
             return 0
         if args.command == "train-spm":
             from .spm import train_spm
-            model = train_spm(args.input, args.output, args.vocab_size, args.max_sentences)
+            model = train_spm(args.input, args.output, args.vocab_size, args.max_sentences, args.text_column)
             print(f"data_prep train-spm: vocabulary {args.vocab_size} -> {model}")
             return 0
         src = SOURCES[args.command]
         settings = Settings(args.shard_size, args.min_length, args.num_jobs, args.job_index, args.max_length,
-                            args.strict, args.dedup)
+                            args.strict, args.dedup, args.max_filtered_fraction,
+                            getattr(args, "replace_invalid", None), getattr(args, "window", None),
+                            getattr(args, "stride", None), getattr(args, "window_tail", "short"), args.val_fraction)
         result = run(src, src.alphabet or getattr(args, "alphabet", None), args.input, args.output, settings,
                      args.overwrite, spm=getattr(args, "spm", None), members=getattr(args, "uniref90_members", None),
-                     clusters=getattr(args, "clusters", None))
+                     clusters=getattr(args, "clusters", None), progress=(args.progress, args.progress_interval),
+                     text_column=getattr(args, "text_column", None))
     except (PrepError, FastaError, OSError, ValueError) as e:
         print(f"data_prep: error: {e}", file=sys.stderr)
         return 1
@@ -110,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         print("data_prep: interrupted; finished shards are kept, rerun the same command to resume", file=sys.stderr)
         return 130
     job = f" job {args.job_index}/{args.num_jobs}" if args.num_jobs > 1 else ""
-    print(summary(src.name, result.manifest, result.location, result.records_seen, job))
+    if result.splits:
+        print(split_summary(src.name, result, job))
+    else:
+        print(summary(src.name, result.manifest, result.location, result.records_seen, job))
     return 0
 
 

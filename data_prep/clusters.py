@@ -15,16 +15,16 @@ Everything else that is not written is counted (see ``build``).
 """
 from __future__ import annotations
 
-import sys
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
-from tqdm import tqdm
 
-from .fasta import FastaError, iter_fasta
+from .fasta import FastaError, input_position, iter_fasta
+from .progress import Progress
 from .sources import _lines
 
 if TYPE_CHECKING:
@@ -100,7 +100,8 @@ def _rows(path: Path):
         yield lineno, parts
 
 
-def load_clusters(path: Path, num_jobs: int = 1, job_index: int = 0) -> ClusterMap:
+def load_clusters(path: Path, num_jobs: int = 1, job_index: int = 0, progress: tuple = ("auto", 60.0)
+                  ) -> ClusterMap:
     """Parse and check the whole mapping TSV; keep the clusters of job ``job_index`` of ``num_jobs``.
 
     Uniqueness over the whole file is checked with one 64-bit hash per cluster name and per member id (8 bytes each,
@@ -111,19 +112,22 @@ def load_clusters(path: Path, num_jobs: int = 1, job_index: int = 0) -> ClusterM
     slot: dict[str, int] = {}
     cluster_hashes, member_hashes = array("q"), array("q")
     n_clusters = n_members = blank = 0
-    for lineno, parts in _rows(path):
-        if parts is None:
-            blank += 1
-            continue
-        name, members = _parse_row(path, lineno, parts)
-        cluster_hashes.append(hash(name))
-        member_hashes.extend(hash(m) for m in members)
-        if n_clusters % num_jobs == job_index:
-            own.append(Cluster(n_clusters, name, members, lineno, len(slot)))
-            for m in members:
-                slot[m] = len(slot)  # a repeated id is caught below, before this map is used
-        n_clusters += 1
-        n_members += len(members)
+    with Progress(f"{path.name} (clusters TSV)", path.stat().st_size, *progress) as bar:
+        for lineno, parts in _rows(path):
+            if lineno % 4096 == 0:
+                bar.update(input_position(path), clusters=n_clusters, members=n_members)
+            if parts is None:
+                blank += 1
+                continue
+            name, members = _parse_row(path, lineno, parts)
+            cluster_hashes.append(hash(name))
+            member_hashes.extend(hash(m) for m in members)
+            if n_clusters % num_jobs == job_index:
+                own.append(Cluster(n_clusters, name, members, lineno, len(slot)))
+                for m in members:
+                    slot[m] = len(slot)  # a repeated id is caught below, before this map is used
+            n_clusters += 1
+            n_members += len(members)
     if n_clusters == 0:
         raise FastaError(f"{path}: no cluster rows (expected 'UniRef50 cluster<TAB>member,member,...' lines)")
     dup_clusters, dup_members = _repeated(cluster_hashes), _repeated(member_hashes)
@@ -171,129 +175,175 @@ def member_reasons(min_length: int, max_length: int | None) -> dict[str, int]:
     return out
 
 
-def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, skip: int,
-          open_writer: Callable[[], object], source_name: str = "uniref") -> tuple[Manifest, int]:
-    """Read the member FASTA files, then write this job's clusters in TSV order; returns (manifest, FASTA records).
+def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict, source_name: str = "uniref",
+          progress: tuple = ("auto", 60.0)) -> tuple[dict, int]:
+    """Read the member FASTA files, then write this job's clusters in TSV order; returns ({"": manifest}, FASTA
+    records). ``splits``: data_prep.jobs.open_splits (one, ""; --val-fraction is refused with --clusters).
 
-    Filtered and counted (nothing is dropped silently):
+    Filtered and counted (nothing is dropped silently), each member and cluster not written also listed in
+    ``filtered.tsv`` (id, reason, input, line, detail naming the cluster):
 
     * a member listed but absent from every FASTA input: ``stats.members_filtered.not_in_fasta`` (named in the
       cluster's meta ``dropped``);
     * a member record with a character outside the ESM alphabet (``invalid_character``; ``--strict`` makes it an
-      error naming file:line:column), empty, shorter than ``--min-length`` or longer than ``--max-length``: dropped
-      from its cluster, counted under ``stats.members_filtered`` and named in meta ``dropped``;
+      error naming file:line:column; ``--replace-invalid X`` writes such characters as X instead, counted in
+      ``stats.replaced``), empty, shorter than ``--min-length`` or longer than ``--max-length``: dropped from its
+      cluster, counted under ``stats.members_filtered`` and named in meta ``dropped``;
     * a cluster left without members: ``filtered.no_member_in_fasta`` (every member absent from the FASTA) or
       ``filtered.all_members_filtered`` (some found, none kept);
     * FASTA records in no cluster: ``stats.records_in_no_cluster`` (= ``fasta_records - members_found``; a job
       cannot tell another job's members from none, so its manifest holds null and ``merge`` computes it).
 
-    ``skip`` clusters already in the verified shards of an interrupted run are counted and not rewritten.
+    Errors: no member of this job's clusters found in the FASTA at all (the TSV and the FASTA do not belong
+    together); more than ``--max-filtered-fraction`` of the members found dropped as invalid or empty.
+    Clusters already in the verified shards of an interrupted run are counted and not rewritten.
     """
+    from .jobs import DamageCheck, PrepError
+
     s = settings
+    sp = splits[""]
     short, long = f"shorter_than_{s.min_length}", f"longer_than_{s.max_length}"
     members_filtered = member_reasons(s.min_length, s.max_length)
-    # per slot: encoded member tokens (bytes), a filter reason (str), or None (not found yet)
+    # per slot: encoded member tokens (bytes), (reason, path, line, detail) when filtered, or None (not found yet)
     found: list = [None] * cmap.own_members
     check = encoder.invalid_positions
 
     def upper_check(seq: bytes) -> np.ndarray:  # lowercase is accepted and upper-cased, as in the uniref source
         return check(seq.upper())
 
+    damage = DamageCheck(s, "members")
+    replaced_stats = {"replacement": s.replace_invalid, "replaced_characters": 0, "records_with_replacements": 0,
+                      "replaced": {}} if s.replace_invalid is not None else None
+    invalid_chars: Counter = Counter()
     counts, records, lowercase = [], 0, 0
-    with tqdm(unit="B", unit_scale=True, desc=f"{source_name} members", file=sys.stderr,
-              disable=not sys.stderr.isatty()) as bar:
-        pending = 0
-        for path in inputs:
-            inp = {"path": str(path), "records": 0, "members": 0, "kept": 0, "residues": 0}
-            for rec in iter_fasta(path, upper_check, on_invalid="yield"):
-                inp["records"] += 1
-                pending += rec.nbytes
-                if inp["records"] % 256 == 0:
-                    bar.update(pending)
-                    pending = 0
-                i = cmap.slot.get(rec.id)
-                if i is None:
-                    continue  # in no cluster of this job (another job's member, or in no cluster at all)
-                if found[i] is not None:
-                    raise FastaError(f"{path}:{rec.line}: record {rec.id} appears a second time in the FASTA "
-                                     "input; as a cluster member it must be unique")
-                inp["members"] += 1
-                if rec.error is not None:
-                    if s.strict:
-                        raise FastaError(rec.error)
-                    found[i] = rec.reason
-                    continue
-                seq = rec.seq.upper()
-                n = len(seq)
-                if n == 0:
-                    found[i] = "empty"
-                elif n < s.min_length:
-                    found[i] = short
-                elif s.max_length is not None and n > s.max_length:
-                    found[i] = long
-                else:
-                    if seq != rec.seq:  # soft-masked (lowercase) residues present
-                        lowercase += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
-                    found[i] = encoder.encode(seq).tobytes()
-                    inp["kept"] += 1
-                    inp["residues"] += n
-            if inp["records"] == 0:
-                from .jobs import PrepError
-                raise PrepError(f"{path}: no records in this input (empty after decompression?)")
-            records += inp["records"]
-            counts.append(inp)
-        bar.update(pending)
+    first_record = None
+    sizes = [p.stat().st_size for p in inputs]
+    try:
+        with Progress(f"{source_name} members", sum(sizes), *progress) as bar:
+            for n_input, path in enumerate(inputs):
+                inp = {"path": str(path), "records": 0, "members": 0, "kept": 0, "residues": 0}
+                for rec in iter_fasta(path, upper_check, on_invalid="yield"):
+                    inp["records"] += 1
+                    if first_record is None:
+                        first_record = rec.id
+                    if inp["records"] % 256 == 0:
+                        bar.update(sum(sizes[:n_input]) + input_position(path), records=records + inp["records"],
+                                   members=sum(x["members"] for x in counts) + inp["members"])
+                        damage.poll(sum(x["members"] for x in counts) + inp["members"])
+                    i = cmap.slot.get(rec.id)
+                    if i is None:
+                        continue  # in no cluster of this job (another job's member, or in no cluster at all)
+                    if found[i] is not None:
+                        raise FastaError(f"{path}:{rec.line}: record {rec.id} appears a second time in the FASTA "
+                                         "input; as a cluster member it must be unique")
+                    inp["members"] += 1
+                    seq = rec.seq.upper()
+                    replaced = None
+                    if rec.error is not None:
+                        if rec.reason == "invalid_character" and s.replace_invalid is not None:
+                            seq, replaced = encoder.replace(seq, s.replace_invalid)
+                        elif s.strict:
+                            raise FastaError(rec.error)
+                        else:
+                            chars = encoder.bad_characters(seq) if rec.reason == "invalid_character" else None
+                            if chars:
+                                invalid_chars.update(chars)
+                            damage.add(rec.reason, rec.error, chars)
+                            detail = rec.error[len(str(path)) + 1:] if rec.error.startswith(f"{path}:") \
+                                else rec.error
+                            found[i] = (rec.reason, n_input, rec.line, detail)
+                            continue
+                    n = len(seq)
+                    if n == 0:
+                        found[i] = ("empty", n_input, rec.line, "")
+                        damage.add("empty", f"{path}:{rec.line}: member {rec.id} has no sequence")
+                    elif n < s.min_length:
+                        found[i] = (short, n_input, rec.line, f"{n} residues")
+                    elif s.max_length is not None and n > s.max_length:
+                        found[i] = (long, n_input, rec.line, f"{n} residues")
+                    else:
+                        if rec.seq.upper() != rec.seq:  # soft-masked (lowercase) residues present
+                            lowercase += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
+                        if replaced:
+                            replaced_stats["replaced_characters"] += sum(replaced.values())
+                            replaced_stats["records_with_replacements"] += 1
+                            for c, k in replaced.items():
+                                replaced_stats["replaced"][c] = replaced_stats["replaced"].get(c, 0) + k
+                        found[i] = encoder.encode(seq).tobytes()
+                        inp["kept"] += 1
+                        inp["residues"] += n
+                if inp["records"] == 0:
+                    raise PrepError(f"{path}: no records in this input (empty after decompression?)")
+                records += inp["records"]
+                counts.append(inp)
+            bar.update(sum(sizes), records=records, members=sum(x["members"] for x in counts))
+        members_found = sum(x["members"] for x in counts)
+        if cmap.own_members and members_found == 0:
+            first_member = cmap.own[0].members[0]
+            raise PrepError(f"{cmap.path}: none of the {cmap.own_members} member ids of "
+                            f"{'the' if s.num_jobs == 1 else 'this job' + chr(39) + 's'} clusters is a record id of "
+                            f"the FASTA inputs (first member {first_member!r}, first FASTA record "
+                            f"{first_record!r}); do the TSV and the FASTA belong together?")
+        damage.check(members_found, False)
 
-    filtered = {"no_member_in_fasta": 0, "all_members_filtered": 0}
-    stats = {"clusters": len(cmap.own), "clusters_kept": 0, "members_listed": cmap.own_members, "members_kept": 0,
-             "residues": 0, "lowercase_residues": lowercase, "members_filtered": members_filtered,
-             "fasta_records": records, "members_found": sum(x["members"] for x in counts)}
-    written, writer = 0, None
-    for c in cmap.own:
-        kept, dropped = [], {}
-        for k, m in enumerate(c.members):
-            got = found[c.start + k]
-            if isinstance(got, bytes):
-                kept.append((m, got))
-            else:
-                reason = NOT_IN_FASTA if got is None else got
-                members_filtered[reason] = members_filtered.get(reason, 0) + 1
-                dropped[m] = reason
-            found[c.start + k] = None  # released as written
-        if not kept:
-            absent = all(r == NOT_IN_FASTA for r in dropped.values())
-            filtered["no_member_in_fasta" if absent else "all_members_filtered"] += 1
-            continue
-        lengths = [len(t) for _, t in kept]
-        stats["clusters_kept"] += 1
-        stats["members_kept"] += len(kept)
-        stats["residues"] += sum(lengths)
-        written += 1
-        if written <= skip:
-            continue  # already in a verified shard of the interrupted run
-        if writer is None:
-            writer = open_writer()
-        tokens = np.frombuffer(b"".join(t for _, t in kept), dtype=np.uint8)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        meta = {"id": c.name, "source": source_name, "length": int(offsets[-1]), "members": [m for m, _ in kept],
-                "listed": len(c.members)}
-        if dropped:
-            meta["dropped"] = dropped
-        writer.write(f"{c.index:012d}", tokens, meta, offsets)
-    if written < skip:
-        from .jobs import PrepError
-        raise PrepError(f"the verified shards hold {skip} clusters but this run produced {written}; remove the "
-                        "work directory and rerun")
-    if writer is None and skip:
-        writer = open_writer()
-    shards = writer.close() if writer is not None else []
+        filtered = {"no_member_in_fasta": 0, "all_members_filtered": 0}
+        stats = {"clusters": len(cmap.own), "clusters_kept": 0, "members_listed": cmap.own_members,
+                 "members_kept": 0, "residues": 0, "lowercase_residues": lowercase,
+                 "members_filtered": members_filtered, "fasta_records": records, "members_found": members_found}
+        if replaced_stats is not None:
+            stats.update(replaced_stats)
+        for c in cmap.own:
+            kept, dropped = [], {}
+            for k, m in enumerate(c.members):
+                got = found[c.start + k]
+                if isinstance(got, bytes):
+                    kept.append((m, got))
+                else:
+                    reason = NOT_IN_FASTA if got is None else got[0]
+                    members_filtered[reason] = members_filtered.get(reason, 0) + 1
+                    dropped[m] = reason
+                    if got is None:
+                        sp.dropped.add(m, reason, cmap.path, c.line, f"member of {c.name}")
+                    else:
+                        sp.dropped.add(m, reason, inputs[got[1]], got[2],
+                                       f"member of {c.name}" + (f"; {got[3]}" if got[3] else ""))
+                found[c.start + k] = None  # released as written
+            if not kept:
+                absent = all(r == NOT_IN_FASTA for r in dropped.values())
+                reason = "no_member_in_fasta" if absent else "all_members_filtered"
+                filtered[reason] += 1
+                sp.dropped.add(c.name, reason, cmap.path, c.line, f"cluster of {len(c.members)} members")
+                continue
+            lengths = [len(t) for _, t in kept]
+            stats["clusters_kept"] += 1
+            stats["members_kept"] += len(kept)
+            stats["residues"] += sum(lengths)
+            if sp.written + 1 <= sp.skip:
+                sp.written += 1  # already in a verified shard of the interrupted run
+                continue
+            tokens = np.frombuffer(b"".join(t for _, t in kept), dtype=np.uint8)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            meta = {"id": c.name, "source": source_name, "length": int(offsets[-1]),
+                    "members": [m for m, _ in kept], "listed": len(c.members)}
+            if dropped:
+                meta["dropped"] = dropped
+            sp.write(f"{c.index:012d}", tokens, meta, offsets)
+        shards = sp.close()
+    except (PrepError, FastaError, ValueError):
+        sp.abort()
+        raise
     # With one job every member is this job's, so a record it did not match is in no cluster at all.
     stats["records_in_no_cluster"] = records - stats["members_found"] if s.num_jobs == 1 else None
     stats["mapping"] = {"path": str(cmap.path), "clusters": cmap.clusters, "members": cmap.members,
                         "blank_lines": cmap.blank_lines}
+    if invalid_chars:
+        stats["invalid_characters"] = dict(invalid_chars.most_common())
+    listed = sp.dropped.finish()
+    if listed is not None:
+        stats["filtered_list"] = listed.name
     from pipeline.data.shards import Manifest
-    return Manifest(source=source_name, tokenizer=encoder.entry, shards=shards, filtered=filtered, inputs=counts,
-                    stats=stats, layout="clusters"), records
+    return {"": Manifest(source=source_name, tokenizer=encoder.entry, shards=shards, filtered=filtered,
+                         inputs=counts, stats=stats, layout="clusters")}, records
 
 
 SUMMED = ("clusters", "clusters_kept", "members_listed", "members_kept", "residues", "lowercase_residues",
@@ -325,6 +375,12 @@ def merge_stats(docs: list[dict], names: list[str]) -> tuple[list, dict]:
     stats["fasta_records"] = first["stats"]["fasta_records"]
     stats["records_in_no_cluster"] = stats["fasta_records"] - stats["members_found"]
     stats["mapping"] = first["stats"]["mapping"]
+    from .jobs import _sum_stats
+    extra: dict = {}
+    for d in docs:  # --replace-invalid counters and the characters outside the alphabet
+        extra = _sum_stats(extra, {k: v for k, v in d["stats"].items() if k not in stats and k not in (
+            "members_filtered", "records_in_no_cluster", "filtered_list")})
+    stats.update(extra)
     mapping = stats["mapping"]
     if (stats["clusters"], stats["members_listed"]) != (mapping["clusters"], mapping["members"]):
         raise PrepError(f"the jobs cover {stats['clusters']} clusters / {stats['members_listed']} members but "
@@ -340,5 +396,9 @@ def summary(m: Manifest, location: Path, job: str = "") -> str:
     return (f"data_prep {m.source}{job}: clusters {st['clusters']}, written {m.total_samples}, filtered "
             f"{sum(m.filtered.values())} ({clusters}); members listed {st['members_listed']}, kept "
             f"{st['members_kept']}, filtered {sum(st['members_filtered'].values())} ({members}); FASTA records "
-            f"{st['fasta_records']}, in no cluster {'(computed by merge)' if none is None else none}; "
-            f"tokens {m.total_tokens}, shards {len(m.shards)} -> {location}")
+            f"{st['fasta_records']}, in no cluster {'(computed by merge)' if none is None else none}"
+            + (f"; replaced {st['replaced_characters']} characters by {st['replacement']!r} in "
+               f"{st['records_with_replacements']} members" if "replaced_characters" in st else "")
+            + f"; tokens {m.total_tokens}, shards {len(m.shards)} -> {location}"
+            + (f"; dropped members and clusters listed in {location.parent / st['filtered_list']}"
+               if st.get("filtered_list") else ""))

@@ -27,6 +27,25 @@ class FastaError(ValueError):
     """Malformed input; the message starts with ``path:line[:column]``."""
 
 
+# path -> the open input's on-disk byte position (compressed bytes for gzip): what progress bars measure.
+_POSITIONS: dict[str, Callable[[], int]] = {}
+
+
+def input_position(path: str | Path) -> int:
+    """Bytes of ``path`` (as stored on disk) read so far by its most recently opened reader; the file size once that
+    reader is closed, 0 before it is opened."""
+    tell = _POSITIONS.get(str(path))
+    if tell is None:
+        return 0
+    try:
+        return tell()
+    except (ValueError, OSError):  # closed
+        try:
+            return Path(path).stat().st_size
+        except OSError:
+            return 0
+
+
 class Record(NamedTuple):
     id: str  # first whitespace-separated token of the header
     description: str  # rest of the header ('' if none)
@@ -47,9 +66,12 @@ def open_input(path: str | Path) -> BinaryIO:
         if head.startswith(magic):
             raise FastaError(f"{path}: {kind}-compressed input is not supported (only gzip); decompress it first")
     if head.startswith(GZIP_MAGIC):
-        f = io.BufferedReader(gzip.open(path, "rb"), buffer_size=1 << 20)
+        gz = gzip.open(path, "rb")
+        _POSITIONS[str(path)] = gz.fileobj.tell  # the compressed file underneath
+        f = io.BufferedReader(gz, buffer_size=1 << 20)
     else:
         f = open(path, "rb", buffering=1 << 20)
+        _POSITIONS[str(path)] = f.tell
     # Every supported format is text: a NUL byte in the first block means binary garbage (or an unsupported
     # container), reported as such rather than as a bad first character or a missing header.
     try:

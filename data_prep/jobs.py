@@ -5,6 +5,16 @@ shares ``DIR`` with the other jobs, so it builds in a hidden ``DIR/.jobIIII-of-N
 into ``DIR`` at the end, its job manifest last (the manifest is what marks the job as finished). The work directory
 is resumable (``WorkDir``): each shard is renamed into place when whole and listed with its sha256 in
 ``progress.jsonl``; a rerun verifies them and continues after the last intact one.
+
+With ``--val-fraction F`` the output is two shard directories, ``DIR/train`` and ``DIR/val``, each complete (its
+shards, ``manifest.json``, ``filtered.tsv``, the sentencepiece model), plus ``DIR/split.json``; the work directory
+holds both (``train/`` and ``val/`` inside it), resumed split by split. A record goes to val when the first 8 bytes
+of sha256(record id), read as a little-endian integer, are below F * 2**64: the split depends on the id alone (not on
+the order of the records, the number of jobs or the other options), and every window of a record shares it.
+
+Every record not written is listed in ``filtered.tsv`` (columns ``id reason input line detail``, one header line)
+beside the manifest that counts it; the file exists only when something was filtered. A job of N writes
+``filtered-jobIIII-of-NNNN.tsv`` and ``merge`` concatenates them into ``filtered.tsv``.
 """
 from __future__ import annotations
 
@@ -16,17 +26,18 @@ import re
 import shutil
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from tqdm import tqdm
 
 from pipeline.data.tokenizer import SEP_ID, SPM_NAME, VOCAB, NucleotideTokenizer
 
 from . import Source
-from .fasta import FastaError
+from .fasta import FastaError, input_position
+from .progress import Progress
 
 if TYPE_CHECKING:
     from pipeline.data.shards import Manifest
@@ -35,6 +46,14 @@ if TYPE_CHECKING:
 # or output-directory mistakes should be reported at once.
 MANIFEST = "manifest.json"  # pipeline.data.shards.MANIFEST
 JOB_MANIFEST_RE = re.compile(r"manifest-job(\d{4})-of-(\d{4})\.json")
+FILTERED = "filtered.tsv"
+FILTERED_HEADER = ("id", "reason", "input", "line", "detail")
+SPLIT_FILE = "split.json"
+SPLITS = ("train", "val")
+TAILS = ("short", "align", "drop")
+# Characters that occur in protein but not in nucleotide FASTA: named in the error when a protein file is given to a
+# nucleotide source.
+_AMINO_ONLY = set("EFILPQJOXZ")
 
 
 class PrepError(Exception):
@@ -43,6 +62,10 @@ class PrepError(Exception):
 
 def job_manifest_name(index: int, count: int) -> str:
     return f"manifest-job{index:04d}-of-{count:04d}.json"
+
+
+def job_filtered_name(index: int, count: int) -> str:
+    return f"filtered-job{index:04d}-of-{count:04d}.tsv"
 
 
 @dataclass(frozen=True)
@@ -54,13 +77,44 @@ class Settings:
     max_length: int | None = None  # longer records are filtered (never cropped)
     strict: bool = False  # the first invalid record is an error instead of a counted skip
     dedup: bool = False  # drop exact duplicate sequences (sha1 of the normalized sequence)
+    # Above this fraction of the records dropped as damaged (invalid characters / UTF-8 / tags, empty) the job fails.
+    max_filtered_fraction: float = 0.01
+    replace_invalid: str | None = None  # characters outside the alphabet become this one (counted) instead
+    window: int | None = None  # tile records into windows of this many positions
+    stride: int | None = None  # step between window starts (default: window)
+    window_tail: str = "short"  # the window that reaches the record's end: short | align | drop
+    val_fraction: float | None = None  # records whose id hashes below it go to DIR/val
+
+
+# Settings added after the first resumable release: left out of the fingerprint at their defaults, so that a work
+# directory left by an older version resumes; max_filtered_fraction never fixes shard bytes, so never in it.
+_NEW_SETTINGS = {"replace_invalid": None, "window": None, "stride": None, "window_tail": "short",
+                 "val_fraction": None}
+
+
+def _settings_doc(settings: Settings) -> dict:
+    d = asdict(settings)
+    d.pop("max_filtered_fraction")
+    if settings.window is None:
+        d.pop("window_tail")
+    return {k: v for k, v in d.items() if k not in _NEW_SETTINGS or v != _NEW_SETTINGS[k]}
+
+
+def split_of(record_id: str, val_fraction: float | None) -> str:
+    """'' without a split, else 'val' or 'train' by sha256 of the record id (see the module docstring)."""
+    if val_fraction is None:
+        return ""
+    h = int.from_bytes(hashlib.sha256(record_id.encode("utf-8", "surrogateescape")).digest()[:8], "little")
+    return "val" if h < val_fraction * 2.0 ** 64 else "train"
 
 
 @dataclass
 class Result:
-    manifest: Manifest
+    manifest: Manifest  # the only manifest, or train's with --val-fraction
     records_seen: int  # all records of all inputs (a job reads every record to keep the global index)
     location: Path  # manifest file written
+    splits: dict | None = None  # --val-fraction: {"train": (Manifest, path), "val": (Manifest, path)}
+    val_fraction: float | None = None
 
 
 def filter_reasons(min_length: int, max_length: int | None = None, dedup: bool = False) -> dict[str, int]:
@@ -73,16 +127,73 @@ def filter_reasons(min_length: int, max_length: int | None = None, dedup: bool =
     return out
 
 
+def chosen_filters(settings: Settings) -> set[str]:
+    """Filter reasons the user asked for (length limits, dedup): not counted against --max-filtered-fraction."""
+    out = {f"shorter_than_{settings.min_length}", "duplicate"}
+    if settings.max_length is not None:
+        out.add(f"longer_than_{settings.max_length}")
+    return out
+
+
+def damaged_count(filtered: dict, settings: Settings) -> int:
+    """Records dropped because the data could not be used as it is (invalid characters, UTF-8 or tags; empty)."""
+    chosen = chosen_filters(settings)
+    return sum(v for k, v in filtered.items() if k not in chosen)
+
+
+def _describe(m: Manifest, location: Path, with_list: bool = True) -> str:
+    """'written N[ (windows)], filtered F (reasons)[, replaced ...], tokens T, shards S -> location[; list]'."""
+    st = m.stats
+    reasons = ", ".join(f"{k}={v}" for k, v in m.filtered.items())
+    out = f"written {m.total_samples}"
+    w = st.get("windows")
+    if w is not None:
+        cfg = st["windowing"]
+        tails = {"short": "short_tails", "align": "aligned_tails", "drop": "dropped_tails"}[cfg["tail"]]
+        out += (f" (windows of {w['records']} records: --window {cfg['window']} --stride {cfg['stride']}, "
+                f"{w[tails]} {cfg['tail']} tails, {w['records_shorter_than_window']} records shorter than a window")
+        if cfg["tail"] == "drop":
+            out += f", {w['tail_residues_dropped']} tail residues dropped"
+        out += ")"
+    out += f", filtered {sum(m.filtered.values())} ({reasons})"
+    if "replaced_characters" in st:
+        chars = ", ".join(f"{k!r}={v}" for k, v in st.get("replaced", {}).items())
+        out += (f", replaced {st['replaced_characters']} characters by {st['replacement']!r} in "
+                f"{st['records_with_replacements']} records" + (f" ({chars})" if chars else ""))
+    out += f", tokens {m.total_tokens}, shards {len(m.shards)} -> {location}"
+    if with_list and st.get("filtered_list"):
+        out += f"; dropped records listed in {location.parent / st['filtered_list']}"
+    return out
+
+
 def summary(source: str, m: Manifest, location: Path, records_seen: int | None = None, job: str = "") -> str:
     if m.layout == "clusters":
         from .clusters import summary as cluster_summary
         return cluster_summary(m, location, job)
     read = sum(i["records"] for i in m.inputs)
     of = f" (of {records_seen} in the inputs)" if records_seen is not None and records_seen != read else ""
-    reasons = ", ".join(f"{k}={v}" for k, v in m.filtered.items())
-    return (f"data_prep {source}{job}: records read {read}{of}, written {m.total_samples}, "
-            f"filtered {sum(m.filtered.values())} ({reasons}), tokens {m.total_tokens}, "
-            f"shards {len(m.shards)} -> {location}")
+    return f"data_prep {source}{job}: records read {read}{of}, {_describe(m, location)}"
+
+
+def split_summary(source: str, result: Result, job: str = "") -> str:
+    """One line for a train/val run: the records read, then each split's samples, filters and manifest path."""
+    parts = []
+    read = 0
+    for name in SPLITS:
+        m, loc = result.splits[name]
+        read += sum(i["records"] for i in m.inputs)
+        if m.layout == "clusters":
+            st = m.stats
+            parts.append(f"{name}: clusters {st['clusters']}, written {m.total_samples}, tokens {m.total_tokens}, "
+                         f"shards {len(m.shards)} -> {loc}")
+        else:
+            parts.append(f"{name}: {_describe(m, loc)}")
+    seen = result.records_seen
+    of = f" (of {seen} in the inputs)" if seen is not None and seen != read else ""
+    unit = "clusters" if result.manifest.layout == "clusters" else "records"
+    head = (f"data_prep {source}{job}: {unit} read {read}{of}, split by record-id hash "
+            f"(--val-fraction {result.val_fraction}) into {result.location.parent.parent}/{{train,val}}")
+    return "; ".join([head] + parts)
 
 
 # ------------------------------------------------------------------------------------------------------ tokenizers
@@ -94,6 +205,8 @@ class Encoder:
     def __init__(self, source: Source, alphabet: str | None, spm: Path | None):
         self.kind, self.spm_path = source.tokenizer, None
         self.text = self.kind == "sentencepiece"
+        # OpenGenome2's '#' (contig split) is valid there, written as <sep>: never replaced
+        self.sep_char = source.name == "opengenome2"
         if self.kind == "nucleotide":
             tok = NucleotideTokenizer(alphabet)
             self.invalid_positions, self._encode, self.vocab_size = tok.invalid_positions, tok.encode, tok.vocab_size
@@ -124,6 +237,55 @@ class Encoder:
     def residues(self, seq: bytes) -> int:
         return len(seq.decode("utf-8")) if self.text else len(seq) - seq.count(b"#")
 
+    def bad_positions(self, seq: bytes) -> np.ndarray:
+        """Positions of ``seq`` (normalized) outside the alphabet, as the source's reader judged them."""
+        return self.invalid_positions(seq.replace(b"#", b"N") if self.sep_char else seq)
+
+    def check_replacement(self, char: str) -> str:
+        """The --replace-invalid character, upper-cased, if it is a residue of this alphabet."""
+        name = {"nucleotide": "nucleotide", "protein": "ESM amino-acid"}.get(self.kind)
+        if self.text:
+            raise PrepError("--replace-invalid applies to nucleotide and protein sources, not to text")
+        c = char.upper()
+        if len(c) != 1 or not c.isascii() or c == "#" or self.invalid_positions(c.encode()).size:
+            raise PrepError(f"--replace-invalid {char!r} is not one residue of the {name} alphabet "
+                            "(e.g. N for nucleotides, X for proteins)")
+        return c
+
+    def replace(self, seq: bytes, char: str) -> tuple[bytes, dict]:
+        """``seq`` with every character outside the alphabet replaced by ``char``; {character: count}."""
+        bad = self.bad_positions(seq)
+        if not bad.size:
+            return seq, {}
+        arr = np.frombuffer(seq, dtype=np.uint8)
+        if int(arr.max()) < 128:
+            values, counts = np.unique(arr[bad], return_counts=True)
+            out = arr.copy()
+            out[bad] = ord(char)
+            return out.tobytes(), {chr(v): int(c) for v, c in zip(values.tolist(), counts.tolist())}
+        # non-ASCII: one replacement per character (not per UTF-8 byte)
+        found: Counter = Counter()
+        chars = []
+        for ch in seq.decode("utf-8", "replace"):
+            if not ch.isascii() or self.bad_positions(ch.encode()).size:
+                found[ch] += 1
+                chars.append(char)
+            else:
+                chars.append(ch)
+        return "".join(chars).encode("ascii"), dict(found)
+
+    def bad_characters(self, seq: bytes) -> Counter:
+        """{character: count} of the characters outside the alphabet (for the manifest and the error)."""
+        bad = self.bad_positions(seq)
+        if not bad.size:
+            return Counter()
+        arr = np.frombuffer(seq, dtype=np.uint8)
+        if int(arr.max()) < 128:
+            values, counts = np.unique(arr[bad], return_counts=True)
+            return Counter({chr(v): int(c) for v, c in zip(values.tolist(), counts.tolist())})
+        return Counter(ch for ch in seq.decode("utf-8", "replace")
+                       if not ch.isascii() or self.bad_positions(ch.encode()).size)
+
 
 # Seconds to pause after each shard: lets the crash-resume test SIGKILL a run at a known point (tests only).
 _SHARD_DELAY = float(os.environ.get("DATA_PREP_TEST_SHARD_DELAY", "0") or 0)
@@ -139,7 +301,7 @@ def _fingerprint(source: Source, encoder: Encoder, inputs: list[Path], settings:
     def stat(p: Path):
         st = p.stat()
         return [str(p), st.st_size, st.st_mtime_ns]
-    doc = {"source": source.name, "tokenizer": encoder.entry, "settings": asdict(settings),
+    doc = {"source": source.name, "tokenizer": encoder.entry, "settings": _settings_doc(settings),
            "inputs": [stat(p) for p in inputs], "members": stat(members) if members else None}
     if clusters is not None:  # only then: fingerprints of sequence runs stay as they were
         doc["clusters"] = stat(clusters)
@@ -148,13 +310,16 @@ def _fingerprint(source: Source, encoder: Encoder, inputs: list[Path], settings:
 
 class WorkDir:
     """``DIR.partial`` (or a job's hidden folder): finished shards + ``progress.jsonl`` (fingerprint, then one line
-    per shard renamed into place). Locked while a run writes it, so two runs never share one."""
+    per shard renamed into place). Locked while a run writes it, so two runs never share one.
+
+    ``splits``: ``("",)`` keeps the shards at the top; ``("train", "val")`` in one subfolder each, the progress lines
+    then naming their split. Each split is verified and resumed on its own."""
 
     PROGRESS = "progress.jsonl"
     LOCK = ".lock"
 
-    def __init__(self, path: Path, fingerprint: dict, prefix: str):
-        self.path, self.fingerprint, self.prefix = path, fingerprint, prefix
+    def __init__(self, path: Path, fingerprint: dict, prefix: str, splits: tuple = ("",)):
+        self.path, self.fingerprint, self.prefix, self.splits = path, fingerprint, prefix, tuple(splits)
         path.mkdir(exist_ok=True)
         self._lock = open(path / self.LOCK, "w")
         try:
@@ -162,13 +327,21 @@ class WorkDir:
         except BlockingIOError:
             self._lock.close()
             raise PrepError(f"{path} is being written by another data_prep run") from None
-        self.completed = self._verify()
+        self.done = self._verify()
         self._progress = open(path / self.PROGRESS, "a")
 
-    def _verify(self) -> list:
+    @property
+    def completed(self) -> list:
+        """The verified shards of the only split (no --val-fraction)."""
+        return self.done[""]
+
+    def directory(self, split: str) -> Path:
+        return self.path / split if split else self.path
+
+    def _verify(self) -> dict:
         """Shards of a previous run that are listed, in sequence and intact; everything else is removed."""
         from pipeline.data.shards import ShardInfo, sha256_file  # imported lazily for torch's sake
-        done: list = []
+        done: dict[str, list] = {s: [] for s in self.splits}
         prog = self.path / self.PROGRESS
         lines = prog.read_text().splitlines() if prog.is_file() else []
         try:
@@ -176,34 +349,56 @@ class WorkDir:
         except ValueError:
             same = False
         if same:
+            broken: set[str] = set()
             for line in lines[1:]:
                 try:
-                    info = ShardInfo(**json.loads(line))
-                except (ValueError, TypeError):
+                    doc = json.loads(line)
+                    split = doc.pop("split", "")
+                    info = ShardInfo(**doc)
+                except (ValueError, TypeError, AttributeError):
                     break  # the line being appended when the run was killed
-                p = self.path / info.path
-                if info.path != f"{self.prefix}-{len(done):06d}.tar" or not p.is_file() or sha256_file(p) != info.sha256:
-                    break
-                done.append(info)
+                if split not in done or split in broken:
+                    continue
+                p = self.directory(split) / info.path
+                if info.path != f"{self.prefix}-{len(done[split]):06d}.tar" or not p.is_file() \
+                        or sha256_file(p) != info.sha256:
+                    broken.add(split)  # this split regenerates from here; the other one keeps its shards
+                    continue
+                done[split].append(info)
         elif lines:
             print(f"data_prep: {self.path}: left by a run with other inputs or options; starting afresh",
                   file=sys.stderr)
-        keep = {s.path for s in done} | {self.LOCK}
+        keep = {self.LOCK} | {s.path for s in done.get("", [])}
         for p in self.path.iterdir():
-            if p.name not in keep:
+            if p.name in done and p.name and p.is_dir():
+                inner = {s.path for s in done[p.name]}
+                for q in p.iterdir():
+                    if q.name not in inner:
+                        shutil.rmtree(q) if q.is_dir() else q.unlink()
+            elif p.name not in keep:
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
+        for s in self.splits:
+            self.directory(s).mkdir(exist_ok=True)
         tmp = prog.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(x) + "\n" for x in [{"fingerprint": self.fingerprint}]
-                               + [asdict(s) for s in done]))
+        rows = [{"fingerprint": self.fingerprint}]
+        for s in self.splits:
+            rows += [({"split": s} if s else {}) | asdict(info) for info in done[s]]
+        tmp.write_text("".join(json.dumps(x) + "\n" for x in rows))
         os.replace(tmp, prog)
-        if done:
-            print(f"data_prep: resuming {self.path}: {len(done)} complete shards verified, continuing with "
-                  f"shard {len(done)}", file=sys.stderr)
+        total = sum(len(v) for v in done.values())
+        if total and self.splits == ("",):
+            print(f"data_prep: resuming {self.path}: {total} complete shards verified, continuing with "
+                  f"shard {total}", file=sys.stderr)
+        elif total:
+            each = ", ".join(f"{s} {len(done[s])}" for s in self.splits)
+            print(f"data_prep: resuming {self.path}: {total} complete shards verified ({each}), continuing after "
+                  "them", file=sys.stderr)
         return done
 
-    def record(self, info) -> None:
+    def record(self, info, split: str = "") -> None:
         """Called once the shard is renamed into place; fsync'd so a crash never lists a shard that is not there."""
-        self._progress.write(json.dumps(asdict(info)) + "\n")
+        doc = ({"split": split} if split else {}) | asdict(info)
+        self._progress.write(json.dumps(doc) + "\n")
         self._progress.flush()
         os.fsync(self._progress.fileno())
         if _SHARD_DELAY:
@@ -220,118 +415,417 @@ class WorkDir:
         self._lock.close()
 
 
+class FilteredList:
+    """``filtered.tsv`` being written: one row per record not written (``FILTERED_HEADER``), streamed to a
+    temporary file in the work directory and renamed at the end (a rerun after a crash writes it afresh)."""
+
+    def __init__(self, directory: Path, name: str = FILTERED):
+        self.path = directory / name
+        self._tmp = directory / f".{name}.tmp"
+        self._f = None
+        self.rows = 0
+
+    @staticmethod
+    def _clean(value) -> str:
+        return str(value).replace("\t", " ").replace("\r", " ").replace("\n", " ")
+
+    def add(self, record_id: str, reason: str, path, line, detail: str = "") -> None:
+        if self._f is None:
+            self._f = open(self._tmp, "w", encoding="utf-8", errors="backslashreplace")
+            self._f.write("\t".join(FILTERED_HEADER) + "\n")
+        self._f.write("\t".join(map(self._clean, (record_id, reason, path, line, detail))) + "\n")
+        self.rows += 1
+
+    def finish(self) -> Path | None:
+        """The list's final path, or None when nothing was filtered (no file then)."""
+        if self._f is None:
+            return None
+        self._f.close()
+        self._f = None
+        os.replace(self._tmp, self.path)
+        return self.path
+
+    def discard(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+        self._tmp.unlink(missing_ok=True)
+
+
+def _detail(error: str, path: Path) -> str:
+    """A reader's error without its leading 'path:' (the list has an input column)."""
+    prefix = f"{path}:"
+    return error[len(prefix):] if error.startswith(prefix) else error
+
+
+def window_spans(n: int, window: int, stride: int, tail: str) -> tuple[list[tuple[int, int]], str]:
+    """[start, end) spans of the windows of a record of ``n`` positions, and what its tail was.
+
+    Starts are 0, S, 2S, ...; the last window is the first that reaches the record's end. When it would be shorter
+    than L, ``tail`` decides: ``short`` keeps it short ([kS, n)), ``align`` moves it back to end at the record's
+    end ([n - L, n), full length, overlapping its neighbour more), ``drop`` leaves it out (those residues are lost,
+    counted). A record of at most L positions is one window, the whole record, whatever ``tail`` says.
+    Kinds: 'whole' (n <= L), 'exact' (the windows end at n), or the tail policy."""
+    if n <= window:
+        return [(0, n)], "whole"
+    spans = []
+    start = 0
+    while start + window < n:
+        spans.append((start, start + window))
+        start += stride
+    if start + window == n:
+        spans.append((start, n))
+        return spans, "exact"
+    if tail == "short":
+        spans.append((start, n))
+    elif tail == "align":
+        spans.append((n - window, n))
+    return spans, tail
+
+
+class _Split:
+    """One output shard set being written: ``""`` (the only one) or train / val."""
+
+    def __init__(self, name: str, work: WorkDir, settings: Settings, encoder: Encoder, filtered_name: str,
+                 layout: str = "sequences"):
+        self.name, self.work, self.settings, self.encoder, self.layout = name, work, settings, encoder, layout
+        self.directory = work.directory(name)
+        self.completed = work.done[name]
+        self.skip = sum(x.samples for x in self.completed)  # samples already in verified shards: not rewritten
+        self.written = 0
+        self.writer = None
+        self.dropped = FilteredList(self.directory, filtered_name)
+
+    def open_writer(self):
+        """The writer, created at the first sample, so that a malformed first record fails without loading torch."""
+        if self.writer is None:
+            from pipeline.data.shards import ShardWriter
+            work, name = self.work, self.name
+            on_close = work.record if not name else (lambda info: work.record(info, name))
+            self.writer = ShardWriter(self.directory, work.prefix, self.settings.shard_size,
+                                      vocab_size=self.encoder.vocab_size, completed=self.completed,
+                                      on_close=on_close, layout=self.layout)
+        return self.writer
+
+    def write(self, key: str, tokens, meta: dict, offsets=None) -> None:
+        self.written += 1
+        if self.written <= self.skip:
+            return  # already in a verified shard of the interrupted run
+        self.open_writer().write(key, tokens, meta, *(() if offsets is None else (offsets,)))
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+        self.dropped.discard()
+
+    def close(self) -> list:
+        if self.written < self.skip:
+            raise PrepError(f"{self.directory}: the verified shards hold {self.skip} samples but this run produced "
+                            f"{self.written}; remove the work directory and rerun")
+        if self.writer is None and self.completed:
+            self.open_writer()
+        return self.writer.close() if self.writer is not None else []
+
+
+def open_splits(work: WorkDir, settings: Settings, encoder: Encoder, layout: str = "sequences") -> dict:
+    """name -> _Split for the run's shard sets."""
+    name = FILTERED if settings.num_jobs == 1 else job_filtered_name(settings.job_index, settings.num_jobs)
+    return {s: _Split(s, work, settings, encoder, name, layout) for s in work.splits}
+
+
+class DamageCheck:
+    """--max-filtered-fraction: counts the records dropped as damaged, keeps the first few errors and the characters
+    outside the alphabet, warns once while reading when the fraction so far is above the limit, and raises at the
+    end when the job's fraction is."""
+
+    EXAMPLES = 3
+    WARN_AFTER = 1000  # records read before the running fraction is worth a warning
+
+    def __init__(self, settings: Settings, unit: str = "records", flag_hint: str = ""):
+        self.limit = settings.max_filtered_fraction
+        self.unit, self.flag_hint = unit, flag_hint
+        self.damaged = 0
+        self.reasons: Counter = Counter()
+        self.examples: list[str] = []
+        self.characters: Counter = Counter()
+        self._warned = False
+
+    def add(self, reason: str, error: str | None, characters: Counter | None = None) -> None:
+        self.damaged += 1
+        self.reasons[reason] += 1
+        if error is not None and len(self.examples) < self.EXAMPLES:
+            self.examples.append(error)
+        if characters:
+            self.characters.update(characters)
+
+    def poll(self, read: int) -> None:
+        if not self._warned and read >= self.WARN_AFTER and self.damaged > self.limit * read:
+            self._warned = True
+            print(f"data_prep: warning: {self.damaged} of the first {read} {self.unit} dropped as invalid "
+                  f"({self.damaged / read:.1%}, above --max-filtered-fraction {self.limit}); the job will fail at "
+                  f"the end unless that changes. First: {self.examples[0] if self.examples else '-'}",
+                  file=sys.stderr)
+
+    def check(self, read: int, nucleotide: bool) -> None:
+        if read == 0 or self.damaged <= self.limit * read:
+            return
+        reasons = ", ".join(f"{k}={v}" for k, v in self.reasons.most_common())
+        msg = (f"{self.damaged} of {read} {self.unit} ({self.damaged / read:.1%}) dropped as invalid ({reasons}), "
+               f"above --max-filtered-fraction {self.limit}")
+        fix = ""
+        if self.characters:
+            chars = ", ".join(f"{c!r} x{n}" for c, n in self.characters.most_common(6))
+            more = f" and {len(self.characters) - 6} more" if len(self.characters) > 6 else ""
+            msg += f"; characters outside the alphabet: {chars}{more}"
+            amino = sorted(_AMINO_ONLY & set(self.characters))
+            if nucleotide and len(amino) >= 2:
+                msg += f" ({', '.join(amino)} are amino acids: a protein file? use the uniref source)"
+            else:
+                fix = "pass --replace-invalid CHAR (e.g. N for nucleotides, X for proteins) to keep them, "
+        if self.examples:
+            msg += "; first: " + "; ".join(self.examples)
+        raise PrepError(f"{msg}. Nothing was written: {fix}or raise --max-filtered-fraction (1 keeps the job going "
+                        f"and lists every dropped record in {FILTERED}){self.flag_hint}")
+
+
 # ------------------------------------------------------------------------------------------------------------ build
+def _input_sizes(inputs: list[Path]) -> list[int]:
+    return [p.stat().st_size for p in inputs]
+
+
 def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, settings: Settings,
-           members: dict | None) -> tuple[Manifest, int]:
+           members: dict | None, progress: tuple = ("auto", 60.0), text_column: str | None = None
+           ) -> tuple[dict, int]:
+    """Read every record of the inputs and write this job's samples; returns ({split: Manifest}, records seen)."""
     from .sources import Context
 
-    ctx = Context(encoder.invalid_positions, {}, members)
-    writer = None  # created at the first sample, so that a malformed first record fails without loading torch
+    ctx = Context(encoder.invalid_positions, {}, members, text_column)
     s = settings
-    filtered = filter_reasons(s.min_length, s.max_length, s.dedup)
+    splits = open_splits(work, s, encoder)
+    base_filtered = filter_reasons(s.min_length, s.max_length, s.dedup)
+    filtered = {k: dict(base_filtered) for k in splits}
     short, long = f"shorter_than_{s.min_length}", f"longer_than_{s.max_length}"
-    seen_hashes: set[bytes] = set()
+    seen_hashes: dict[bytes, str] = {}  # sha1 of a kept sequence -> its record id (named for the duplicates)
     normalise = (lambda seq: seq) if encoder.text else bytes.upper  # residues are upper-cased; text is kept as is
-    counts = []
-    stats = {"records_kept": 0, "residues": 0, "lowercase_residues": 0}
-    skip = sum(x.samples for x in work.completed)  # samples already in verified shards: counted, not rewritten
-    written = 0
+    counts = {k: [] for k in splits}
+    stats = {k: {"records_kept": 0, "residues": 0, "lowercase_residues": 0} for k in splits}
+    if s.replace_invalid is not None:
+        for st in stats.values():
+            st.update({"replacement": s.replace_invalid, "replaced_characters": 0, "records_with_replacements": 0,
+                       "replaced": {}})
+    if s.window is not None:
+        for st in stats.values():
+            st["windowing"] = {"window": s.window, "stride": s.stride, "tail": s.window_tail}
+            st["windows"] = {"records": 0, "samples": 0, "records_shorter_than_window": 0, "exact_ends": 0,
+                             "short_tails": 0, "aligned_tails": 0, "dropped_tails": 0, "tail_residues_dropped": 0,
+                             "residues_written": 0}
+    invalid_chars = {k: Counter() for k in splits}
+    damage = DamageCheck(s)
     index = 0  # global record index over all inputs: fixes the sample key (and the job without --dedup)
-    with tqdm(unit="B", unit_scale=True, desc=source.name, file=sys.stderr,
-              disable=not sys.stderr.isatty()) as bar:
-        pending_bytes = 0
-        for path in inputs:
-            inp = {"path": str(path), "records": 0, "kept": 0, "residues": 0}
-            any_record = False
-            for rec in source.reader(path, ctx):
-                any_record = True
-                i, index = index, index + 1
-                pending_bytes += rec.nbytes
-                if index % 256 == 0:
-                    bar.update(pending_bytes)
-                    bar.set_postfix(records=index, refresh=False)
-                    pending_bytes = 0
-                if rec.error is not None and s.strict:
-                    raise FastaError(rec.error)
-                # With --dedup a record's job follows its hash, so every copy of a sequence meets in one job;
-                # otherwise ownership is decided first and other jobs' records cost nothing more.
-                seq = digest = None
-                if s.dedup:
-                    seq = normalise(rec.seq)
-                    digest = hashlib.sha1(seq).digest()
-                owner = int.from_bytes(digest[:8], "little") if digest is not None else i
-                if owner % s.num_jobs != s.job_index:
-                    continue
-                if seq is None:
-                    seq = normalise(rec.seq)
-                inp["records"] += 1
-                if rec.error is not None:
-                    filtered[rec.reason] = filtered.get(rec.reason, 0) + 1
-                    continue
-                n = encoder.residues(seq)
-                if n == 0:
-                    filtered["empty"] += 1
-                    continue
-                if n < s.min_length:
-                    filtered[short] += 1
-                    continue
-                if s.max_length is not None and n > s.max_length:
-                    filtered[long] += 1
-                    continue
-                if digest is not None:
-                    if digest in seen_hashes:
-                        filtered["duplicate"] += 1
+    read = 0  # records of this job
+    sizes = _input_sizes(inputs)
+    mode, interval = progress
+    next_update = 0.0
+    try:
+        with Progress(source.name, sum(sizes), mode, interval) as bar:
+            for n_input, path in enumerate(inputs):
+                inp = {k: {"path": str(path), "records": 0, "kept": 0, "residues": 0} for k in splits}
+                done_before = sum(sizes[:n_input])
+                any_record = False
+                for rec in source.reader(path, ctx):
+                    any_record = True
+                    i, index = index, index + 1
+                    if index % 256 == 0 or time.monotonic() >= next_update:
+                        next_update = time.monotonic() + 0.25
+                        bar.update(done_before + input_position(path), records=index,
+                                   written=sum(x.written for x in splits.values()),
+                                   filtered=sum(sum(f.values()) for f in filtered.values()))
+                        damage.poll(read)
+                    replaceable = rec.error is not None and rec.reason == "invalid_character" \
+                        and s.replace_invalid is not None
+                    if rec.error is not None and s.strict and not replaceable:
+                        raise FastaError(rec.error)
+                    # With --dedup a record's job follows its hash, so every copy of a sequence meets in one job;
+                    # otherwise ownership is decided first and other jobs' records cost nothing more.
+                    seq = digest = replaced = None
+                    if s.dedup:
+                        seq = normalise(rec.seq)
+                        if replaceable:
+                            seq, replaced = encoder.replace(seq, s.replace_invalid)
+                        digest = hashlib.sha1(seq).digest()
+                    owner = int.from_bytes(digest[:8], "little") if digest is not None else i
+                    if owner % s.num_jobs != s.job_index:
                         continue
-                    seen_hashes.add(digest)
-                if not encoder.text and seq != rec.seq:  # soft-masked (lowercase) residues present
-                    stats["lowercase_residues"] += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
-                inp["kept"] += 1
-                inp["residues"] += n
-                written += 1
-                if written <= skip:
-                    continue  # already in a verified shard of the interrupted run
-                if writer is None:
-                    writer = _writer(work, settings, encoder)
-                meta = {"id": rec.id, "source": source.name, "length": n}
-                if rec.meta is None:
-                    meta["description"] = rec.description
-                else:
-                    meta.update(rec.meta)
-                writer.write(f"{i:012d}", encoder.encode(seq), meta)
-            if not any_record:
-                raise PrepError(f"{path}: no records in this input (empty after decompression?)")
-            counts.append(inp)
-            stats["records_kept"] += inp["kept"]
-            stats["residues"] += inp["residues"]
-        bar.update(pending_bytes)
-    if written < skip:
-        raise PrepError(f"{work.path}: the verified shards hold {skip} samples but this run produced {written}; "
-                        "remove the directory and rerun")
+                    if seq is None:
+                        seq = normalise(rec.seq)
+                        if replaceable:
+                            seq, replaced = encoder.replace(seq, s.replace_invalid)
+                    name = split_of(rec.id, s.val_fraction)
+                    sp, st, filt = splits[name], stats[name], filtered[name]
+                    read += 1
+                    inp[name]["records"] += 1
+                    if rec.error is not None and not replaceable:
+                        filt[rec.reason] = filt.get(rec.reason, 0) + 1
+                        chars = encoder.bad_characters(seq) if rec.reason == "invalid_character" else None
+                        if chars:
+                            invalid_chars[name].update(chars)
+                        damage.add(rec.reason, rec.error, chars)
+                        sp.dropped.add(rec.id, rec.reason, path, rec.line, _detail(rec.error, path))
+                        continue
+                    n = encoder.residues(seq)
+                    reason = detail = None
+                    if n == 0:
+                        reason = "empty"
+                        damage.add("empty", f"{path}:{rec.line}: record {rec.id} has no sequence")
+                    elif n < s.min_length:
+                        reason, detail = short, f"{n} residues"
+                    elif s.max_length is not None and n > s.max_length:
+                        reason, detail = long, f"{n} residues"
+                    elif digest is not None:
+                        first = seen_hashes.get(digest)
+                        if first is not None:
+                            reason, detail = "duplicate", f"same sequence as {first}"
+                        else:
+                            seen_hashes[digest] = rec.id
+                    if reason is not None:
+                        filt[reason] += 1
+                        sp.dropped.add(rec.id, reason, path, rec.line, detail or "")
+                        continue
+                    if not encoder.text and normalise(rec.seq) != rec.seq:  # soft-masked (lowercase) residues present
+                        st["lowercase_residues"] += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
+                    if replaced:
+                        st["replaced_characters"] += sum(replaced.values())
+                        st["records_with_replacements"] += 1
+                        for c, k in replaced.items():
+                            st["replaced"][c] = st["replaced"].get(c, 0) + k
+                    inp[name]["kept"] += 1
+                    inp[name]["residues"] += n
+                    meta = {"id": rec.id, "source": source.name, "length": n}
+                    if rec.meta is None:
+                        meta["description"] = rec.description
+                    else:
+                        meta.update(rec.meta)
+                    key = f"{i:012d}"
+                    if s.window is None:
+                        if sp.written + 1 <= sp.skip:
+                            sp.written += 1  # in a verified shard already: not encoded again
+                            continue
+                        sp.write(key, encoder.encode(seq), meta)
+                        continue
+                    _write_windows(sp, st["windows"], key, rec.id, seq, meta, encoder, s)
+                if not any_record:
+                    raise PrepError(f"{path}: no records in this input (empty after decompression?)")
+                for k in splits:
+                    counts[k].append(inp[k])
+                    stats[k]["records_kept"] += inp[k]["kept"]
+                    stats[k]["residues"] += inp[k]["residues"]
+            bar.update(sum(sizes), records=index, written=sum(x.written for x in splits.values()),
+                       filtered=sum(sum(f.values()) for f in filtered.values()))
+        damage.check(read, encoder.kind == "nucleotide")
+    except (PrepError, FastaError, ValueError):
+        for sp in splits.values():  # bad input: nothing of this run is kept
+            sp.abort()
+        raise
     from pipeline.data.shards import Manifest
 
-    if writer is None and work.completed:
-        writer = _writer(work, settings, encoder)
-    shards = writer.close() if writer is not None else []
-    stats["input"] = ctx.stats  # reader counters over all records of the inputs (the same in every job)
-    return Manifest(source=source.name, tokenizer=encoder.entry, shards=shards, filtered=filtered, inputs=counts,
-                    stats=stats), index
+    out = {}
+    for k, sp in splits.items():
+        shards = sp.close()
+        stats[k]["input"] = ctx.stats  # reader counters over all records of the inputs (the same in every job)
+        if invalid_chars[k]:
+            stats[k]["invalid_characters"] = dict(invalid_chars[k].most_common())
+        if s.val_fraction is not None:
+            stats[k]["split"] = {"name": k, "val_fraction": s.val_fraction, "by": "sha256(record id)"}
+        listed = sp.dropped.finish()
+        if listed is not None:
+            stats[k]["filtered_list"] = listed.name
+        out[k] = Manifest(source=source.name, tokenizer=encoder.entry, shards=shards, filtered=filtered[k],
+                          inputs=counts[k], stats=stats[k])
+    return out, index
 
 
-def _writer(work: WorkDir, settings: Settings, encoder: Encoder, layout: str = "sequences"):
-    from pipeline.data.shards import ShardWriter
-    return ShardWriter(work.path, work.prefix, settings.shard_size, vocab_size=encoder.vocab_size,
-                       completed=work.completed, on_close=work.record, layout=layout)
+def _write_windows(sp: _Split, w: dict, key: str, rid: str, seq: bytes, meta: dict, encoder: Encoder,
+                   s: Settings) -> None:
+    """The windows of one kept record as samples ``<key>_<k>``, ids ``<record id>:<start>-<end>`` (0-based,
+    end exclusive, in positions of the normalized sequence)."""
+    spans, kind = window_spans(len(seq), s.window, s.stride, s.window_tail)
+    w["records"] += 1
+    if kind == "whole":
+        w["records_shorter_than_window"] += len(seq) < s.window
+    elif kind == "exact":
+        w["exact_ends"] += 1
+    else:
+        w[{"short": "short_tails", "align": "aligned_tails", "drop": "dropped_tails"}[kind]] += 1
+        if kind == "drop":
+            w["tail_residues_dropped"] += encoder.residues(seq[spans[-1][1]:])
+    tokens = None
+    for k, (a, b) in enumerate(spans):
+        n = encoder.residues(seq[a:b]) if b"#" in seq else b - a
+        w["samples"] += 1
+        w["residues_written"] += n
+        if sp.written + 1 <= sp.skip:
+            sp.written += 1
+            continue
+        if tokens is None:
+            tokens = encoder.encode(seq)
+        sp.write(f"{key}_{k:06d}", tokens[a:b], meta | {"id": f"{rid}:{a}-{b}", "record": rid, "start": a,
+                                                          "end": b, "length": n})
 
 
 def _looks_like_output(directory: Path) -> bool:
-    return (directory / MANIFEST).is_file() or any(JOB_MANIFEST_RE.fullmatch(p.name) for p in directory.iterdir())
+    if (directory / MANIFEST).is_file() or (directory / SPLIT_FILE).is_file():
+        return True
+    if any(JOB_MANIFEST_RE.fullmatch(p.name) for p in directory.iterdir()):
+        return True
+    return any((directory / s).is_dir() and ((directory / s / MANIFEST).is_file() or any(
+        JOB_MANIFEST_RE.fullmatch(p.name) for p in (directory / s).iterdir())) for s in SPLITS)
+
+
+def check_settings(source: Source, encoder: Encoder, settings: Settings) -> Settings:
+    """Option combinations that cannot work, refused before anything is read; returns the settings completed
+    (--stride defaults to --window, --replace-invalid upper-cased)."""
+    s = settings
+    if s.max_length is not None and s.max_length < s.min_length:
+        raise PrepError(f"--max-length {s.max_length} is below --min-length {s.min_length}")
+    if not 0.0 <= s.max_filtered_fraction <= 1.0:
+        raise PrepError(f"--max-filtered-fraction {s.max_filtered_fraction} is outside [0, 1]")
+    if s.val_fraction is not None and not 0.0 < s.val_fraction < 1.0:
+        raise PrepError(f"--val-fraction {s.val_fraction} is outside (0, 1) (e.g. 0.01 puts 1% of the records, "
+                        "by record id, into DIR/val)")
+    if s.window_tail not in TAILS:
+        raise PrepError(f"--window-tail {s.window_tail!r}, expected one of {', '.join(TAILS)}")
+    changes: dict = {}
+    if s.replace_invalid is not None:
+        changes["replace_invalid"] = encoder.check_replacement(s.replace_invalid)
+    if s.window is None:
+        if s.stride is not None:
+            raise PrepError(f"--stride {s.stride} needs --window L (the window length)")
+        if s.window_tail != "short":
+            raise PrepError(f"--window-tail {s.window_tail} needs --window L")
+    else:
+        if encoder.text:
+            raise PrepError("--window applies to sequence sources, not to text")
+        if s.window < 1:
+            raise PrepError(f"--window {s.window} must be >= 1")
+        stride = s.window if s.stride is None else s.stride
+        if stride < 1:
+            raise PrepError(f"--stride {stride} must be >= 1")
+        if stride > s.window:
+            raise PrepError(f"--stride {stride} is larger than --window {s.window}: the {stride - s.window} "
+                            "positions between two windows would be lost (use a stride <= the window)")
+        changes["stride"] = stride
+    if changes:
+        from dataclasses import replace
+        s = replace(s, **changes)
+    return s
 
 
 def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, settings: Settings = Settings(),
         overwrite: bool = False, spm: Path | None = None, members: Path | None = None,
-        clusters: Path | None = None) -> Result:
+        clusters: Path | None = None, progress: tuple = ("auto", 60.0), text_column: str | None = None) -> Result:
     """One data_prep job. ``clusters`` (uniref only): the UniRef50 -> UniRef90 mapping TSV; the inputs are then
-    the member FASTA files and every sample is a cluster (data_prep/clusters.py)."""
+    the member FASTA files and every sample is a cluster (data_prep/clusters.py). ``progress``: (mode, seconds),
+    data_prep/progress.py. ``text_column``: babylm, the column of .csv inputs."""
     inputs = [Path(p).resolve() for p in inputs]
     if source.expand is not None:
         inputs = source.expand(inputs)
@@ -345,9 +839,18 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
     output = Path(output).resolve()
     if output.exists() and not output.is_dir():
         raise PrepError(f"output {output} exists and is not a directory")
-    if settings.max_length is not None and settings.max_length < settings.min_length:
-        raise PrepError(f"--max-length {settings.max_length} is below --min-length {settings.min_length}")
+    for p in output.parents:
+        if p.exists() and not p.is_dir():
+            raise PrepError(f"output {output}: {p} exists and is not a directory")
+    if output in inputs or any(output in p.parents for p in inputs):
+        raise PrepError(f"output {output} would hold an input; choose another directory")
     encoder = Encoder(source, alphabet, spm)
+    settings = check_settings(source, encoder, settings)
+    if source.tokenizer == "sentencepiece":
+        from .sources import check_text_inputs
+        check_text_inputs(inputs, text_column)
+    elif text_column is not None:
+        raise PrepError(f"--text-column applies to babylm (.csv text), not to {source.name}")
     if clusters is not None:
         if source.name != "uniref":
             raise PrepError(f"--clusters is a uniref option, not {source.name}'s")
@@ -357,6 +860,11 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
         if settings.dedup:
             raise PrepError("--dedup does not apply to --clusters: the samples are clusters, and a sequence that two "
                             "members share stays in each of their clusters")
+        if settings.window is not None:
+            raise PrepError("--window does not apply to --clusters: a sample is a whole cluster of proteins")
+        if settings.val_fraction is not None:
+            raise PrepError("--val-fraction is not supported with --clusters yet: split the clusters TSV into a "
+                            "train and a validation TSV and run one job on each")
         clusters = Path(clusters).resolve()
         if not clusters.is_file():
             raise PrepError(f"--clusters {clusters} does not exist or is not a file")
@@ -364,26 +872,34 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
             raise PrepError(f"{clusters} is given both as --input and as --clusters")
         from . import clusters as cl
         # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind.
-        cmap = cl.load_clusters(clusters, settings.num_jobs, settings.job_index)
+        cmap = cl.load_clusters(clusters, settings.num_jobs, settings.job_index, progress)
 
         def build(work: WorkDir):
-            skip = sum(x.samples for x in work.completed)
-            return cl.build(encoder, inputs, cmap, settings, skip, lambda: _writer(work, settings, encoder,
-                                                                                   "clusters"), source.name)
+            return cl.build(encoder, inputs, cmap, settings, open_splits(work, settings, encoder, "clusters"),
+                            source.name, progress)
         fingerprint = _fingerprint(source, encoder, inputs, settings, None, clusters)
     else:
         member_map = None
         if members is not None:
             from .sources import load_members
             members = Path(members).resolve()
+            if not members.is_file():
+                raise PrepError(f"--uniref90-members {members} does not exist or is not a file")
             member_map = load_members(members)
 
         def build(work: WorkDir):
-            return _build(source, encoder, inputs, work, settings, member_map)
+            manifests, seen = _build(source, encoder, inputs, work, settings, member_map, progress, text_column)
+            if member_map is not None and not any(m.stats["input"].get("with_members") for m in manifests.values()):
+                first = next(iter(member_map))
+                raise PrepError(f"--uniref90-members {members}: none of its {len(member_map)} UniRef50 ids is a "
+                                f"record id of the inputs (first id {first!r}); is it the members file of these "
+                                "inputs?")
+            return manifests, seen
         fingerprint = _fingerprint(source, encoder, inputs, settings, members)
+    splits = SPLITS if settings.val_fraction is not None else ("",)
     if settings.num_jobs == 1:
-        return _run_single(source, encoder, output, overwrite, build, fingerprint)
-    return _run_job(source, encoder, output, settings, overwrite, build, fingerprint)
+        return _run_single(source, encoder, output, overwrite, build, fingerprint, splits, settings)
+    return _run_job(source, encoder, output, settings, overwrite, build, fingerprint, splits)
 
 
 def _copy_model(encoder: Encoder, directory: Path) -> None:
@@ -393,7 +909,34 @@ def _copy_model(encoder: Encoder, directory: Path) -> None:
         os.replace(tmp, directory / SPM_NAME)
 
 
-def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerprint: dict) -> Result:
+def _no_samples(manifest: Manifest, seen: int, split: str, settings: Settings) -> PrepError:
+    if split:
+        read = sum(i["records"] for i in manifest.inputs)
+        unit = "clusters" if manifest.layout == "clusters" else "records"
+        return PrepError(f"--val-fraction {settings.val_fraction}: the {split} split holds no samples ({read} of "
+                         f"the {seen} {unit} hashed into it, all filtered {manifest.filtered}); too few records "
+                         "for this fraction")
+    if manifest.layout == "clusters":
+        return PrepError(f"no clusters written: all {manifest.stats['clusters']} clusters filtered "
+                         f"{manifest.filtered} (members {manifest.stats['members_filtered']})")
+    return PrepError(f"no records written: all {seen} records filtered {manifest.filtered}")
+
+
+def _split_doc(manifests: dict, settings: Settings, source: str) -> dict:
+    return {"source": source, "val_fraction": settings.val_fraction,
+            "by": "sha256(record id)[:8] as a little-endian integer < val_fraction * 2**64 -> val",
+            "splits": {k: {"manifest": f"{k}/{MANIFEST}", "samples": m.total_samples, "tokens": m.total_tokens,
+                           "records": sum(i["records"] for i in m.inputs)} for k, m in manifests.items()}}
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerprint: dict, splits: tuple = ("",),
+                settings: Settings = Settings()) -> Result:
     nonempty = output.is_dir() and any(output.iterdir())
     if nonempty and not overwrite:
         raise PrepError(f"output directory {output} exists and is not empty (pass --overwrite to replace it)")
@@ -404,18 +947,20 @@ def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerpri
     made = [p for p in reversed(output.parents) if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
     fresh = not output.with_name(f"{output.name}.partial").exists()
-    work = WorkDir(output.with_name(f"{output.name}.partial"), {**fingerprint, "prefix": source.name}, source.name)
+    work = WorkDir(output.with_name(f"{output.name}.partial"), {**fingerprint, "prefix": source.name}, source.name,
+                   splits)
     tmp = work.path
     try:
-        manifest, seen = build(work)
-        if not manifest.shards:
-            if manifest.layout == "clusters":
-                raise PrepError(f"no clusters written: all {manifest.stats['clusters']} clusters filtered "
-                                f"{manifest.filtered} (members {manifest.stats['members_filtered']})")
-            raise PrepError(f"no records written: all {seen} records filtered {manifest.filtered}")
+        manifests, seen = build(work)
+        for name, manifest in manifests.items():
+            if not manifest.shards:
+                raise _no_samples(manifest, seen, name, settings)
         from pipeline.data.shards import write_manifest
-        _copy_model(encoder, tmp)
-        write_manifest(tmp, manifest)
+        for name, manifest in manifests.items():
+            _copy_model(encoder, work.directory(name))
+            write_manifest(work.directory(name), manifest)
+        if splits != ("",):
+            _write_json(tmp / SPLIT_FILE, _split_doc(manifests, settings, source.name))
         work.finish()  # only now: a failed manifest write leaves the resumable work directory intact
         if output.exists():
             old = output.with_name(f"{output.name}.old-{os.getpid()}")
@@ -442,34 +987,52 @@ def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerpri
         # Ctrl-C, SIGTERM (preemption), a full disk: finished shards stay in DIR.partial for the rerun to resume.
         work.release()
         raise
-    return Result(manifest, seen, output / MANIFEST)
+    if splits == ("",):
+        return Result(manifests[""], seen, output / MANIFEST)
+    located = {k: (m, output / k / MANIFEST) for k, m in manifests.items()}
+    return Result(manifests["train"], seen, output / "train" / MANIFEST, located, settings.val_fraction)
 
 
-def _run_job(source, encoder, output: Path, settings: Settings, overwrite: bool, build, fingerprint: dict
-             ) -> Result:
+def _run_job(source, encoder, output: Path, settings: Settings, overwrite: bool, build, fingerprint: dict,
+             splits: tuple = ("",)) -> Result:
     num_jobs, job_index = settings.num_jobs, settings.job_index
     prefix = f"{source.name}-j{job_index:04d}"
     name = job_manifest_name(job_index, num_jobs)
+    listed = job_filtered_name(job_index, num_jobs)
+    made = not output.exists()
     output.mkdir(parents=True, exist_ok=True)
-    own = [output / name] + sorted(output.glob(f"{prefix}-*.tar"))
-    stale = [p for p in own + [output / MANIFEST] if p.exists()]
+    targets = {s: (output / s if s else output) for s in splits}
+    stale = []
+    for d in targets.values():
+        own = [d / name, d / listed] + sorted(d.glob(f"{prefix}-*.tar"))
+        stale += [p for p in own + [d / MANIFEST, d / FILTERED] if p.exists()]
+    if splits != ("",) and (output / SPLIT_FILE).exists():
+        stale.append(output / SPLIT_FILE)
     if stale and not overwrite:
-        raise PrepError(f"output {output} already holds {', '.join(p.name for p in stale)} "
+        raise PrepError(f"output {output} already holds {', '.join(str(p.relative_to(output)) for p in stale)} "
                         "(pass --overwrite to replace this job's files)")
     work = WorkDir(output / f".job{job_index:04d}-of-{num_jobs:04d}.partial", {**fingerprint, "prefix": prefix},
-                   prefix)
+                   prefix, splits)
     moved: list[Path] = []
     try:
-        manifest, seen = build(work)
-        for p in stale:  # only this job's files, and the merged manifest they would make stale
+        manifests, seen = build(work)
+        for p in stale:  # only this job's files, and the merged manifest / list they would make stale
             p.unlink(missing_ok=True)
-        for s in manifest.shards:
-            os.replace(work.path / s.path, output / s.path)
-            moved.append(output / s.path)
-        _copy_model(encoder, output)
-        doc = manifest.to_json() | {"job": {"index": job_index, "count": num_jobs}}
-        (work.path / name).write_text(json.dumps(doc, indent=1) + "\n")
-        os.replace(work.path / name, output / name)
+        for s, manifest in manifests.items():
+            d = targets[s]
+            d.mkdir(exist_ok=True)
+            for info in manifest.shards:
+                os.replace(work.directory(s) / info.path, d / info.path)
+                moved.append(d / info.path)
+            if manifest.stats.get("filtered_list"):
+                os.replace(work.directory(s) / listed, d / listed)
+                moved.append(d / listed)
+            _copy_model(encoder, d)
+        for s, manifest in manifests.items():  # the job manifests last: they mark the job as finished
+            doc = manifest.to_json() | {"job": {"index": job_index, "count": num_jobs}}
+            (work.directory(s) / name).write_text(json.dumps(doc, indent=1) + "\n")
+            os.replace(work.directory(s) / name, targets[s] / name)
+            moved.append(targets[s] / name)
         work.finish()
         shutil.rmtree(work.path, ignore_errors=True)
     except (PrepError, FastaError, ValueError):
@@ -477,18 +1040,71 @@ def _run_job(source, encoder, output: Path, settings: Settings, overwrite: bool,
         for p in moved:
             p.unlink(missing_ok=True)
         shutil.rmtree(work.path, ignore_errors=True)
+        if made:
+            for d in list(targets.values())[::-1] + [output]:
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
         raise
     except BaseException:
         work.release()
         raise
-    return Result(manifest, seen, output / name)
+    if splits == ("",):
+        return Result(manifests[""], seen, output / name)
+    located = {k: (m, targets[k] / name) for k, m in manifests.items()}
+    return Result(manifests["train"], seen, targets["train"] / name, located, settings.val_fraction)
+
+
+# stats entries that are the job's options, not counters: equal in every job, never summed
+_OPTION_STATS = ("windowing", "split", "replacement")
+
+
+def _sum_stats(a: dict, b: dict) -> dict:
+    """Counters of two job manifests added: numbers summed, dicts merged key by key; the options recorded in
+    stats (``_OPTION_STATS``) must be equal and are kept once."""
+    out = dict(a)
+    for k, v in b.items():
+        if k not in out:
+            out[k] = v
+        elif k in _OPTION_STATS:
+            if out[k] != v:
+                raise PrepError(f"the job manifests differ in stats.{k} ({out[k]} and {v}): jobs of one run must "
+                                "use the same options")
+        elif isinstance(v, dict) and isinstance(out[k], dict):
+            out[k] = _sum_stats(out[k], v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(out[k], (int, float)):
+            out[k] = out[k] + v
+    return out
 
 
 def merge(output: Path) -> Result:
-    """Combine the N job manifests of ``output`` into ``manifest.json``; every job must have finished."""
+    """Combine the N job manifests of ``output`` into ``manifest.json`` (with --val-fraction: those of
+    ``output/train`` and ``output/val``, and ``split.json``); every job must have finished. Everything is checked
+    before anything is written."""
     output = Path(output).resolve()
     if not output.is_dir():
         raise PrepError(f"output directory {output} does not exist")
+    has_jobs = any(JOB_MANIFEST_RE.fullmatch(p.name) for p in output.iterdir())
+    split_dirs = [output / s for s in SPLITS if (output / s).is_dir()]
+    if has_jobs or not split_dirs:
+        return _merge_dir(output)()
+    if len(split_dirs) != len(SPLITS):
+        other = "val" if split_dirs[0].name == "train" else "train"
+        raise PrepError(f"{output}: holds {split_dirs[0].name}/ but not {other}/; a --val-fraction run writes both")
+    pending = {d.name: _merge_dir(d) for d in split_dirs}  # all checked before either is written
+    results = {k: write() for k, write in pending.items()}
+    fraction = results["train"].manifest.stats.get("split", {}).get("val_fraction")
+    _write_json(output / SPLIT_FILE, _split_doc({k: r.manifest for k, r in results.items()},
+                                                Settings(val_fraction=fraction), results["train"].manifest.source))
+    located = {k: (r.manifest, r.location) for k, r in results.items()}
+    seen = sum(r.records_seen for r in results.values())
+    return Result(results["train"].manifest, seen, results["train"].location, located, fraction)
+
+
+def _merge_dir(output: Path):
+    """Check the job manifests of one shard directory; returns the function that writes the merged manifest (and
+    the merged filtered.tsv) and returns the Result."""
     found = {}
     for p in output.iterdir():
         m = JOB_MANIFEST_RE.fullmatch(p.name)
@@ -518,9 +1134,9 @@ def merge(output: Path) -> Result:
     for d in docs:
         d.setdefault("layout", "sequences")  # job manifests written before layouts existed
     for i, d in enumerate(docs):
-        for field in ("format", "source", "tokenizer", "layout"):
-            if d[field] != first[field]:
-                raise PrepError(f"{found[(i, n)].name}: {field} differs from job 0's")
+        for key in ("format", "source", "tokenizer", "layout"):
+            if d[key] != first[key]:
+                raise PrepError(f"{found[(i, n)].name}: {key} differs from job 0's")
         if [x["path"] for x in d["inputs"]] != [x["path"] for x in first["inputs"]]:
             raise PrepError(f"{found[(i, n)].name}: ran on different inputs than job 0")
     shards = [ShardInfo(**s) for d in docs for s in d["shards"]]
@@ -528,7 +1144,10 @@ def merge(output: Path) -> Result:
         if not (output / s.path).is_file():
             raise PrepError(f"{output}: shard {s.path} listed by a job manifest is missing")
     if not shards:
-        raise PrepError(f"{output}: the jobs wrote no samples")
+        split = first.get("stats", {}).get("split")
+        raise PrepError(f"{output}: the jobs wrote no samples" + (
+            f" into the {split['name']} split (--val-fraction {split['val_fraction']} too small for the data?)"
+            if split else ""))
     filtered: dict[str, int] = {}
     for d in docs:
         for k, v in d["filtered"].items():
@@ -544,12 +1163,30 @@ def merge(output: Path) -> Result:
                   for k, x in enumerate(first["inputs"])]
         stats = {}
         for d in docs:
-            for k, v in d.get("stats", {}).items():
-                if k != "input":
-                    stats[k] = stats.get(k, 0) + v
+            stats = _sum_stats(stats, {k: v for k, v in d.get("stats", {}).items()
+                                       if k not in ("input", "filtered_list")})
         # Reader counters (blank lines, tags, ...) are counted over all records of the inputs by every job alike.
         stats["input"] = first.get("stats", {}).get("input", {})
         seen = sum(x["records"] for x in inputs)
+    lists = [output / d["stats"]["filtered_list"] for d in docs if d.get("stats", {}).get("filtered_list")]
+    stats.pop("filtered_list", None)
+    for p in lists:
+        if not p.is_file():
+            raise PrepError(f"{output}: {p.name}, listed by a job manifest, is missing")
+    if lists:
+        stats["filtered_list"] = FILTERED
     manifest = Manifest(source=first["source"], tokenizer=first["tokenizer"], shards=shards, filtered=filtered,
                         inputs=inputs, stats=stats, layout=first["layout"])
-    return Result(manifest, seen, write_manifest(output, manifest))
+
+    def write() -> Result:
+        if lists:
+            tmp = output / f".{FILTERED}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(("\t".join(FILTERED_HEADER) + "\n").encode())
+                for p in lists:
+                    with open(p, "rb") as src:
+                        src.readline()  # its header
+                        shutil.copyfileobj(src, f)
+            os.replace(tmp, output / FILTERED)
+        return Result(manifest, seen, write_manifest(output, manifest))
+    return write

@@ -9,7 +9,9 @@ it or (``--strict``) raise it.
 """
 from __future__ import annotations
 
+import csv
 import gzip
+import io
 import json
 import re
 import zlib
@@ -27,6 +29,7 @@ class Context:
     invalid_positions: Callable[[bytes], np.ndarray] | None = None
     stats: dict = field(default_factory=dict)
     members: dict | None = None  # UniRef50 id -> [UniRef90 ids]
+    text_column: str | None = None  # babylm: the column of .csv inputs that holds the text (--text-column)
 
     def count(self, key: str, n: int = 1):
         self.stats[key] = self.stats.get(key, 0) + n
@@ -169,18 +172,33 @@ def iter_uniref(path: Path, ctx: Context) -> Iterator[Record]:
 def load_members(path: Path) -> dict[str, list[str]]:
     """UniRef50 id -> UniRef90 member ids from a TSV ``UniRef50_X<TAB>UniRef90_A,UniRef90_B``.
 
-    Held in memory (about 100 bytes per member id): the full UniRef50 map needs tens of GB, so cluster-aware runs
-    over all of UniRef50 should use one members file per input split.
+    The mapping TSV's header ``UR50_cluster_name<TAB>mapped_id`` (data_prep/clusters.py, the form the ESM-2 sampling
+    set ships in) is recognized on the first line and skipped; repeated later (two files concatenated) it is an
+    error, as is a line without two tab-separated fields or a file without any row. Held in memory (about 100 bytes
+    per member id): the full UniRef50 map needs tens of GB, so cluster-aware runs over all of UniRef50 should use one
+    members file per input split.
     """
+    from .clusters import TSV_HEADER
+
     out: dict[str, list[str]] = {}
+    first = True
     for lineno, line in _lines(path):
         text = line.decode("utf-8", "replace").rstrip("\r")
         if not text.strip() or text.startswith("#"):
             continue
         parts = text.split("\t")
+        if tuple(parts) == TSV_HEADER:
+            if not first:
+                raise FastaError(f"{path}:{lineno}: header line {TSV_HEADER[0]}<TAB>{TSV_HEADER[1]} repeated after "
+                                 "the first line (concatenated files?)")
+            first = False
+            continue
+        first = False
         if len(parts) != 2 or not parts[0]:
             raise FastaError(f"{path}:{lineno}: expected 'UniRef50 id<TAB>member,member,...'")
         out[parts[0]] = [m for m in parts[1].split(",") if m]
+    if not out:
+        raise FastaError(f"{path}: no 'UniRef50 id<TAB>member,member,...' rows")
     return out
 
 
@@ -199,14 +217,110 @@ def expand_text_inputs(paths: list[Path]) -> list[Path]:
     return out
 
 
+def is_csv(path: Path) -> bool:
+    name = path.name.lower()
+    return name.endswith(".csv") or name.endswith(".csv.gz")
+
+
+def _columns_shown(cols: list[str]) -> str:
+    return ", ".join(cols[:12]) + (", ..." if len(cols) > 12 else "")
+
+
+def csv_columns(path: Path) -> list[str]:
+    """The header row of a CSV input (plain or gzip; BOM removed)."""
+    try:
+        with io.TextIOWrapper(open_input(path), encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+            header = next(csv.reader(f), None)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
+    except csv.Error as e:
+        raise FastaError(f"{path}:1: not a CSV header ({e})") from None
+    if not header:
+        raise FastaError(f"{path}:1: no CSV header row")
+    return header
+
+
+def check_text_inputs(paths: list[Path], text_column: str | None) -> None:
+    """Before anything is written: a .csv input needs ``--text-column`` naming one of its header's columns (its
+    lines are CSV rows, not utterances), and ``--text-column`` needs a .csv input."""
+    csvs = [p for p in paths if is_csv(p)]
+    if text_column is None:
+        if csvs:
+            raise FastaError(f"{csvs[0]}: a CSV file, not one utterance a line: pass --text-column NAME to read one "
+                             f"of its columns ({_columns_shown(csv_columns(csvs[0]))})")
+        return
+    if not csvs:
+        raise FastaError(f"--text-column {text_column} applies to .csv inputs, and none of the inputs is a .csv")
+    for p in csvs:
+        cols = csv_columns(p)
+        if text_column not in cols:
+            raise FastaError(f"{p}:1: --text-column {text_column!r} is not a column of the header "
+                             f"({_columns_shown(cols)})")
+
+
+def iter_csv_column(path: Path, ctx: Context) -> Iterator[Record]:
+    """One column (``ctx.text_column``) of a CSV file, read with the csv module (quoted commas and line breaks
+    inside cells handled), each non-blank cell one record with id ``<name>:<line of the row>``. Policies: a BOM is
+    removed; blank cells are skipped (``blank_cells``); a line break inside a cell becomes a space
+    (``cells_with_line_breaks``), since a record is one line of text; invalid UTF-8 makes the record invalid
+    (``invalid_utf8``). A row with fewer fields than the header, or malformed quoting, is an error naming
+    ``file:line``. meta ``domain`` is the file name up to its first dot."""
+    domain = path.name.split(".")[0]
+    column = ctx.text_column
+    reader = None
+    try:
+        with io.TextIOWrapper(open_input(path), encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None) or []
+            if column not in header:
+                raise FastaError(f"{path}:1: --text-column {column!r} is not a column of the header "
+                                 f"({_columns_shown(header)})")
+            k = header.index(column)
+            start = reader.line_num + 1
+            for row in reader:
+                lineno, start = start, reader.line_num + 1
+                if not row:
+                    continue
+                if len(row) <= k:
+                    raise FastaError(f"{path}:{lineno}: row has {len(row)} fields, the header {len(header)} "
+                                     f"(no {column!r} value)")
+                text = row[k]
+                if not text.strip():
+                    ctx.count("blank_cells")
+                    continue
+                if "\n" in text or "\r" in text:
+                    ctx.count("cells_with_line_breaks")
+                    text = " ".join(text.splitlines())
+                rid = f"{domain}:{lineno}"
+                raw = text.encode("utf-8", "surrogateescape")
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    yield Record(rid, "", raw, lineno, {"domain": domain},
+                                 f"{path}:{lineno}: invalid UTF-8 in column {column!r} (character {e.start + 1})",
+                                 "invalid_utf8", len(raw) + 1)
+                    continue
+                yield Record(rid, "", raw, lineno, {"domain": domain}, nbytes=len(raw) + 1)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
+    except csv.Error as e:
+        raise FastaError(f"{path}:{reader.line_num if reader is not None else 1}: malformed CSV ({e})") from None
+
+
 def iter_text_lines(path: Path, ctx: Context) -> Iterator[Record]:
-    """BabyLM ``*.train``: one utterance / sentence per line, each line one record.
+    """BabyLM ``*.train``: one utterance / sentence per line, each line one record (a ``.csv`` input: one column of
+    it, ``iter_csv_column``; refused without ``--text-column``).
 
     Policies: a UTF-8 BOM (at the start of a file or of a line, as left by concatenated files) is removed
     (``bom_stripped``); CRLF endings lose the CR (``crlf_lines``); blank lines are skipped (``blank_lines``); all
     other text is kept verbatim, CHILDES speaker codes (``*MOT:\\t``), tabs and ``= = =`` headers included. Invalid
     UTF-8 makes the line invalid (``invalid_utf8``). meta ``domain`` is the file stem (``childes``, ``switchboard``).
     """
+    if is_csv(path):
+        if ctx.text_column is None:
+            check_text_inputs([path], None)  # raises, naming the columns
+        yield from iter_csv_column(path, ctx)
+        return
     domain = path.stem
     for lineno, line in _lines(path):
         nbytes = len(line) + 1

@@ -20,30 +20,34 @@ from pipeline.data.tokenizer import SPM_PAD_ID as PAD_ID
 from pipeline.data.tokenizer import SPM_UNK_ID as UNK_ID
 
 from .fasta import FastaError
-from .sources import Context, expand_text_inputs, iter_text_lines
+from .sources import Context, check_text_inputs, expand_text_inputs, iter_text_lines
 
 
-def _sentences(paths: list[Path]) -> Iterator[str]:
-    ctx = Context()
+def _sentences(paths: list[Path], text_column: str | None = None) -> Iterator[str]:
+    ctx = Context(text_column=text_column)
     for p in paths:
         for rec in iter_text_lines(p, ctx):
             if rec.error is None:
                 yield rec.seq.decode("utf-8")
 
 
-def train_spm(inputs: list[Path], output: Path, vocab_size: int = 32768, max_sentences: int = 10_000_000) -> Path:
-    """Train BPE on ``inputs`` (files or folders of ``*.train``); writes ``output.model`` / ``output.vocab``."""
+def train_spm(inputs: list[Path], output: Path, vocab_size: int = 32768, max_sentences: int = 10_000_000,
+              text_column: str | None = None) -> Path:
+    """Train BPE on ``inputs`` (files or folders of ``*.train``; a ``.csv`` needs ``text_column``, read as the babylm
+    source reads it); writes ``output.model`` / ``output.vocab``."""
     import sentencepiece as spm
 
     paths = expand_text_inputs([Path(p) for p in inputs])
     for p in paths:
         if not p.is_file():
             raise FastaError(f"{p}: input does not exist or is not a file")
+    check_text_inputs(paths, text_column)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_sentences(paths), model_prefix=str(output), vocab_size=vocab_size, model_type="bpe",
+            sentence_iterator=_sentences(paths, text_column), model_prefix=str(output), vocab_size=vocab_size,
+            model_type="bpe",
             normalization_rule_name="identity", remove_extra_whitespaces=False, byte_fallback=True,
             split_digits=True, character_coverage=0.9995, input_sentence_size=max_sentences,
             shuffle_input_sentence=True, max_sentence_length=1 << 16, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID,

@@ -291,10 +291,20 @@ def test_invalid_lowercase_and_rare_residues(tmp_path, capsys):
     tsv = tmp_path / "m.tsv"
     write_tsv(tsv, rows + [("UniRef50_RARE", ["RARE_1"])])
     out = tmp_path / "out"
-    assert run("uniref", "--input", fasta, "--clusters", tsv, "--output", out, "--min-length", 1) == 0
+    # 1 invalid member of 28 is above the default --max-filtered-fraction 0.01: an error, nothing written
+    assert run("uniref", "--input", fasta, "--clusters", tsv, "--output", out, "--min-length", 1) == 1
+    err = capsys.readouterr().err
+    assert "1 of 28 members (3.6%) dropped as invalid (invalid_character=1)" in err and f"record {b})" in err
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+    assert run("uniref", "--input", fasta, "--clusters", tsv, "--output", out, "--min-length", 1,
+               "--max-filtered-fraction", 1) == 0
     m = load_manifest(out)
     assert m.stats["members_filtered"] == {"not_in_fasta": 0, "empty": 0, "shorter_than_1": 0,
                                            "invalid_character": 1}
+    assert m.stats["filtered_list"] == "filtered.tsv" and m.stats["invalid_characters"] == {"*": 1}
+    rows_out = (out / "filtered.tsv").read_text().splitlines()
+    assert rows_out[0] == "id\treason\tinput\tline\tdetail" and len(rows_out) == 2
+    assert rows_out[1].startswith(f"{b}\tinvalid_character\t{fasta}\t") and f"member of {names[0]}" in rows_out[1]
     assert m.stats["lowercase_residues"] == len(seq_c[0]) and m.stats["records_in_no_cluster"] == 1
     got = cluster_samples(out)
     members, meta = got[f"{multi:012d}"]
