@@ -77,7 +77,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.mixture import MixtureSchedule, SourceChooser
-from pipeline.data.shards import ShardError, check_offsets, load_manifest, member_problem
+from pipeline.data.shards import ShardError, check_offsets, end_problem, load_manifest, member_problem
 from pipeline.objectives.masking import IGNORE_INDEX
 
 # (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}
@@ -193,37 +193,52 @@ def decode_tokens(raw: bytes | memoryview) -> np.ndarray:
     return np.load(io.BytesIO(raw), allow_pickle=False)
 
 
-def _shard_members(path: Path, sha256: str | None = None) -> Iterator[tuple[tarfile.TarInfo, memoryview]]:
-    """(member, its bytes) of every regular member of a shard, in file order; the loader's one way into a tar.
+class _ShardFile:
+    """One shard read whole, in one call: the loader's one way into a tar.
 
-    The file is read whole in one call and the members are views of that buffer (the arrays decoded from them share
-    it: no copy per member). Every member passes the check all shard readers share (shards.member_problem: no
-    ``..`` or absolute names, no links). With ``sha256`` the buffer's digest is compared with it after the last
-    member, so the check costs one pass of hashlib over bytes already in memory, not a second read; a member-level
-    error (a corrupt member named) is reported before a digest mismatch. Damage is one ShardError naming the file.
+    :meth:`members` yields (member, its bytes) of every regular member in file order, the bytes being views of the
+    buffer (the arrays decoded from them share it: no copy per member). Every member passes the check all shard
+    readers share (shards.member_problem: no ``..`` or absolute names, no links), and the archive must end in zero
+    blocks or at the end of the file (shards.end_problem: tarfile silently stops at a truncated or unreadable header
+    past the first, which would pass for a shorter shard). :meth:`verify` then compares the buffer's sha256 with
+    the manifest's: one pass of hashlib over bytes already in memory, not a second read. Damage is one ShardError
+    naming the file.
     """
-    last = None
-    try:
-        data = path.read_bytes()
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.data = path.read_bytes()
+        except OSError as e:
+            raise ShardError(f"{path}: cannot be read ({e})") from None
+
+    def members(self) -> Iterator[tuple[tarfile.TarInfo, memoryview]]:
+        path, data, last = self.path, self.data, None
         view = memoryview(data)
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
-            for m in tf:
-                why = member_problem(m)
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+                for m in tf:
+                    why = member_problem(m)
+                    if why is not None:
+                        raise ShardError(f"{path}: {why}")
+                    if not m.isreg():
+                        continue
+                    if m.offset_data + m.size > len(data):
+                        raise tarfile.ReadError("unexpected end of data")
+                    yield m, view[m.offset_data:m.offset_data + m.size]
+                    last = m.name
+                why = end_problem(view[tf.offset:], tf.offset)
                 if why is not None:
-                    raise ShardError(f"{path}: {why}")
-                if not m.isreg():
-                    continue
-                if m.offset_data + m.size > len(data):
-                    raise tarfile.ReadError("unexpected end of data")
-                yield m, view[m.offset_data:m.offset_data + m.size]
-                last = m.name
-    except (tarfile.TarError, EOFError, OSError) as e:
-        raise _truncated(path, last, e) from None
-    if sha256 is not None:
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != sha256:
-            raise ShardError(f"{path}: sha256 {digest[:16]}... differs from the manifest's {sha256[:16]}... (the "
-                             "shard changed after data_prep wrote it; rebuild it, or set data.verify=false)")
+                    raise tarfile.ReadError(why)
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise _truncated(path, last, e) from None
+
+    def verify(self, sha256: str | None):
+        if sha256 is not None:
+            digest = hashlib.sha256(self.data).hexdigest()
+            if digest != sha256:
+                raise ShardError(f"{self.path}: sha256 {digest[:16]}... differs from the manifest's {sha256[:16]}... "
+                                 "(the shard changed after data_prep wrote it; rebuild it, or set data.verify=false)")
 
 
 def read_tokens(path: Path, expected_samples: int | None = None, *, sha256: str | None = None,
@@ -234,11 +249,11 @@ def read_tokens(path: Path, expected_samples: int | None = None, *, sha256: str 
     skipped; shards.read_shard and tools/inspect_shards.py check it). About 3x faster than webdataset's
     tar_file_iterator + group_by_keys, which bench/data.py measures against the bare read floor. A truncated tar, a
     corrupt tokens member, a member that is a link or escapes the shard, a token id >= ``vocab_size``, a count
-    differing from the manifest or a digest differing from ``sha256`` (see _shard_members) is a ShardError naming the
-    file (and member or sample).
+    differing from the manifest or a digest differing from ``sha256`` (see _ShardFile; checked in that order) is a
+    ShardError naming the file (and member or sample).
     """
-    out = []
-    for m, raw in _shard_members(path, sha256):
+    out, shard = [], _ShardFile(path)
+    for m, raw in shard.members():
         if not m.name.endswith(".tokens.npy"):
             if m.name.endswith(".offsets.npy"):  # never hand out a cluster's members end to end
                 raise ShardError(f"{path}: member {m.name}: a UniRef50 cluster shard, read by cluster "
@@ -246,7 +261,9 @@ def read_tokens(path: Path, expected_samples: int | None = None, *, sha256: str 
             continue
         key = m.name[:-len(".tokens.npy")]
         out.append((key, _token_ids(path, key, _unsigned_member(path, m, raw), vocab_size)))
-    return _checked_count(path, out, expected_samples)
+    _checked_count(path, out, expected_samples)
+    shard.verify(sha256)
+    return out
 
 
 def _truncated(path: Path, last: str | None, error: Exception) -> ShardError:
@@ -290,7 +307,7 @@ def read_cluster_tokens(path: Path, expected_samples: int | None = None, *, sha2
     The cluster counterpart of read_tokens (same errors and checks), plus: a sample without both members, or offsets
     that do not split its tokens into non-empty members, is a ShardError naming the member.
     """
-    out = []
+    out, shard = [], _ShardFile(path)
     key = tokens = offsets = None
 
     def finish():
@@ -302,7 +319,7 @@ def read_cluster_tokens(path: Path, expected_samples: int | None = None, *, sha2
             raise ShardError(f"{path}: corrupt member {key}.offsets.npy ({why})")
         out.append((key, _token_ids(path, key, tokens, vocab_size), offsets))
 
-    for m, raw in _shard_members(path, sha256):
+    for m, raw in shard.members():
         if m.name.endswith(".tokens.npy"):
             k, kind = m.name[:-len(".tokens.npy")], "tokens"
         elif m.name.endswith(".offsets.npy"):
@@ -319,7 +336,9 @@ def read_cluster_tokens(path: Path, expected_samples: int | None = None, *, sha2
             offsets = _unsigned_member(path, m, raw)
     if key is not None:
         finish()
-    return _checked_count(path, out, expected_samples)
+    _checked_count(path, out, expected_samples)
+    shard.verify(sha256)
+    return out
 
 
 def draw_member(offsets: np.ndarray, rng) -> int:

@@ -143,17 +143,30 @@ def member_problem(member: tarfile.TarInfo) -> str | None:
     return None
 
 
+def end_problem(rest, offset: int) -> str | None:
+    """Why the bytes after the last member tarfile read (from ``offset`` on) are not the end of the archive, or None.
+    tarfile ends an archive silently at a truncated or unreadable header past the first one, so a damaged shard
+    would pass for a shorter one: what follows the last member must be zero blocks (or nothing)."""
+    if np.frombuffer(rest, np.uint8).any():
+        return f"unreadable tar header at byte {offset} of {offset + len(rest)}"
+    return None
+
+
 def _checked_members(f, path: Path):
-    """tar_file_iterator's {"fname", "data", "__url__"} of every regular member, in stream order; a member that
-    :func:`member_problem` refuses is a ValueError naming it."""
-    with tarfile.open(fileobj=f, mode="r|*") as tf:
+    """tar_file_iterator's {"fname", "data", "__url__"} of every regular member, in file order; a member that
+    :func:`member_problem` refuses, or an archive that does not end where tarfile stopped (:func:`end_problem`), is
+    a ValueError / tarfile.ReadError naming it."""
+    with tarfile.open(fileobj=f, mode="r:") as tf:
         for info in tf:
             why = member_problem(info)
             if why is not None:
                 raise ValueError(why)
             if info.isreg():
                 yield {"fname": info.name, "data": tf.extractfile(info).read(), "__url__": str(path)}
-            tf.members = []  # a stream-mode TarFile keeps every TarInfo otherwise
+        f.seek(tf.offset)
+        why = end_problem(f.read(), tf.offset)
+        if why is not None:
+            raise tarfile.ReadError(why)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -196,3 +196,22 @@ def test_worker_errors_reach_the_main_process_as_the_same_one_line_shard_error(t
         list(itertools.islice(loader_, 40))
     one_line(e, bad, *want)
     assert "DataLoader worker" not in str(e.value)
+
+
+def test_an_unreadable_header_mid_shard_is_an_error_even_without_a_manifest(tmp_path):
+    """tarfile ends an archive silently at a bad header past the first: without a manifest to count against, a
+    damaged shard would pass for a shorter one. The loader requires the archive to end in zero blocks."""
+    d = random_dir(tmp_path / "d", n_shards=1, per_shard=12)
+    shard = shard_paths(d)[0]
+    raw = bytearray(shard.read_bytes())
+    raw[5 * 2048:5 * 2048 + 512] = b"\x01" * 512  # sample 5's first header (meta.json; 2 members of 2 blocks a sample)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "x-0.tar").write_bytes(bytes(raw))
+    with pytest.raises(ShardError) as e:
+        read_tokens(plain / "x-0.tar")
+    one_line(e, plain / "x-0.tar", "truncated or corrupt shard after member 000000000004.tokens.npy",
+             "unreadable tar header at byte 10240")
+    with pytest.raises(ShardError) as e:  # read_shard (tools/inspect_shards.py, evaluation) shares the check
+        read_shard(plain / "x-0.tar")
+    one_line(e, plain / "x-0.tar", "unreadable tar header at byte 10240")
