@@ -1,0 +1,196 @@
+"""Command-line pieces shared by launchers/evaluate.py, tools/convert_checkpoint.py, tools/flops.py and
+tools/params.py: depth lists and their cap, config names, opening a checkpoint (with the pickle rule), progress bars.
+
+Every error raised here is a ValueError (ConfigError) or FileNotFoundError whose message starts with the flag, file
+or directory it is about, so a command prints it as one ``error:`` line.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO / "launchers" / "configs"
+
+# ---- depths ----------------------------------------------------------------------------------------------------------
+# --depths accepts at most this many values and no value above it before the model is known (a typo such as
+# 1-100000000 must not build a list of 10^8 ints); the model's own cap (max_depth) is checked once its config is read.
+PARSE_LIMIT = 4096
+# The documented cap of a depth sweep: DEPTH_CAP_FACTOR x the deepest depth the model was trained at, and never below
+# MIN_DEPTH_CAP (the default 1-8 sweep of every family). Why: a recurrent model's cost grows linearly in K (one sweep
+# to K costs K core applications per sequence, and RNAGym keeps one [n, V] table per evaluated K), and beyond a few
+# times the deepest trained depth a sweep only measures a trajectory the model never approached in training. The
+# papers' sweeps stay well inside the cap: Eco-RNA reports K = 1-8 (trained with mean 4), RecursiveGPT its trained R.
+DEPTH_CAP_FACTOR = 4
+MIN_DEPTH_CAP = 8
+
+
+def parse_depths(text: str, flag: str = "--depths", maximum: int = PARSE_LIMIT) -> list[int]:
+    """``"1-8"``, ``"1,2,4,8"``, ``"1-4,8"`` -> sorted unique positive ints; ValueError naming ``flag`` otherwise."""
+    out: set[int] = set()
+    for part in str(text).split(","):
+        a, sep, b = part.strip().partition("-")
+        try:
+            lo = int(a)
+            hi = int(b) if sep else lo
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: {part.strip()!r} is neither a depth nor a range such as 1-8 "
+                             "(comma-separated positive integers and ranges)") from None
+        if lo < 1 or hi < lo:
+            raise ValueError(f"{flag} {text!r}: ranges must be positive and increasing")
+        if hi > maximum:
+            raise ValueError(f"{flag} {text!r}: depth {hi} is above the maximum {maximum}")
+        out.update(range(lo, hi + 1))
+    return sorted(out)
+
+
+def trained_depth(cfg) -> tuple[int, str]:
+    """(the deepest depth the model was trained at, which config key says so).
+
+    Eco-RNA: the depth law's truncation ``objective.k_cap`` (``objective.train_depth`` for ``depth_law: fixed``, the
+    fixed-depth control's 1); without a k_cap, 8 x ``objective.mu_k``. RecursiveGPT: ``objective.train_depth`` or its
+    recurrence R. Other families have one depth: the layer count (standard decoder, ProtLingo) or 1."""
+    obj, model = cfg.objective, cfg.model
+    law = getattr(obj, "depth_law", None)
+    if law == "fixed":
+        return int(obj.train_depth), f"objective.train_depth {obj.train_depth}"
+    if law is not None:
+        if obj.k_cap is not None:
+            return int(obj.k_cap), f"objective.k_cap {obj.k_cap}"
+        return max(int(obj.k_min), math.ceil(8 * obj.mu_k)), f"8 x objective.mu_k {obj.mu_k} (no k_cap)"
+    if getattr(model, "recurrence", None):
+        td = getattr(obj, "train_depth", None)
+        return (int(td), f"objective.train_depth {td}") if td else (model.recurrence,
+                                                                     f"model.recurrence {model.recurrence}")
+    if getattr(model, "n_layers", None):
+        return int(model.n_layers), f"model.n_layers {model.n_layers}"
+    return 1, "no recurrence"
+
+
+def max_depth(cfg) -> tuple[int, str]:
+    """(cap, explanation): max(MIN_DEPTH_CAP, DEPTH_CAP_FACTOR x :func:`trained_depth`)."""
+    k, why = trained_depth(cfg)
+    cap = max(MIN_DEPTH_CAP, DEPTH_CAP_FACTOR * k)
+    return cap, f"{DEPTH_CAP_FACTOR} x the deepest training depth ({why}), at least {MIN_DEPTH_CAP}"
+
+
+def check_depths(depths: list[int], cfg, source, flag: str = "--depths", text: str | None = None):
+    """ValueError naming ``flag`` and the config file ``source`` when a depth is above :func:`max_depth`."""
+    cap, why = max_depth(cfg)
+    if depths and max(depths) > cap:
+        shown = text if text is not None else ",".join(map(str, depths))
+        raise ValueError(f"{flag} {shown!r}: depth {max(depths)} is above the maximum {cap} for {source} ({why}; "
+                         "sweeps cost time linear in K and measure depths the model never trained near)")
+
+
+# ---- configs ---------------------------------------------------------------------------------------------------------
+def resolve_config(spec: str) -> Path:
+    """A config file path, or the bare name of one in launchers/configs (``standard_h384``)."""
+    from pipeline.config import ConfigError
+
+    p = Path(spec)
+    if p.is_file():
+        return p
+    if p.parent == Path(".") and (CONFIG_DIR / f"{p.name}.yaml").is_file() and not p.suffix:
+        return CONFIG_DIR / f"{p.name}.yaml"
+    known = ", ".join(sorted(f.stem for f in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"--config {spec}: no such file, nor a config name of launchers/configs (known: {known})")
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------------
+TRUST_FLAG = "--trust-checkpoint"
+TRUST_HELP = ("load a DeepSpeed checkpoint: DeepSpeed's loader (and zero_to_fp32) unpickle it with "
+              "torch.load(weights_only=False), which runs any code the files hold; give it only for checkpoints you "
+              "or someone you trust wrote. Exports (model.safetensors) need nothing")
+
+
+def _read_json(path: Path) -> dict:
+    from pipeline.config import ConfigError
+
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}): a truncated or damaged "
+                          "checkpoint") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return raw
+
+
+def locate_checkpoint(path) -> tuple[Path, object, dict]:
+    """(tag dir, RunConfig, client state or export metadata) of a run dir, checkpoints/ dir, tag dir or export,
+    read without loading any weights; every error names the file or directory at fault."""
+    from pipeline.checkpoint import EXPORTED_WEIGHTS, is_export, resolve_tag_dir
+    from pipeline.config import ConfigError, build_config, load_yaml
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such checkpoint directory")
+    if not p.is_dir():
+        raise ConfigError(f"{p}: not a directory (a run dir, its checkpoints/ dir, a checkpoint tag dir or an "
+                          "export)")
+    if (p / "export.json").is_file() and not (p / EXPORTED_WEIGHTS).is_file():
+        raise ConfigError(f"{p / EXPORTED_WEIGHTS}: missing (an incomplete export)")
+    tag_dir = resolve_tag_dir(p)
+    if not tag_dir.is_dir():
+        raise ConfigError(f"{tag_dir}: named by {tag_dir.parent / 'latest'} but missing (an incomplete checkpoint)")
+    config_file = tag_dir / "config.yaml"
+    raw = load_yaml(config_file)
+    try:
+        cfg = build_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{config_file}: {e}") from None
+    export = is_export(tag_dir)
+    meta_file = tag_dir / ("export.json" if export else "client_state.json")
+    if meta_file.is_file():
+        meta = _read_json(meta_file)
+    elif export:
+        meta = {}  # an export written by hand (model.safetensors + config.yaml) has no provenance
+    else:
+        raise ConfigError(f"{meta_file}: missing (an incomplete checkpoint)")
+    return tag_dir, cfg, meta
+
+
+def is_deepspeed_checkpoint(tag_dir: Path) -> bool:
+    from pipeline.checkpoint import is_export
+
+    return not is_export(tag_dir)
+
+
+def require_trust(tag_dir: Path, trusted: bool):
+    """The pickle rule: a DeepSpeed checkpoint is read only with --trust-checkpoint (then with a one-line warning);
+    without it, a one-line ConfigError that says why and what to pass. Exports pass silently."""
+    from pipeline.config import ConfigError
+
+    if not is_deepspeed_checkpoint(tag_dir):
+        return
+    if not trusted:
+        raise ConfigError(f"{tag_dir}: a DeepSpeed checkpoint is a pickle, and loading it can run any code it holds; "
+                          f"pass {TRUST_FLAG} if you trust whoever wrote it, or use an export "
+                          "(tools/convert_checkpoint.py, model.safetensors), which needs nothing")
+    print(f"warning: {TRUST_FLAG}: unpickling {tag_dir} with DeepSpeed's loader (torch.load weights_only=False), "
+          "which runs any code the files hold", file=sys.stderr)
+
+
+def open_checkpoint(path, trusted: bool):
+    """:func:`locate_checkpoint`, the pickle rule, then ``pipeline.checkpoint.load_trained_model`` (weights loaded,
+    eval mode). Returns (TrainedModel, metadata)."""
+    from pipeline.checkpoint import load_trained_model
+
+    tag_dir, _, meta = locate_checkpoint(path)
+    require_trust(tag_dir, trusted)
+    return load_trained_model(tag_dir), meta
+
+
+# ---- progress --------------------------------------------------------------------------------------------------------
+def progress(iterable=None, *, total=None, desc: str | None = None, unit: str = "it"):
+    """A tqdm bar on stderr (elapsed, remaining and rate), so stdout keeps only results. Redrawn at most every
+    0.5 s on a terminal and every 10 s into a log file; ``TQDM_DISABLE=1`` turns every bar off."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.5 if sys.stderr.isatty() else 10.0)

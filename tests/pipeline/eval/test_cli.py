@@ -1,0 +1,140 @@
+"""pipeline/eval/cli.py: the --depths parser and cap shared by evaluate.py and flops.py, config names, locating a
+checkpoint with named errors, the pickle rule, progress bars."""
+import json
+import pickle
+
+import pytest
+import torch
+
+from conftest import REPO
+from pipeline.config import ConfigError, dump_yaml, load_config
+from pipeline.eval import cli
+
+CONFIGS = REPO / "launchers" / "configs"
+
+
+@pytest.mark.parametrize("text,want", [("1-8", list(range(1, 9))), ("4", [4]), ("1,2,4,8", [1, 2, 4, 8]),
+                                       ("1-3,8,2", [1, 2, 3, 8]), (" 2 - 3 , 5", [2, 3, 5])])
+def test_parse_depths(text, want):
+    assert cli.parse_depths(text) == want
+
+
+@pytest.mark.parametrize("text,msg", [("3-1", "ranges must be positive and increasing"),
+                                      ("0-4", "ranges must be positive and increasing"),
+                                      ("a", "'a' is neither a depth nor a range"),
+                                      ("1,,2", "'' is neither"), ("-3", "'-3' is neither"),
+                                      ("1-2-3", "'1-2-3' is neither"),
+                                      ("1-100000000", "depth 100000000 is above the maximum 4096")])
+def test_parse_depths_refuses_with_the_flag_named(text, msg):
+    with pytest.raises(ValueError, match="^--depths ") as e:
+        cli.parse_depths(text)
+    assert msg in str(e.value)
+
+
+@pytest.mark.parametrize("name,trained,cap", [("eco_rna_80m", 32, 128), ("eco_rna_demo", 8, 32),
+                                              ("eco_rna_control_stage_a", 1, 8), ("recursive_gpt_10m", 16, 64),
+                                              ("recursive_gpt_100m", 24, 96), ("recursive_gpt_demo", 4, 16),
+                                              ("standard_h384", 12, 48), ("protlingo_150m", 30, 120)])
+def test_depth_cap_is_four_times_the_deepest_training_depth(name, trained, cap):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    assert cli.trained_depth(cfg)[0] == trained and cli.max_depth(cfg)[0] == cap
+    cli.check_depths(list(range(1, cap + 1)), cfg, "x.yaml")  # the cap itself is allowed
+    with pytest.raises(ValueError, match=rf"depth {cap + 1} is above the maximum {cap} for x.yaml"):
+        cli.check_depths([1, cap + 1], cfg, "x.yaml")
+
+
+def test_depth_cap_follows_the_objective():
+    fixed = load_config(CONFIGS / "eco_rna_demo.yaml", ["objective.depth_law=fixed", "objective.train_depth=5"])
+    assert cli.max_depth(fixed)[0] == 20
+    uncapped = load_config(CONFIGS / "eco_rna_demo.yaml", ["objective.k_cap=null", "objective.mu_k=3"])
+    assert cli.trained_depth(uncapped) == (24, "8 x objective.mu_k 3.0 (no k_cap)")
+    assert cli.max_depth(load_config(CONFIGS / "recursive_gpt_demo.yaml", ["objective.train_depth=6"]))[0] == 24
+    for cfg in (fixed, uncapped):  # the default sweep 1-8 always fits
+        cli.check_depths(list(range(1, 9)), cfg, "x")
+
+
+def test_resolve_config(tmp_path):
+    assert cli.resolve_config("standard_h384") == CONFIGS / "standard_h384.yaml"
+    f = tmp_path / "mine.yaml"
+    f.write_text("family: eco_rna\n")
+    assert cli.resolve_config(str(f)) == f
+    with pytest.raises(ConfigError, match=r"^--config standard_h38: no such file, nor a config name .*standard_h384"):
+        cli.resolve_config("standard_h38")
+    with pytest.raises(ConfigError, match="^--config nope/standard_h384: no such file"):
+        cli.resolve_config("nope/standard_h384")
+
+
+def tiny_dirs(tmp_path):
+    """(export dir, DeepSpeed-like tag dir) of a tiny Eco-RNA; the tag dir's model-state file is a pickle whose
+    loading would create ``marker``."""
+    from safetensors.torch import save_file
+
+    from pipeline.families import get_family
+
+    cfg = load_config(CONFIGS / "eco_rna_demo.yaml", ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1",
+                                                      "model.d_ff=32", f"run_dir={tmp_path / 'run'}"])
+    export = tmp_path / "export"
+    export.mkdir()
+    save_file(get_family(cfg.family).build_model(cfg.model).state_dict(), str(export / "model.safetensors"))
+    (export / "config.yaml").write_text(dump_yaml(cfg))
+    tag = tmp_path / "run" / "checkpoints" / "step00000003"
+    tag.mkdir(parents=True)
+    (tag / "config.yaml").write_text(dump_yaml(cfg))
+    (tag / "client_state.json").write_text(json.dumps({"step": 3}))
+    (tag.parent / "latest").write_text(tag.name)
+    return export, tag
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def test_locate_and_the_pickle_rule(tmp_path, capsys):
+    export, tag = tiny_dirs(tmp_path)
+    marker = tmp_path / "PWNED"
+    torch.save({"module": Payload(marker)}, tag / "mp_rank_00_model_states.pt")
+    for where in (tmp_path / "run", tmp_path / "run" / "checkpoints", tag):
+        found, cfg, meta = cli.locate_checkpoint(where)
+        assert found == tag and cfg.family == "eco_rna" and meta == {"step": 3}
+    with pytest.raises(ConfigError, match=f"^{tag}: a DeepSpeed checkpoint is a pickle.*pass --trust-checkpoint"):
+        cli.require_trust(tag, False)
+    with pytest.raises(ConfigError, match="--trust-checkpoint"):
+        cli.open_checkpoint(tmp_path / "run", trusted=False)
+    assert not marker.exists()
+    cli.require_trust(tag, True)
+    assert capsys.readouterr().err.count("\n") == 1  # one warning line
+    cli.require_trust(export, False)  # an export needs nothing, says nothing
+    assert capsys.readouterr().err == ""
+    trained, meta = cli.open_checkpoint(export, trusted=False)
+    assert meta == {} and trained.cfg.family == "eco_rna" and not trained.model.training
+    with pytest.raises(pickle.UnpicklingError):  # the payload is live: only the rule kept it from running
+        torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
+
+
+def test_locate_names_what_is_wrong(tmp_path):
+    export, tag = tiny_dirs(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'nope'}: no such checkpoint directory"):
+        cli.locate_checkpoint(tmp_path / "nope")
+    with pytest.raises(ConfigError, match=f"^{export / 'config.yaml'}: not a directory"):
+        cli.locate_checkpoint(export / "config.yaml")
+    (tag / "client_state.json").write_text('{"step": 3, "world')
+    with pytest.raises(ConfigError, match=rf"^{tag / 'client_state.json'}: not valid JSON .*truncated"):
+        cli.locate_checkpoint(tag)
+    (tag / "client_state.json").write_text('{"step": 3}')
+    (tag / "config.yaml").write_text("family: eco_rna\nmodel: {d_model: -1}\n")
+    with pytest.raises(ConfigError, match=rf"^{tag / 'config.yaml'}: model.d_model"):
+        cli.locate_checkpoint(tag)
+    (export / "export.json").write_text("{}")
+    (export / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match=rf"^{export / 'model.safetensors'}: missing \(an incomplete export\)"):
+        cli.locate_checkpoint(export)
+
+
+def test_progress_goes_to_stderr(capsys):
+    assert sum(cli.progress(range(5), desc="work", unit="batch")) == 10
+    out, err = capsys.readouterr()
+    assert out == "" and "work: 100%" in err and "5/5" in err and "batch/s" in err
