@@ -2,6 +2,9 @@
 """Print a model's parameter count from its config, before (and without) building it.
 
     python tools/params.py --config launchers/configs/eco_rna_80m.yaml [--set model.d_model=512] [--build]
+    python tools/params.py --config standard_h384
+
+--config is a file or the name of one in launchers/configs.
 """
 from __future__ import annotations
 
@@ -14,14 +17,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, help="a config file, or a name in launchers/configs")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--build", action="store_true", help="also build the model and count its parameters")
     args = p.parse_args(argv)
     from pipeline.config import ConfigError, load_config
+    from pipeline.eval.cli import resolve_config
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(resolve_config(args.config), args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
