@@ -85,16 +85,29 @@ def load_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     if is_export(tag_dir):
         from safetensors.torch import load_file
 
-        return load_file(str(tag_dir / EXPORTED_WEIGHTS))
+        try:
+            return load_file(str(tag_dir / EXPORTED_WEIGHTS))
+        except Exception as e:  # a truncated or foreign file (SafetensorError, OSError): one error naming it
+            raise ConfigError(f"{tag_dir / EXPORTED_WEIGHTS}: cannot be read as safetensors "
+                              f"({_first_line(e)})") from None
     if not torch.cuda.is_available():  # no device work here; spare the user DeepSpeed's "no GPU found" warning
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if any(tag_dir.glob(EXPERT_FILES)):
         return _moe_state_dict(tag_dir)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    # zero_to_fp32 unpickles the shards with weights_only=False (DeepSpeed's own loader): a run's own checkpoint.
+    # zero_to_fp32 unpickles the shards with weights_only=False (DeepSpeed's own loader): a run's own checkpoint, or
+    # one the user vouched for (evaluate.py and convert_checkpoint.py refuse others without --trust-checkpoint).
     with contextlib.redirect_stdout(sys.stderr):  # it reports progress on stdout; keep stdout for results
-        return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        try:
+            return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        except Exception as e:  # missing or truncated files raise anything from ValueError to UnpicklingError
+            raise ConfigError(f"{tag_dir}: cannot be read as a DeepSpeed ZeRO checkpoint ({_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 # ---- MoE checkpoints (DeepSpeed MoE layers, any expert-parallel size) ------------------------------------------------
