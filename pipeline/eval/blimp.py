@@ -67,20 +67,45 @@ def read_records(path) -> list[tuple[str, dict]]:
 
 def make_pairs(records: Sequence[tuple[str, dict]], method: str = "full") -> list[MinimalPair]:
     """Records -> pairs for ``method``; records whose ``<method>_method`` flag is false are skipped (a missing flag
-    counts as supported when the fields are present). A supported record missing a field is an error."""
+    counts as supported when the fields are present). A supported record missing a field is an error.
+    :func:`select_pairs` also says what was skipped."""
+    return select_pairs(records, method)[0]
+
+
+SKIP_FLAG_FALSE = "flag_false"  # the record sets <method>_method: false (BLiMP: the method does not apply)
+SKIP_NO_FIELDS = "no_fields"  # neither the flag nor the method's fields are in the record
+
+
+def select_pairs(records: Sequence[tuple[str, dict]], method: str = "full") -> tuple[list[MinimalPair], dict]:
+    """(pairs for ``method``, what was skipped): ``{"method", "records": n skipped, "paradigms": n skipped whole,
+    "of_paradigms": n seen, "per_paradigm": {uid: {"records": skipped, "of": total, "reason": {reason: n}}}}`` with
+    reasons :data:`SKIP_FLAG_FALSE` and :data:`SKIP_NO_FIELDS`; a paradigm appears there only when some of its
+    records were skipped. BLiMP's one_prefix and two_prefix methods apply to some paradigms only, so skipping is
+    expected with them; it is reported, never silent (:func:`describe_skipped`)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     flag, fields = _FIELDS[method]
     pairs = []
+    totals: dict[str, int] = {}
+    skipped: dict[str, dict] = {}
+
+    def skip(uid: str, reason: str):
+        d = skipped.setdefault(uid, {"records": 0, "reason": {}})
+        d["records"] += 1
+        d["reason"][reason] = d["reason"].get(reason, 0) + 1
+
     for where, rec in records:
+        uid = str(rec.get("UID") or Path(where.rsplit(":", 1)[0]).stem)
+        totals[uid] = totals.get(uid, 0) + 1
         if rec.get(flag) is False:
+            skip(uid, SKIP_FLAG_FALSE)
             continue
         missing = [k for k in fields if not isinstance(rec.get(k), str)]
         if missing:
             if flag not in rec and method != "full":
-                continue  # a file without the prefix variants at all
+                skip(uid, SKIP_NO_FIELDS)  # a file without the prefix variants at all
+                continue
             raise ValueError(f"{where}: field {missing[0]!r} missing or not a string (method {method})")
-        uid = str(rec.get("UID") or Path(where.rsplit(":", 1)[0]).stem)
         if method == "full":
             good, bad = ("", rec["sentence_good"]), ("", rec["sentence_bad"])
         elif method == "one_prefix":
@@ -90,7 +115,33 @@ def make_pairs(records: Sequence[tuple[str, dict]], method: str = "full") -> lis
             good = (rec["two_prefix_prefix_good"], rec["two_prefix_word"])
             bad = (rec["two_prefix_prefix_bad"], rec["two_prefix_word"])
         pairs.append(MinimalPair(uid, str(rec.get("field", "")), good, bad, where))
-    return pairs
+    for uid, d in skipped.items():
+        d["of"] = totals[uid]
+    report = {"method": method, "records": sum(d["records"] for d in skipped.values()),
+              "paradigms": sum(d["records"] == d["of"] for d in skipped.values()), "of_paradigms": len(totals),
+              "per_paradigm": dict(sorted(skipped.items()))}
+    return pairs, report
+
+
+def describe_skipped(report: dict) -> str:
+    """One line from :func:`select_pairs`' report: how many paradigms and records were skipped, which, and why."""
+    method = report["method"]
+    flag = _FIELDS[method][0]
+    per = report["per_paradigm"]
+    whole = [u for u, d in per.items() if d["records"] == d["of"]]
+    part = [f"{u} ({d['records']} of {d['of']})" for u, d in per.items() if d["records"] < d["of"]]
+    reasons: dict[str, int] = {}
+    for d in per.values():
+        for r, n in d["reason"].items():
+            reasons[r] = reasons.get(r, 0) + n
+    why = {SKIP_FLAG_FALSE: f"{flag} is false", SKIP_NO_FIELDS: f"neither {flag} nor its fields"}
+    text = (f"skipped: --blimp-method {method} skips {report['paradigms']} of {report['of_paradigms']} paradigms, "
+            f"{report['records']} records")
+    if whole:
+        text += f": {', '.join(whole)}"
+    if part:
+        text += f"; partly: {', '.join(part)}"
+    return text + " (" + "; ".join(f"{n} records: {why[r]}" for r, n in sorted(reasons.items())) + ")"
 
 
 def evaluate_pairs(pairs: Sequence[MinimalPair], score_fn: ScoreFn) -> dict:
@@ -156,13 +207,19 @@ def split_tokens(encode: Callable[[str], list[int]], context: str, continuation:
 
 
 def iter_next_token_logprobs(model, sequences: Sequence[Sequence[int]], *, depth: int | None = None,
-                             batch_size: int = 16, device=None) -> Iterator[np.ndarray]:
+                             batch_size: int = 16, device=None, desc: str | None = None) -> Iterator[np.ndarray]:
     """For each sequence of n ids, log-probabilities [n, V] (fp32) of the next token at every position; rows are
-    right-padded into batches with an attention mask (a causal model's real positions never see the padding)."""
+    right-padded into batches with an attention mask (a causal model's real positions never see the padding).
+    With ``desc``, a progress bar over the batches on stderr (pipeline.eval.cli.progress)."""
     import torch
 
     device = device or next(model.parameters()).device
-    for s in range(0, len(sequences), batch_size):
+    starts = range(0, len(sequences), batch_size)
+    if desc is not None:
+        from pipeline.eval.cli import progress
+
+        starts = progress(starts, desc=desc, unit="batch")
+    for s in starts:
         chunk = sequences[s:s + batch_size]
         L = max(len(x) for x in chunk)
         ids = torch.zeros(len(chunk), L, dtype=torch.long)
@@ -179,9 +236,10 @@ def iter_next_token_logprobs(model, sequences: Sequence[Sequence[int]], *, depth
 
 
 def model_score_fn(model, encode: Callable[[str], list[int]], *, bos_id: int = SPM_BOS_ID, depth: int | None = None,
-                   batch_size: int = 16, device=None) -> ScoreFn:
+                   batch_size: int = 16, device=None, desc: str | None = None) -> ScoreFn:
     """A causal LM (``model(ids [B, L], mask [B, L], depth=...) -> logits [B, L, V]``) and a tokenizer -> score_fn.
-    Every sequence starts with <s>; the continuation's tokens are summed given <s> + context."""
+    Every sequence starts with <s>; the continuation's tokens are summed given <s> + context. ``desc``: a progress
+    bar over the batches."""
 
     def score(items: list[tuple[str, str]]) -> list[float]:
         seqs, spans = [], []
@@ -191,7 +249,7 @@ def model_score_fn(model, encode: Callable[[str], list[int]], *, bos_id: int = S
             spans.append((1 + len(ctx), cont))
         out = []
         for logp, (start, cont) in zip(iter_next_token_logprobs(model, seqs, depth=depth, batch_size=batch_size,
-                                                                device=device), spans):
+                                                                device=device, desc=desc), spans):
             # token at position p is predicted at position p - 1
             out.append(float(sum(logp[start + j - 1, t] for j, t in enumerate(cont))))
         return out

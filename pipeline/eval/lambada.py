@@ -90,8 +90,10 @@ def evaluate_lambada(passages: Sequence[str], encode: Callable[[str], list[int]]
             "mean_target_tokens": float(np.mean([p["n_tokens"] for p in per])), "per_passage": per}
 
 
-def model_logprobs_fn(model, *, depth: int | None = None, batch_size: int = 16, device=None) -> LogprobsFn:
-    """A causal LM (``model(ids, mask, depth=...) -> logits``) as a logprobs_fn."""
+def model_logprobs_fn(model, *, depth: int | None = None, batch_size: int = 16, device=None,
+                      desc: str | None = None) -> LogprobsFn:
+    """A causal LM (``model(ids, mask, depth=...) -> logits``) as a logprobs_fn; ``desc``: a progress bar."""
     from pipeline.eval.blimp import iter_next_token_logprobs
 
-    return lambda seqs: iter_next_token_logprobs(model, seqs, depth=depth, batch_size=batch_size, device=device)
+    return lambda seqs: iter_next_token_logprobs(model, seqs, depth=depth, batch_size=batch_size, device=device,
+                                                 desc=desc)

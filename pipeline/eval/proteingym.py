@@ -315,12 +315,13 @@ def framed_ids(wt: str) -> np.ndarray:
 
 
 def masked_marginals(wt: str, positions: Iterable[int], logits_fn: LogitsFn, *, window: int = MODEL_WINDOW,
-                     batch_size: int = 32, cache: dict | None = None) -> tuple[dict[int, np.ndarray], dict]:
+                     batch_size: int = 32, cache: dict | None = None,
+                     desc: str | None = None) -> tuple[dict[int, np.ndarray], dict]:
     """{p: log-probs float64 [V]} at each 1-based residue position ``p``, masked alone in the wild-type context and
     read from its :func:`optimal_window`; and {p: (start, end)} the window each came from.
 
     ``cache`` (keyed by wild type, window and position) lets several assays on one wild type share the passes; it
-    is only valid for one ``logits_fn``.
+    is only valid for one ``logits_fn``. ``desc``: a progress bar over the forward passes on stderr.
     """
     import torch
 
@@ -336,22 +337,26 @@ def masked_marginals(wt: str, positions: Iterable[int], logits_fn: LogitsFn, *, 
     by_len: dict[int, list[int]] = {}
     for p in todo:
         by_len.setdefault(spans[p][1] - spans[p][0], []).append(p)
-    for length, ps in by_len.items():
-        for b in range(0, len(ps), batch_size):
-            chunk = ps[b:b + batch_size]
-            rows = np.stack([ids[spans[p][0]:spans[p][1]] for p in chunk])
-            at = np.array([p - spans[p][0] for p in chunk])  # the masked token's index inside its window
-            rows[np.arange(len(chunk)), at] = MASK_ID
-            tokens = torch.from_numpy(rows)
-            with torch.no_grad():
-                logits = logits_fn(tokens, torch.ones_like(tokens, dtype=torch.bool))
-            if tuple(logits.shape) != (len(chunk), length, V):
-                raise ValueError(f"logits_fn returned shape {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; "
-                                 f"expected [{len(chunk)}, {length}, {V}] (logits over the 33-token ESM-2 alphabet)")
-            picked = logits[torch.arange(len(chunk)), torch.from_numpy(at)]  # [b, V] at the masked positions
-            lp = torch.log_softmax(picked.detach().float().cpu(), dim=-1).double().numpy()
-            for p, row in zip(chunk, lp):
-                cache[(wt, window, p)] = row
+    batches = [ps[b:b + batch_size] for ps in by_len.values() for b in range(0, len(ps), batch_size)]
+    if desc is not None:
+        from pipeline.eval.cli import progress
+
+        batches = progress(batches, desc=desc, unit="batch")
+    for chunk in batches:
+        length = spans[chunk[0]][1] - spans[chunk[0]][0]
+        rows = np.stack([ids[spans[p][0]:spans[p][1]] for p in chunk])
+        at = np.array([p - spans[p][0] for p in chunk])  # the masked token's index inside its window
+        rows[np.arange(len(chunk)), at] = MASK_ID
+        tokens = torch.from_numpy(rows)
+        with torch.no_grad():
+            logits = logits_fn(tokens, torch.ones_like(tokens, dtype=torch.bool))
+        if tuple(logits.shape) != (len(chunk), length, V):
+            raise ValueError(f"logits_fn returned shape {tuple(logits.shape)} for tokens {tuple(tokens.shape)}; "
+                             f"expected [{len(chunk)}, {length}, {V}] (logits over the 33-token ESM-2 alphabet)")
+        picked = logits[torch.arange(len(chunk)), torch.from_numpy(at)]  # [b, V] at the masked positions
+        lp = torch.log_softmax(picked.detach().float().cpu(), dim=-1).double().numpy()
+        for p, row in zip(chunk, lp):
+            cache[(wt, window, p)] = row
     return {p: cache[(wt, window, p)] for p in spans}, spans
 
 
@@ -382,10 +387,12 @@ def assay_metrics(score: np.ndarray, dms_score: np.ndarray, dms_score_bin: np.nd
 
 
 def score_assay(assay: Assay, logits_fn: LogitsFn, *, window: int = MODEL_WINDOW, batch_size: int = 32,
-                cache: dict | None = None) -> dict:
-    """Scores (float64 [n], every one finite or a ValueError naming the mutant), metrics and window count."""
+                cache: dict | None = None, progress: bool = False) -> dict:
+    """Scores (float64 [n], every one finite or a ValueError naming the mutant), metrics and window count;
+    ``progress``: a bar over the assay's forward passes on stderr."""
     positions = {s.pos for subs in assay.substitutions for s in subs}
-    lp, spans = masked_marginals(assay.wt, positions, logits_fn, window=window, batch_size=batch_size, cache=cache)
+    lp, spans = masked_marginals(assay.wt, positions, logits_fn, window=window, batch_size=batch_size, cache=cache,
+                                 desc=f"proteingym {assay.dms_id}" if progress else None)
     scores = score_mutants(assay.substitutions, lp)
     bad = np.flatnonzero(~np.isfinite(scores))
     if len(bad):
@@ -408,9 +415,10 @@ def aggregate(per_assay: Mapping[str, dict]) -> dict:
 
 
 def evaluate_assays(assays: list[Assay], logits_fn: LogitsFn, *, window: int = MODEL_WINDOW,
-                    batch_size: int = 32) -> dict:
+                    batch_size: int = 32, progress: bool = False) -> dict:
     """Score every assay; {"per_assay": {DMS_id: metrics + windows}, "scores": {DMS_id: float64 [n]},
-    "aggregate": :func:`aggregate`}. Assays on one wild type share their masked passes."""
+    "aggregate": :func:`aggregate`}. Assays on one wild type share their masked passes. ``progress``: one bar per
+    assay over its forward passes, on stderr."""
     ids = [a.dms_id for a in assays]
     dup = next((i for i in ids if ids.count(i) > 1), None)
     if dup:
@@ -418,7 +426,7 @@ def evaluate_assays(assays: list[Assay], logits_fn: LogitsFn, *, window: int = M
     cache: dict = {}
     per_assay, scores = {}, {}
     for a in assays:
-        res = score_assay(a, logits_fn, window=window, batch_size=batch_size, cache=cache)
+        res = score_assay(a, logits_fn, window=window, batch_size=batch_size, cache=cache, progress=progress)
         per_assay[a.dms_id] = {**res["metrics"], "windows": res["windows"], "positions": res["positions"],
                                "seq_len": len(a.wt), "wt_source": a.wt_source, "file": str(a.path),
                                "n_multi": sum(len(s) > 1 for s in a.substitutions)}

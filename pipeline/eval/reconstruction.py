@@ -33,15 +33,20 @@ def heldout_samples(sequences: list, transform, seed: int) -> list[dict]:
 
 @torch.no_grad()
 def reconstruction_sweep(model, cfg, samples: list[dict], depths: list[int], batch_size: int = 32,
-                         seed: int = 0) -> dict[int, dict]:
+                         seed: int = 0, desc: str | None = None) -> dict[int, dict]:
     """{K: {"loss": token-mean CE, "accuracy": top-1 on supervised tokens, "tokens": n}} for each K.
 
     Each batch runs one trajectory read out at every K (``model.logits_at_depths``): max(depths) core calls, not
-    sum(depths).
+    sum(depths). ``desc``: a progress bar over the batches on stderr.
     """
     table = state_table(cfg.model, cfg.data.context_length, seed)
     sums = {k: [0.0, 0, 0] for k in depths}  # K -> [CE sum, correct, supervised tokens]
-    for i in range(0, len(samples), batch_size):
+    starts = range(0, len(samples), batch_size)
+    if desc is not None:
+        from pipeline.eval.cli import progress
+
+        starts = progress(starts, desc=desc, unit="batch")
+    for i in starts:
         b = collate(samples[i:i + batch_size], pad_id=PAD_ID)
         s0 = initial_state(cfg.model, b.attention_mask, table=table)
         sup = b.labels != IGNORE_INDEX

@@ -551,17 +551,23 @@ def load_assays(paths: Iterable, sheet: Mapping[str, Mapping]) -> dict[str, Assa
 
 
 def score_assays(assays: Mapping[str, Assay], sheet: Mapping[str, Mapping],
-                 forward: Callable[[np.ndarray], np.ndarray], context_length: int) -> dict:
+                 forward: Callable[[np.ndarray], np.ndarray], context_length: int, desc: str | None = None) -> dict:
     """Score and aggregate loaded assays with one model ``forward`` (see :func:`wildtype_logprobs`).
 
     Returns ``{"per_assay": {id: {spearman, auc, mcc, rna_type, one_class, score_mean, n_variants, dropped,
     wt_source}}, "per_type": ..., "aggregate": overall numbers (Eq. A.12) with the types found and missing,
     "n_variants": total, "notes": {id: [...]}, "scores": {id: F [N] float64}}`` (see :func:`aggregate`;
-    ``one_class`` from :func:`one_class_sides`; ``score_mean`` the mean F over the assay's variants).
+    ``one_class`` from :func:`one_class_sides`; ``score_mean`` the mean F over the assay's variants). ``desc``: a
+    progress bar over the assays on stderr.
     """
     per_assay: dict[str, dict] = {}
     scores: dict[str, np.ndarray] = {}
-    for dms_id, assay in assays.items():
+    items = assays.items()
+    if desc is not None:
+        from pipeline.eval.cli import progress
+
+        items = progress(items, total=len(assays), desc=desc, unit="assay")
+    for dms_id, assay in items:
         lp = wildtype_logprobs(assay.wt_ids(), forward, context_length)
         f = score_variants(assay, lp)
         per_assay[dms_id] = {**assay_metrics(f, assay.dms_score),

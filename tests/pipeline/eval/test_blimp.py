@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.eval.blimp import (evaluate_blimp, evaluate_pairs, from_text_logprob, make_pairs, model_score_fn,
-                                 read_records, split_tokens)
+from pipeline.eval.blimp import (describe_skipped, evaluate_blimp, evaluate_pairs, from_text_logprob, make_pairs,
+                                 model_score_fn, read_records, select_pairs, split_tokens)
 
 SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "eval" / "blimp"
 
@@ -105,3 +105,36 @@ def test_real_blimp_files_with_fake_scorer():
     assert math.isclose(res["macro_accuracy"], np.mean([d["accuracy"] for d in res["per_phenomenon"].values()]))
     for method in ("one_prefix", "two_prefix"):  # the prefix variants parse wherever the files offer them
         make_pairs(recs, method)
+
+
+def test_skipped_records_are_counted_per_paradigm_with_the_reason(tmp_path):
+    """Issue 11: a prefix method skips the paradigms it does not apply to; select_pairs says how many and why."""
+    pair = {"sentence_good": "a b", "sentence_bad": "b a"}
+    one = {"one_prefix_prefix": "a", "one_prefix_word_good": "b", "one_prefix_word_bad": "c"}
+    write(tmp_path / "p1.jsonl", [{**pair, **one, "UID": "p1", "one_prefix_method": True}] * 3)
+    write(tmp_path / "p2.jsonl", [{**pair, "UID": "p2", "one_prefix_method": False}] * 2)
+    write(tmp_path / "p3.jsonl", [{**pair, "UID": "p3"}] * 4)  # no flag, no fields: an older file
+    write(tmp_path / "p4.jsonl", [{**pair, **one, "UID": "p4"}, {**pair, "UID": "p4", "one_prefix_method": False}])
+    recs = read_records(tmp_path)
+    pairs, rep = select_pairs(recs, "one_prefix")
+    assert pairs == make_pairs(recs, "one_prefix") and len(pairs) == 4
+    assert (rep["records"], rep["paradigms"], rep["of_paradigms"]) == (7, 2, 4)
+    assert rep["per_paradigm"] == {"p2": {"records": 2, "of": 2, "reason": {"flag_false": 2}},
+                                   "p3": {"records": 4, "of": 4, "reason": {"no_fields": 4}},
+                                   "p4": {"records": 1, "of": 2, "reason": {"flag_false": 1}}}
+    line = describe_skipped(rep)
+    assert line.startswith("skipped: --blimp-method one_prefix skips 2 of 4 paradigms, 7 records: p2, p3; "
+                           "partly: p4 (1 of 2)")
+    assert "3 records: one_prefix_method is false" in line and "4 records: neither one_prefix_method" in line
+    full, rep_full = select_pairs(recs, "full")
+    assert len(full) == 11 and rep_full["records"] == 0 and rep_full["per_paradigm"] == {}
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/data")
+def test_shared_blimp_skips_by_method():
+    recs = read_records(SHARED)
+    _, one = select_pairs(recs, "one_prefix")
+    _, two = select_pairs(recs, "two_prefix")
+    assert (one["paradigms"], one["of_paradigms"], one["records"]) == (3, 6, 3000)
+    assert (two["paradigms"], two["of_paradigms"], two["records"]) == (5, 6, 5000)
+    assert "skips 5 of 6 paradigms" in describe_skipped(two)
