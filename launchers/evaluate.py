@@ -15,8 +15,18 @@
 Without --depths a RecursiveGPT is evaluated at its trained recurrence R (the paper's BLiMP and LAMBADA numbers are at
 R = 16 or 24) and the Eco-RNA tasks at 1-8.
 
-The text tasks (blimp, lambada) tokenize with the sentencepiece model beside the checkpoint's training shards
-(DATA/tokenizer.model) unless --spm names one; a standard decoder runs at its one depth (its layer count).
+--depths takes depths and ranges (1-8, 1,2,4,8, 1-4,8; pipeline/eval/cli.py parses them for tools/flops.py too) up
+to a cap: 4 x the deepest depth the model was trained at (Eco-RNA: objective.k_cap, or train_depth for a fixed law;
+RecursiveGPT: objective.train_depth or R; a standard decoder: its layer count), and never below 8. A sweep costs time
+linear in K, and far beyond the trained depths it measures a trajectory the model never approached.
+
+The text tasks (blimp, lambada) tokenize with --spm, else the export's own tokenizer.model (tools/convert_checkpoint.py
+copies it), else the sentencepiece model beside the checkpoint's training shards (DATA/tokenizer.model); a standard
+decoder runs at its one depth (its layer count). BLiMP's one_prefix and two_prefix methods apply to some paradigms
+only: the others are skipped, and the count, the paradigms and the reason are printed and kept in the JSON.
+
+DeepSpeed checkpoints are pickles (DeepSpeed's loader unpickles them with weights_only=False, which runs any code they
+hold): loading one needs --trust-checkpoint. Exports (model.safetensors) need nothing.
 
 proteingym (pipeline/eval/proteingym.py): zero-shot masked marginals of a masked LM over the ESM-2 alphabet
 (vocab_size 33), any family whose forward(input_ids, attention_mask) returns .logits; it has one depth, so --depths
@@ -27,8 +37,10 @@ copies per forward pass; on a GPU when one is visible. Reports per-assay Spearma
 assays; per-mutant scores go to OUTPUT_STEM-scores/DMS_ID.csv; MLflow gets the metrics at the checkpoint's step.
 
 Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json), and, when the checkpoint's MLflow run can
-be reached (its run directory's store, or MLFLOW_TRACKING_URI), logs the metrics with step = K and a
-metric-vs-depth plot into that run.
+be reached (its run directory's store, or MLFLOW_TRACKING_URI), logs one nested run per evaluation under it (tags
+eval.task, eval.data, eval.checkpoint, eval.step): the metrics with step = K, the JSON and a metric-vs-depth plot, so
+evaluations of different data sets on one training run never overwrite each other. Progress bars (with time
+estimates) go to stderr; TQDM_DISABLE=1 turns them off.
 """
 from __future__ import annotations
 
@@ -44,18 +56,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pipeline.eval.cli import TRUST_FLAG, TRUST_HELP, check_depths, locate_checkpoint, parse_depths  # noqa: E402
+from pipeline.eval.cli import require_trust  # noqa: E402
+
 TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym")
-
-
-def parse_depths(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        a, sep, b = part.partition("-")
-        lo, hi = int(a), int(b) if sep else int(a)
-        if lo < 1 or hi < lo:
-            raise ValueError(f"--depths {text!r}: ranges must be positive and increasing")
-        out.extend(range(lo, hi + 1))
-    return sorted(set(out))
 
 
 def default_depths(cfg) -> list[int]:
@@ -92,7 +96,8 @@ def run_reconstruction(trained, data: Path, depths, seed: int) -> dict:
     cfg = trained.cfg
     seqs = read_sequences(data, cfg.data.molecule)
     samples = heldout_samples(seqs, get_family(cfg.family).make_transform(cfg), seed)
-    per_k = reconstruction_sweep(trained.model, cfg, samples, depths, seed=seed)
+    per_k = reconstruction_sweep(trained.model, cfg, samples, depths, seed=seed, desc=f"reconstruction K={depths[0]}"
+                                 + (f"-{depths[-1]}" if len(depths) > 1 else ""))
     return {"sequences": len(seqs), "per_depth": {str(k): v for k, v in per_k.items()},
             "table": [(k, v["loss"], v["accuracy"]) for k, v in per_k.items()], "columns": ("K", "loss", "accuracy")}
 
@@ -126,7 +131,8 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
 
     per_depth = {}
     for k in depths:
-        res = score_assays(assays, sheet, lambda ids, k=k: at_all_depths(ids)[k], cfg.data.context_length)
+        res = score_assays(assays, sheet, lambda ids, k=k: at_all_depths(ids)[k], cfg.data.context_length,
+                           desc=f"rnagym K={k}")
         per_depth[str(k)] = {"aggregate": res["aggregate"], "per_type": res["per_type"],
                              "per_assay": res["per_assay"], "n_variants": res["n_variants"]}
     agg = lambda k, m: per_depth[str(k)]["aggregate"][m]  # noqa: E731
@@ -192,7 +198,7 @@ def run_proteingym(model, data: Path, reference: Path | None, window: int, batch
     from pipeline.eval.proteingym import METRICS, evaluate_assays
 
     assays, skipped = load_proteingym_assays(data, reference)
-    res = evaluate_assays(assays, masked_lm_logits_fn(model), window=window, batch_size=batch_size)
+    res = evaluate_assays(assays, masked_lm_logits_fn(model), window=window, batch_size=batch_size, progress=True)
     per, agg = res["per_assay"], res["aggregate"]
     table = [(i, m["n"], *(m[k] for k in METRICS)) for i, m in per.items()]
     return {"assays": list(per), "skipped": skipped, "window": window, "batch_size": batch_size,
@@ -220,14 +226,21 @@ def write_proteingym_scores(result: dict, out: Path) -> Path:
 
 
 def text_setup(trained, depths, spm: Path | None):
-    """(encode, [(K, depth argument)]) for the causal-LM families: a standard stack has only its own depth."""
+    """(encode, [(K, depth argument)]) for the causal-LM families: a standard stack has only its own depth.
+
+    The tokenizer: ``spm``, else an export's own tokenizer.model, else the one beside the training shards."""
     import sentencepiece
 
+    from pipeline.checkpoint import is_export
+    from pipeline.data.tokenizer import SPM_NAME
     from pipeline.objectives.causal_lm import spm_model_path
 
+    if spm is None and is_export(trained.tag_dir) and (trained.tag_dir / SPM_NAME).is_file():
+        spm = trained.tag_dir / SPM_NAME
     spm = spm or spm_model_path(trained.cfg)  # a path only: the training shards need not be on this machine
     if not Path(spm).is_file():
-        raise FileNotFoundError(f"{spm}: sentencepiece model not found (pass --spm)")
+        raise FileNotFoundError(f"{spm}: sentencepiece model not found (pass --spm, or evaluate an export of "
+                                "tools/convert_checkpoint.py, which holds its tokenizer)")
     sp = sentencepiece.SentencePieceProcessor(model_file=str(spm))
     if getattr(trained.cfg.model, "n_layers", None) is not None:
         return sp.encode, [(trained.cfg.model.n_layers, None)]
@@ -235,14 +248,20 @@ def text_setup(trained, depths, spm: Path | None):
 
 
 def run_blimp(trained, data: Path, depths, spm: Path | None, method: str) -> dict:
-    from pipeline.eval.blimp import evaluate_pairs, make_pairs, model_score_fn, read_records
+    from pipeline.eval.blimp import describe_skipped, evaluate_pairs, model_score_fn, read_records, select_pairs
 
     encode, runs = text_setup(trained, depths, spm)
-    pairs = make_pairs(read_records(data), method)
-    per_depth = {str(k): evaluate_pairs(pairs, model_score_fn(trained.model, encode, depth=d)) for k, d in runs}
+    records = read_records(data)
+    pairs, skipped = select_pairs(records, method)
+    if not pairs:
+        raise ValueError(f"{data}: no record supports --blimp-method {method} ({describe_skipped(skipped)})")
+    per_depth = {str(k): evaluate_pairs(pairs, model_score_fn(trained.model, encode, depth=d,
+                                                              desc=f"blimp K={k}")) for k, d in runs}
     uids = sorted(next(iter(per_depth.values()))["per_phenomenon"])
     acc = lambda k, u: per_depth[str(k)]["per_phenomenon"][u]["accuracy"]  # noqa: E731
-    return {"method": method, "n_pairs": len(pairs), "per_depth": per_depth,
+    return {"method": method, "n_pairs": len(pairs), "n_records": len(records), "skipped": skipped,
+            "skipped_line": describe_skipped(skipped) if skipped["records"] else None,
+            "per_depth": per_depth,
             "table": [(k, per_depth[str(k)]["macro_accuracy"], *(acc(k, u) for u in uids)) for k, _ in runs],
             "columns": ("K", "macro_accuracy", *uids)}
 
@@ -254,7 +273,7 @@ def run_lambada(trained, data: Path, depths, spm: Path | None) -> dict:
     passages = read_passages(data)
     per_depth = {}
     for k, d in runs:
-        res = evaluate_lambada(passages, encode, model_logprobs_fn(trained.model, depth=d), k=5)
+        res = evaluate_lambada(passages, encode, model_logprobs_fn(trained.model, depth=d, desc=f"lambada K={k}"), k=5)
         per_depth[str(k)] = {key: v for key, v in res.items() if key != "per_passage"}
     return {"passages": len(passages), "per_depth": per_depth, "columns": ("K", "pass@5", "accuracy"),
             "table": [(k, per_depth[str(k)]["pass_at_k"], per_depth[str(k)]["accuracy"]) for k, _ in runs]}
@@ -269,9 +288,23 @@ def mlflow_target(trained) -> tuple[str | None, str | None]:
     return (run_id, uri) if run_id and uri else (None, None)
 
 
-def log_proteingym_to_mlflow(trained, result: dict, out: Path) -> str | None:
-    """eval/proteingym/{spearman,auc,mcc} (mean over assays) and eval/proteingym/DMS_ID/... at the checkpoint's
-    training step (no depth axis, so no plot), and the JSON as an artifact."""
+def start_eval_run(client, parent_id: str, trained, task: str, data: Path) -> str:
+    """A run nested under the training run ``parent_id`` for one evaluation (task x data set), tagged with what was
+    evaluated: two data sets evaluated on one training run get two runs, whose metrics and plots stay apart."""
+    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+
+    parent = client.get_run(parent_id)
+    name = f"eval {task} {data.name}"
+    tags = {MLFLOW_PARENT_RUN_ID: parent_id, MLFLOW_RUN_NAME: name, "eval.task": task,
+            "eval.data": str(data.resolve()), "eval.checkpoint": str(trained.tag_dir),
+            "eval.step": str(int(trained.client_state.get("step", 0)))}
+    return client.create_run(parent.info.experiment_id, tags=tags, run_name=name).info.run_id
+
+
+def log_proteingym_to_mlflow(trained, result: dict, out: Path, data: Path) -> tuple[str, str] | None:
+    """In a run nested under the training run (:func:`start_eval_run`): eval/proteingym/{spearman,auc,mcc} (mean
+    over assays) and eval/proteingym/DMS_ID/... at the checkpoint's training step (no depth axis, so no plot), and
+    the JSON as an artifact. Returns (evaluation run id, training run id)."""
     run_id, uri = mlflow_target(trained)
     if not run_id:
         return None
@@ -279,19 +312,23 @@ def log_proteingym_to_mlflow(trained, result: dict, out: Path) -> str | None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
+    child = start_eval_run(client, run_id, trained, "proteingym", data)
     step, now_ms = int(trained.client_state.get("step", 0)), int(time.time() * 1000)
     keys = ("spearman", "auc", "mcc")
     named = [(f"eval/proteingym/{k}", result["aggregate"][k]) for k in keys]
     named += [(f"eval/proteingym/{i}/{k}", m[k]) for i, m in result["per_assay"].items() for k in keys]
     metrics = [Metric(name, float(v), now_ms, step) for name, v in named if np.isfinite(v)]
     for b in range(0, len(metrics), 1000):  # MLflow's log_batch takes at most 1000 metrics
-        client.log_batch(run_id, metrics=metrics[b:b + 1000])
-    client.log_artifact(run_id, str(out), "eval")
-    return run_id
+        client.log_batch(child, metrics=metrics[b:b + 1000])
+    client.log_artifact(child, str(out), "eval")
+    client.set_terminated(child)
+    return child, run_id
 
 
-def log_to_mlflow(trained, task: str, result: dict) -> str | None:
-    """Log into the checkpoint's training run when its store is reachable; returns the run id used."""
+def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path) -> tuple[str, str] | None:
+    """In a run nested under the checkpoint's training run (:func:`start_eval_run`), when its store is reachable:
+    eval/TASK/METRIC with step = K, the JSON and a metric-vs-depth plot (written beside the JSON). Returns
+    (evaluation run id, training run id)."""
     run_id, uri = mlflow_target(trained)
     run_dir = Path(trained.cfg.run_dir)
     if not run_id:
@@ -304,22 +341,27 @@ def log_to_mlflow(trained, task: str, result: dict) -> str | None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
+    child = start_eval_run(client, run_id, trained, task, data)
     cols, rows = result["columns"], result["table"]
     now_ms = int(time.time() * 1000)
     metrics = [Metric(f"eval/{task}/{name.strip('|')}", float(row[j]), now_ms, int(row[0]))
                for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
-    client.log_batch(run_id, metrics=metrics)
+    for b in range(0, len(metrics), 1000):
+        client.log_batch(child, metrics=metrics[b:b + 1000])
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ks = [r[0] for r in rows]
     ax.plot(ks, [r[1] for r in rows], marker="o")
     ax.set_xlabel("recurrent depth K")
     ax.set_ylabel(cols[1])
-    ax.set_title(f"{task} vs depth ({run_dir.name})")
+    ax.set_title(f"{task} on {data.name} vs depth ({run_dir.name})", fontsize=9)
     fig.tight_layout()
-    png = trained.tag_dir / f"eval-{task}-vs-depth.png"
+    png = out.with_name(f"{out.stem}-vs-depth.png")
     fig.savefig(png, dpi=120)
-    client.log_artifact(run_id, str(png), "eval")
-    return run_id
+    plt.close(fig)
+    client.log_artifact(child, str(out), "eval")
+    client.log_artifact(child, str(png), "eval")
+    client.set_terminated(child)
+    return child, run_id
 
 
 def main(argv=None) -> int:
@@ -329,7 +371,8 @@ def main(argv=None) -> int:
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
                    "blimp: JSONL or dir; lambada: text or JSONL; proteingym: assay CSV or dir")
     p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
-                   "recursive_gpt, 1-8 for eco_rna)")
+                   "recursive_gpt, 1-8 for eco_rna); at most 4 x the deepest training depth, and at least 8")
+    p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
     p.add_argument("--seed", type=int, default=0, help="seeds the masks and the initial-state table")
     p.add_argument("--reference-sheet", type=Path, default=None, help="RNAGym reference_sheet.csv")
     p.add_argument("--reference", type=Path, default=None, help="proteingym: DMS_substitutions.csv (wild types; "
@@ -338,7 +381,7 @@ def main(argv=None) -> int:
                    "(ProteinGym's optimal window, 1024)")
     p.add_argument("--batch-size", type=int, default=32, help="proteingym: masked copies per forward pass")
     p.add_argument("--spm", type=Path, default=None, help="blimp/lambada: sentencepiece model "
-                   "(default: tokenizer.model beside the training shards)")
+                   "(default: the export's tokenizer.model, else tokenizer.model beside the training shards)")
     p.add_argument("--blimp-method", default="full", choices=("full", "one_prefix", "two_prefix"))
     p.add_argument("--output", type=Path, default=None, help="JSON path (default: TAG_DIR/eval-TASK.json)")
     p.add_argument("--no-mlflow", action="store_true")
@@ -357,7 +400,15 @@ def main(argv=None) -> int:
         data = Path(args.data)
         if not data.exists():
             raise FileNotFoundError(f"{data}: no such file or directory")
-        trained = load_trained_model(args.checkpoint)
+        if args.spm is not None and not args.spm.is_file():
+            raise FileNotFoundError(f"{args.spm}: --spm: no such file")
+        if args.output is not None and not args.output.parent.is_dir():
+            raise FileNotFoundError(f"{args.output.parent}: --output: no such directory")
+        tag_dir, cfg, _ = locate_checkpoint(args.checkpoint)  # config and client state, no weights yet
+        if depths:
+            check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)
+        require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
+        trained = load_trained_model(tag_dir)
         if args.task != "proteingym":  # proteingym has no depth axis
             depths = depths or default_depths(trained.cfg)
         if args.task == "proteingym":
@@ -372,6 +423,9 @@ def main(argv=None) -> int:
             result = run_lambada(trained, data, depths, args.spm)
     except (ConfigError, ShardError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # unreadable data (permissions, a directory where a file was expected): names the path
+        print(f"error: {e.filename or args.data}: {e.strerror or e}", file=sys.stderr)
         return 2
     cols = result["columns"]
     out = args.output or trained.tag_dir / f"eval-{args.task}.json"
@@ -389,16 +443,20 @@ def main(argv=None) -> int:
             print(" | ".join(f"{row[0]:>10d}" if j == 0 else f"{v:>10.4f}" for j, v in enumerate(row)))
     if "types_line" in result:
         print(result["types_line"])
+    if result.get("skipped_line"):
+        print(result["skipped_line"])
     result.update(task=args.task, checkpoint=str(trained.tag_dir), data=str(data), seed=args.seed, depths=depths)
     if args.task == "proteingym":
         result.update(reference=str(args.reference) if args.reference else None)
-    out.write_text(json.dumps(result, indent=1, default=float))
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=float))
+    os.replace(tmp, out)  # never half a JSON where the result belongs
     print(f"wrote {out}")
     if not args.no_mlflow:
-        log = log_proteingym_to_mlflow(trained, result, out) if args.task == "proteingym" else \
-            log_to_mlflow(trained, args.task, result)
+        log = log_proteingym_to_mlflow(trained, result, out, data) if args.task == "proteingym" else \
+            log_to_mlflow(trained, args.task, result, out, data)
         if log:
-            print(f"logged to MLflow run {log}")
+            print(f"logged to MLflow run {log[0]} (nested in training run {log[1]})")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""launchers/evaluate.py on a checkpoint trained here: table, JSON, MLflow metrics + plot in the training run."""
+"""launchers/evaluate.py on a checkpoint trained here: table, JSON, MLflow metrics + plot in a run nested under the
+training run (one per evaluation), progress on stderr, --trust-checkpoint for DeepSpeed checkpoints."""
 import csv
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import HELDOUT_FASTA, REPO, SHARED_DATA, TINY, launch_env, run_launch
+from conftest import HELDOUT_FASTA, REPO, SAMPLE_FASTA, SHARED_DATA, TINY, launch_env, run_launch
 
 pytestmark = pytest.mark.slow
 RNAGYM = SHARED_DATA / "eval" / "rnagym"
@@ -29,10 +30,13 @@ def evaluate(*args):
     return run_launch([sys.executable, str(REPO / "launchers/evaluate.py"), *args], timeout=300)
 
 
+TRUST = "--trust-checkpoint"  # the checkpoints here were trained by this test module
+
+
 def test_reconstruction_sweep(trained_run, tmp_path):
     out = tmp_path / "rec.json"
     proc = evaluate("--checkpoint", str(trained_run), "--task", "reconstruction", "--data", str(HELDOUT_FASTA),
-                    "--depths", "1-3", "--output", str(out))
+                    "--depths", "1-3", "--output", str(out), TRUST)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split("|")[0].strip() == "K" and [ln.split("|")[0].strip() for ln in lines[1:4]] == ["1", "2", "3"]
@@ -40,19 +44,47 @@ def test_reconstruction_sweep(trained_run, tmp_path):
     assert res["sequences"] == 211 and set(res["per_depth"]) == {"1", "2", "3"}
     assert len({v["tokens"] for v in res["per_depth"].values()}) == 1  # the same masks at every depth
     assert "logged to MLflow run" in proc.stdout
+    # progress with a time estimate on stderr, one warning line for the trusted pickle; stdout keeps the results
+    assert "reconstruction K=1-3: 100%" in proc.stderr and "batch/s]" in proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("warning:")] == [
+        f"warning: {TRUST}: unpickling {res['checkpoint']} with DeepSpeed's loader (torch.load weights_only=False), "
+        "which runs any code the files hold"]
+    assert "%|" not in proc.stdout
 
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{trained_run.resolve()}/mlflow.db")
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    hist = client.get_metric_history(run.info.run_id, "eval/reconstruction/loss")
+    exps = [e.experiment_id for e in client.search_experiments()]
+    (train,) = client.search_runs(exps, "tags.`mlflow.parentRunId` IS NULL")
+    (ev,) = client.search_runs(exps, f"tags.`mlflow.parentRunId` = '{train.info.run_id}'")
+    assert f"logged to MLflow run {ev.info.run_id} (nested in training run {train.info.run_id})" in proc.stdout
+    assert ev.data.tags["eval.task"] == "reconstruction" and ev.data.tags["eval.step"] == "6"
+    assert ev.data.tags["eval.data"] == str(HELDOUT_FASTA.resolve())
+    hist = client.get_metric_history(ev.info.run_id, "eval/reconstruction/loss")
     assert [h.step for h in hist] == [1, 2, 3]
     assert [h.value for h in hist] == pytest.approx([res["per_depth"][k]["loss"] for k in "123"])
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "eval")] == [
-        "eval/eval-reconstruction-vs-depth.png"]
+    assert [a.path for a in client.list_artifacts(ev.info.run_id, "eval")] == ["eval/rec-vs-depth.png",
+                                                                              "eval/rec.json"]
+    assert client.get_metric_history(train.info.run_id, "eval/reconstruction/loss") == []  # nothing overwritten
+
+    # A second data set on the same training run: its own nested run; the first run's metrics and plot stay.
+    out2 = tmp_path / "rec2.json"
+    second = evaluate("--checkpoint", str(trained_run), "--task", "reconstruction", "--data", str(SAMPLE_FASTA),
+                      "--depths", "1,2", "--output", str(out2), TRUST)
+    assert second.returncode == 0, second.stderr
+    runs = client.search_runs(exps, f"tags.`mlflow.parentRunId` = '{train.info.run_id}'")
+    by_data = {r.data.tags["eval.data"]: r.info.run_id for r in runs}
+    assert set(by_data) == {str(HELDOUT_FASTA.resolve()), str(SAMPLE_FASTA.resolve())}
+    assert [h.step for h in client.get_metric_history(ev.info.run_id, "eval/reconstruction/loss")] == [1, 2, 3]
+    hist2 = client.get_metric_history(by_data[str(SAMPLE_FASTA.resolve())], "eval/reconstruction/loss")
+    want2 = json.loads(out2.read_text())["per_depth"]
+    assert [(h.step, h.value) for h in hist2] == [(1, pytest.approx(want2["1"]["loss"])),
+                                                  (2, pytest.approx(want2["2"]["loss"]))]
+    assert [a.path for a in client.list_artifacts(ev.info.run_id, "eval")] == ["eval/rec-vs-depth.png",
+                                                                              "eval/rec.json"]
     # same seed -> identical numbers (fixed initial-state table and masks)
     again = evaluate("--checkpoint", str(trained_run), "--task", "reconstruction", "--data", str(HELDOUT_FASTA),
-                     "--depths", "1-3", "--output", str(tmp_path / "again.json"), "--no-mlflow")
+                     "--depths", "1-3", "--output", str(tmp_path / "again.json"), "--no-mlflow", TRUST)
     assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "again.json").read_text())["per_depth"] == res["per_depth"]
 
@@ -142,7 +174,7 @@ def test_rnagym_sweep_matches_a_hand_computed_score(trained_run, tmp_path):
             w.writerows([m, y, _mutate(wt, m)] for m, y in rows)
     out = tmp_path / "gym.json"
     proc = evaluate("--checkpoint", str(trained_run), "--task", "rnagym", "--data", str(gym), "--reference-sheet",
-                    str(RNAGYM / "reference_sheet.csv"), "--depths", "1,2", "--output", str(out), "--no-mlflow")
+                    str(RNAGYM / "reference_sheet.csv"), "--depths", "1,2", "--output", str(out), "--no-mlflow", TRUST)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
     assert "RNA types (assays): Ribozyme 1, mRNA-splicing 1; missing mRNA-coding, tRNA, Aptamer" in proc.stdout
@@ -187,23 +219,38 @@ def test_bad_input_is_one_error_line(trained_run, tmp_path):
     proc = evaluate("--checkpoint", str(trained_run), "--task", "reconstruction", "--data", str(HELDOUT_FASTA),
                     "--depths", "3-1")
     assert proc.returncode == 2 and "--depths '3-1'" in proc.stderr
+    # the cap: 4 x the deepest training depth, the demo config's objective.k_cap 8
+    proc = evaluate("--checkpoint", str(trained_run), "--task", "reconstruction", "--data", str(HELDOUT_FASTA),
+                    "--depths", "1-33", TRUST)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "--depths '1-33': depth 33 is above the maximum 32" in proc.stderr and "config.yaml" in proc.stderr
+    # a DeepSpeed checkpoint without --trust-checkpoint: one line saying why and what to pass, nothing loaded
+    proc = evaluate("--checkpoint", str(trained_run), "--task", "reconstruction", "--data", str(HELDOUT_FASTA))
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "a DeepSpeed checkpoint is a pickle" in proc.stderr and f"pass {TRUST}" in proc.stderr
 
 
 def test_export_loads_without_deepspeed_and_gives_the_same_numbers(trained_run, tmp_path):
     export = tmp_path / "export"
+    untrusted = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), "--checkpoint",
+                                str(trained_run), "--output", str(export)], cwd=REPO, env=launch_env(),
+                               capture_output=True, text=True)
+    assert untrusted.returncode == 2 and f"pass {TRUST}" in untrusted.stderr and not export.exists()
     proc = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), "--checkpoint", str(trained_run),
-                           "--output", str(export)], cwd=REPO, env=launch_env(), capture_output=True, text=True)
+                           "--output", str(export), TRUST], cwd=REPO, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in export.iterdir()) == ["config.yaml", "export.json", "model.safetensors"]
+    assert "convert: 100%" in proc.stderr and proc.stdout.startswith("exported ")  # progress on stderr only
+    assert json.loads((export / "export.json").read_text())["tokenizer"]["name"] == "nucleotide"
     outs = []
-    for ckpt in (trained_run, export):
+    for ckpt, trust in ((trained_run, [TRUST]), (export, [])):  # the export needs no trust
         out = tmp_path / f"{ckpt.name}.json"
         proc = evaluate("--checkpoint", str(ckpt), "--task", "reconstruction", "--data", str(HELDOUT_FASTA),
-                        "--depths", "2", "--output", str(out), "--no-mlflow")
+                        "--depths", "2", "--output", str(out), "--no-mlflow", *trust)
         assert proc.returncode == 0, proc.stderr
         outs.append(json.loads(out.read_text())["per_depth"])
     assert outs[0] == outs[1]
     again = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), "--checkpoint",
-                            str(trained_run), "--output", str(export)], cwd=REPO, env=launch_env(),
+                            str(trained_run), "--output", str(export), TRUST], cwd=REPO, env=launch_env(),
                            capture_output=True, text=True)
     assert again.returncode == 2 and "exists and is not empty" in again.stderr

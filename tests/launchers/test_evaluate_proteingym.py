@@ -182,13 +182,26 @@ def test_cli_logs_to_mlflow(folder, export33, tmp_path, monkeypatch, capsys):
     out = tmp_path / "pg.json"
     assert main("--checkpoint", export33, "--task", "proteingym", "--data", d, "--reference", ref,
                 "--output", out) == 0
-    assert f"logged to MLflow run {run.info.run_id}" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    (ev,) = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+    assert f"logged to MLflow run {ev.info.run_id} (nested in training run {run.info.run_id})" in captured.out
+    assert ev.data.tags["eval.task"] == "proteingym" and ev.data.tags["eval.data"] == str(d.resolve())
+    assert "proteingym AAAA_TEST_2024: 100%" in captured.err  # a progress bar per assay, on stderr
     res = json.loads(out.read_text())
     for key, val in (("eval/proteingym/spearman", res["aggregate"]["spearman"]),
                      ("eval/proteingym/BBBB_TEST_2024/mcc", res["per_assay"]["BBBB_TEST_2024"]["mcc"])):
-        (h,) = client.get_metric_history(run.info.run_id, key)
+        (h,) = client.get_metric_history(ev.info.run_id, key)
         assert h.step == 0 and h.value == pytest.approx(val)  # an export has no training step: 0
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "eval")] == ["eval/pg.json"]
+        assert client.get_metric_history(run.info.run_id, key) == []  # the training run itself is not written
+    assert [a.path for a in client.list_artifacts(ev.info.run_id, "eval")] == ["eval/pg.json"]
+    # another data set on the same run: a second nested run, the first one's metrics untouched
+    assert main("--checkpoint", export33, "--task", "proteingym", "--data", d / "AAAA_TEST_2024.csv", "--reference",
+                ref, "--output", tmp_path / "pg2.json") == 0
+    runs = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+    assert sorted(r.data.tags["eval.data"] for r in runs) == sorted([str(d.resolve()),
+                                                                    str((d / "AAAA_TEST_2024.csv").resolve())])
+    (h,) = client.get_metric_history(ev.info.run_id, "eval/proteingym/spearman")
+    assert h.value == pytest.approx(res["aggregate"]["spearman"])
 
 
 @needs_data
