@@ -10,15 +10,22 @@ from . import SOURCES, FastaError
 from .progress import MODES
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
 def _positive(text: str) -> int:
-    v = int(text)
+    v = _int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
 
 
 def _nonnegative(text: str) -> int:
-    v = int(text)
+    v = _int(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
     return v

@@ -541,9 +541,9 @@ class DamageCheck:
     EXAMPLES = 3
     WARN_AFTER = 1000  # records read before the running fraction is worth a warning
 
-    def __init__(self, settings: Settings, unit: str = "records", flag_hint: str = ""):
+    def __init__(self, settings: Settings, unit: str = "records"):
         self.limit = settings.max_filtered_fraction
-        self.unit, self.flag_hint = unit, flag_hint
+        self.unit = unit
         self.damaged = 0
         self.reasons: Counter = Counter()
         self.examples: list[str] = []
@@ -584,8 +584,11 @@ class DamageCheck:
                 fix = "pass --replace-invalid CHAR (e.g. N for nucleotides, X for proteins) to keep them, "
         if self.examples:
             msg += "; first: " + "; ".join(self.examples)
-        raise PrepError(f"{msg}. Nothing was written: {fix}or raise --max-filtered-fraction (1 keeps the job going "
-                        f"and lists every dropped record in {FILTERED}){self.flag_hint}")
+        if fix:
+            raise PrepError(f"{msg}. Nothing was written: {fix}or raise --max-filtered-fraction (1 keeps the job "
+                            f"going and lists every dropped record in {FILTERED})")
+        raise PrepError(f"{msg}. Nothing was written (--max-filtered-fraction 1 would keep the job going and list "
+                        f"every dropped record in {FILTERED})")
 
 
 # ------------------------------------------------------------------------------------------------------------ build
@@ -844,13 +847,13 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
             raise PrepError(f"output {output}: {p} exists and is not a directory")
     if output in inputs or any(output in p.parents for p in inputs):
         raise PrepError(f"output {output} would hold an input; choose another directory")
-    encoder = Encoder(source, alphabet, spm)
-    settings = check_settings(source, encoder, settings)
     if source.tokenizer == "sentencepiece":
         from .sources import check_text_inputs
         check_text_inputs(inputs, text_column)
     elif text_column is not None:
         raise PrepError(f"--text-column applies to babylm (.csv text), not to {source.name}")
+    encoder = Encoder(source, alphabet, spm)
+    settings = check_settings(source, encoder, settings)
     if clusters is not None:
         if source.name != "uniref":
             raise PrepError(f"--clusters is a uniref option, not {source.name}'s")
@@ -913,9 +916,10 @@ def _no_samples(manifest: Manifest, seen: int, split: str, settings: Settings) -
     if split:
         read = sum(i["records"] for i in manifest.inputs)
         unit = "clusters" if manifest.layout == "clusters" else "records"
-        return PrepError(f"--val-fraction {settings.val_fraction}: the {split} split holds no samples ({read} of "
-                         f"the {seen} {unit} hashed into it, all filtered {manifest.filtered}); too few records "
-                         "for this fraction")
+        why = (f"none of the {seen} {unit} hashed into it" if read == 0 else
+               f"the {read} of {seen} {unit} hashed into it were all filtered {manifest.filtered}")
+        return PrepError(f"--val-fraction {settings.val_fraction}: the {split} split holds no samples ({why}); "
+                         "too few records for this fraction")
     if manifest.layout == "clusters":
         return PrepError(f"no clusters written: all {manifest.stats['clusters']} clusters filtered "
                          f"{manifest.filtered} (members {manifest.stats['members_filtered']})")
