@@ -225,6 +225,21 @@ def test_replace_invalid_in_proteins_and_clusters(tmp_path, capsys):
     assert run("uniref", "--input", src, "--output", tmp_path / "u", "--replace-invalid", "X") == 0
     m = load_manifest(tmp_path / "u")
     assert m.total_samples == 300 and m.stats["replaced"] == {"*": 100}
+    # cluster members: the same, counted per member
+    members = records(UR90.read_text())
+    starred = [(rid, desc, seq[:10] + "*" + seq[11:]) if k % 4 == 0 else (rid, desc, seq)
+               for k, (rid, desc, seq) in enumerate(members)]
+    src90 = tmp_path / "ur90_star.fasta"
+    write_fasta(src90, starred, 80)
+    n_star = len(range(0, len(members), 4))
+    capsys.readouterr()
+    assert run("uniref", "--input", src90, "--clusters", MAPPING, "--output", tmp_path / "c") == 1
+    assert f"{n_star} of {len(members)} members" in capsys.readouterr().err
+    assert run("uniref", "--input", src90, "--clusters", MAPPING, "--output", tmp_path / "c",
+               "--replace-invalid", "X") == 0
+    assert f"replaced {n_star} characters by 'X' in {n_star} members" in capsys.readouterr().out
+    m = load_manifest(tmp_path / "c")
+    assert m.stats["members_kept"] == len(members) == 6376 and m.stats["replaced"] == {"*": n_star}
     # --replace-invalid must be a residue of the alphabet
     capsys.readouterr()
     assert run("uniref", "--input", src, "--output", tmp_path / "v", "--replace-invalid", "*") == 1
