@@ -35,7 +35,7 @@ from pipeline.data.loader import ShardStream, Source, is_url_pattern, make_loade
 from pipeline.families import get_family
 from pipeline.parallel import EP_KEY, check_parallelism, optimizer_groups, parallelize
 from pipeline.run_dir import (CHECKPOINT_FORMAT, COMPLETE, LATEST, RunDirLock, checkpoint_tags, is_complete,
-                              mark_complete, resume_tag, rotate, write_atomic)
+                              mark_complete, resume_tag, rotate, set_aside_later_checkpoints, write_atomic)
 from pipeline.run_dir import read_latest as read_latest_tag
 from pipeline.run_log import current as current_run_log
 from pipeline.tracking import Tracker
@@ -411,6 +411,9 @@ class Trainer:
             if self.resume_tag and read_latest_tag(self.ckpt_dir) != self.resume_tag:
                 # A rollback (--resume of an older tag) or a fallback past an incomplete latest: this is the
                 # timeline now, and a crash before the next save must come back here.
+                aside = set_aside_later_checkpoints(self.ckpt_dir, self.resume_tag)
+                if aside:
+                    print(f"note: the checkpoints after {self.resume_tag} were moved to {aside}", flush=True)
                 write_atomic(self.ckpt_dir / LATEST, self.resume_tag)
             write_atomic(self.run_dir / "config.yaml", dump_yaml(self.cfg))
             write_atomic(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=1))

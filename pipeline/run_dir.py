@@ -108,9 +108,8 @@ def mark_complete(tag_dir: Path):
 def rotate(ckpt_dir: Path, keep_last: int, current: str) -> list[str]:
     """Delete old rotating checkpoints so that ``keep_last`` complete ones remain; returns the deleted tags.
 
-    Only checkpoints of the current timeline (steps up to ``current``, the one just written) are considered: after a
-    rollback (``--resume`` of an older tag) the abandoned later checkpoints are left alone until the run writes the
-    same tag again. Milestones (client_state ``milestone``) are never rotated; ``current`` and the tag ``latest``
+    Only checkpoints up to ``current`` (the one just written) are considered (a rollback sets later ones aside first,
+    ``set_aside_later_checkpoints``). Milestones (client_state ``milestone``) are never rotated; ``current`` and the tag ``latest``
     names are never deleted. Incomplete checkpoints older than the kept ones go with them.
     """
     if not keep_last:
@@ -124,6 +123,22 @@ def rotate(ckpt_dir: Path, keep_last: int, current: str) -> list[str]:
     for t in doomed:
         shutil.rmtree(ckpt_dir / t, ignore_errors=True)
     return doomed
+
+
+def set_aside_later_checkpoints(ckpt_dir: Path, tag: str) -> Path | None:
+    """A rollback to ``tag``: move the checkpoints of the abandoned timeline (steps after it) into
+    ``checkpoints/abandoned_after_<tag>_<time>/``, kept but out of the way of resume, rotation and evaluation.
+    Returns that directory, or None when there was nothing later."""
+    later = [t for t in checkpoint_tags(ckpt_dir) if tag_step(t) > tag_step(tag)]
+    if not later:
+        return None
+    stamp, n = time.strftime('%Y%m%d-%H%M%S'), 0
+    while (aside := ckpt_dir / f"abandoned_after_{tag}_{stamp}{f'-{n}' if n else ''}").exists():
+        n += 1
+    aside.mkdir()
+    for t in later:
+        os.replace(ckpt_dir / t, aside / t)
+    return aside
 
 
 class RunDirLock:

@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.run_dir import (COMPLETE, LATEST, RunDirLock, checkpoint_tags, is_complete, mark_complete, resume_tag,
-                              rotate)
+                              rotate, set_aside_later_checkpoints)
 
 
 def make_ckpt(ckpt_dir, step, complete=True, milestone=False, legacy=False):
@@ -108,3 +108,13 @@ def test_lock_refuses_a_second_holder_and_names_it(tmp_path):
     first.release()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out == ""  # released: the next training gets it
+
+
+def test_a_rollback_sets_the_abandoned_timeline_aside(tmp_path):
+    d = tmp_path / "checkpoints"
+    for s in (2, 4, 6, 8):
+        make_ckpt(d, s)
+    aside = set_aside_later_checkpoints(d, "step00000004")
+    assert checkpoint_tags(d) == ["step00000002", "step00000004"]
+    assert sorted(p.name for p in aside.iterdir()) == ["step00000006", "step00000008"] and aside.parent == d
+    assert set_aside_later_checkpoints(d, "step00000004") is None

@@ -123,7 +123,7 @@ def test_max_hours_deadline_checkpoints_and_exits_0(sample_shards, tmp_path):
 def test_an_error_on_rank_1_is_printed_with_its_rank_and_last(sample_shards, tmp_path):
     shards = tmp_path / "shards"
     shutil.copytree(sample_shards, shards)
-    names = [s["name"] for s in json.loads((shards / "manifest.json").read_text())["shards"]]
+    names = [s["path"] for s in json.loads((shards / "manifest.json").read_text())["shards"]]
     # The shards rank 1 of 2 reads first (pipeline/data/loader.py: SourceStream.stream_shards, seed 1234, epoch 0).
     rank1 = [names[i] for i in np.random.default_rng([1234, 0]).permutation(len(names))[1::2]]
     for name in rank1:
@@ -169,13 +169,17 @@ def test_damaged_checkpoints_resume_from_the_newest_complete_and_rollback_keeps_
     changed = train(8, "seed=7")
     assert changed.returncode == 2 and "seed: 7 differs from 1234" in changed.stderr, changed.stderr[-2000:]
 
-    # Rollback to step 2 with rotation: the run rewrites step 4 and 6 of the new timeline; latest always valid.
+    # Rollback to step 2 with rotation: later checkpoints are set aside, the new timeline rotates; latest valid.
     back = train(8, "checkpoint.keep_last=2", extra=["--resume", str(ckpts / "step00000002")])
     assert back.returncode == 0, back.stderr[-3000:]
     assert (ckpts / "latest").read_text() == "step00000008"
     assert (ckpts / "step00000008" / "COMPLETE").is_file() and (ckpts / "step00000006" / "COMPLETE").is_file()
     assert json.loads((ckpts / "step00000006" / "client_state.json").read_text())["step"] == 6
     assert not (ckpts / "step00000002").exists() and not (ckpts / "step00000004").exists()
+    # Set aside, kept out of the way: the truncated step 4 at the first fallback, then the abandoned timeline.
+    truncated, abandoned = sorted(ckpts.glob("abandoned_after_step00000002_*"))
+    assert [p.name for p in truncated.iterdir()] == ["step00000004"]
+    assert sorted(p.name for p in abandoned.iterdir()) == ["step00000004", "step00000006", "step00000007"]
 
 
 def test_a_full_disk_names_itself_and_leaves_latest(sample_shards, tmp_path):
