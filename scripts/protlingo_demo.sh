@@ -20,7 +20,7 @@ if [[ ! -f $INIT/model.safetensors ]]; then
   # --perturb: routed experts 1..E-1 start slightly apart from the exact copy, so routing has something to choose
   $PY tools/upcycle_esm2.py --esm "$ESM" --config launchers/configs/protlingo_demo.yaml --out "$INIT" --perturb 0.01
 fi
-.venv/bin/deepspeed --num_gpus "${NPROC:-2}" launchers/pretrain.py --ds_config ds_configs/zero2.json \
+bash scripts/launch.sh launchers/pretrain.py --ds_config ds_configs/zero2.json \
   --config launchers/configs/protlingo_demo.yaml "$@"
 ASSAY=../shared/data/eval/proteingym/BLAT_ECOLX_Jacquier_2013.csv
 if [[ -f $ASSAY ]]; then

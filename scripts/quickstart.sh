@@ -10,4 +10,4 @@ if [[ ! -f $SHARDS/manifest.json ]]; then
   .venv/bin/python -m data_prep rnacentral --input data/samples/rfam_nrc_train_sample.fasta.gz \
     --output "$SHARDS" --shard-size 300
 fi
-exec .venv/bin/deepspeed --num_gpus "${NPROC:-2}" launchers/pretrain.py --ds_config ds_configs/zero2.json "$@"
+exec bash scripts/launch.sh launchers/pretrain.py --ds_config ds_configs/zero2.json "$@"

@@ -196,3 +196,21 @@ def test_a_full_disk_names_itself_and_leaves_latest(sample_shards, tmp_path):
     assert "latest still names step00000002" in last_error
     assert (run_dir / "checkpoints" / "latest").read_text() == "step00000002"
     assert mlflow_status(run_dir) == ["FAILED"]
+
+
+def test_the_launch_script_picks_a_free_port_when_the_default_is_taken(sample_shards, tmp_path):
+    import socket
+
+    with socket.socket() as held:
+        try:
+            held.bind(("127.0.0.1", 29500))  # DeepSpeed's default master port, as another job would hold it
+        except OSError:
+            pass  # already held by something else: the condition under test
+        held.listen()
+        env = {k: v for k, v in launch_env().items() if k != "MASTER_PORT"}
+        proc = subprocess.run(["bash", "scripts/launch.sh", "launchers/pretrain.py", "--ds_config",
+                               "ds_configs/zero2.json", *sum((["--set", o] for o in overrides(
+                                   sample_shards, tmp_path / "run", 2, "tracking.enabled=false")), [])],
+                              cwd=REPO, env={**env, "NPROC": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "step00000002"
