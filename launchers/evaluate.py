@@ -387,11 +387,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-mlflow", action="store_true")
     args = p.parse_args(argv)
 
-    from pipeline.checkpoint import load_trained_model
-    from pipeline.config import ConfigError
-    from pipeline.data.shards import ShardError
-
-    try:
+    try:  # the checks that need no model first: a bad flag fails in a fraction of a second, before torch loads
         if args.task == "proteingym" and args.depths:  # a masked LM has one depth: a sweep would repeat one number
             raise ValueError("--depths does not apply to --task proteingym (one forward depth per model)")
         if args.reference is not None and args.task != "proteingym":
@@ -404,6 +400,8 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
         if args.output is not None and not args.output.parent.is_dir():
             raise FileNotFoundError(f"{args.output.parent}: --output: no such directory")
+        from pipeline.checkpoint import load_trained_model
+
         tag_dir, cfg, _ = locate_checkpoint(args.checkpoint)  # config and client state, no weights yet
         if depths:
             check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)
@@ -421,7 +419,7 @@ def main(argv=None) -> int:
             result = run_blimp(trained, data, depths, args.spm, args.blimp_method)
         else:
             result = run_lambada(trained, data, depths, args.spm)
-    except (ConfigError, ShardError, FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # ConfigError and ShardError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # unreadable data (permissions, a directory where a file was expected): names the path

@@ -86,9 +86,7 @@ def main(argv=None) -> int:
                    "(evaluation then needs --spm)")
     args = p.parse_args(argv)
 
-    from pipeline.checkpoint import EXPORTED_WEIGHTS, is_export, load_trained_model
     from pipeline.config import ConfigError
-    from pipeline.data.shards import ShardError
     from pipeline.eval.cli import locate_checkpoint, progress, require_trust
 
     out: Path = args.output
@@ -101,6 +99,8 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"{out.parent}: --output: no such directory")
         if args.spm is not None and not args.spm.is_file():
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
+        from pipeline.checkpoint import EXPORTED_WEIGHTS, is_export, load_trained_model
+
         tag_dir, cfg, meta = locate_checkpoint(args.checkpoint)
         if is_export(tag_dir):
             raise ConfigError(f"{tag_dir}: already an export ({EXPORTED_WEIGHTS}); copy the directory instead")
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         tmp.rename(out)
         tmp = None
         bar.update()
-    except (ConfigError, ShardError, FileNotFoundError, ValueError, OSError) as e:
+    except (ValueError, OSError) as e:  # ConfigError, ShardError: ValueErrors; FileNotFoundError: an OSError
         if bar is not None:
             bar.close()
         print(f"error: {e}", file=sys.stderr)

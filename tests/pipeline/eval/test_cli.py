@@ -1,14 +1,17 @@
 """pipeline/eval/cli.py: the --depths parser and cap shared by evaluate.py and flops.py, config names, locating a
 checkpoint with named errors, the pickle rule, progress bars."""
-import json
 import pickle
+import sys
 
 import pytest
 import torch
 
 from conftest import REPO
-from pipeline.config import ConfigError, dump_yaml, load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.eval import cli
+
+sys.path.insert(0, str(REPO / "tests" / "tools"))
+from checkpoint_factory import tiny_config, write_deepspeed_like, write_export  # noqa: E402
 
 CONFIGS = REPO / "launchers" / "configs"
 
@@ -66,40 +69,17 @@ def test_resolve_config(tmp_path):
 
 def tiny_dirs(tmp_path):
     """(export dir, DeepSpeed-like tag dir) of a tiny Eco-RNA; the tag dir's model-state file is a pickle whose
-    loading would create ``marker``."""
-    from safetensors.torch import save_file
-
-    from pipeline.families import get_family
-
-    cfg = load_config(CONFIGS / "eco_rna_demo.yaml", ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1",
-                                                      "model.d_ff=32", f"run_dir={tmp_path / 'run'}"])
-    export = tmp_path / "export"
-    export.mkdir()
-    save_file(get_family(cfg.family).build_model(cfg.model).state_dict(), str(export / "model.safetensors"))
-    (export / "config.yaml").write_text(dump_yaml(cfg))
-    tag = tmp_path / "run" / "checkpoints" / "step00000003"
-    tag.mkdir(parents=True)
-    (tag / "config.yaml").write_text(dump_yaml(cfg))
-    (tag / "client_state.json").write_text(json.dumps({"step": 3}))
-    (tag.parent / "latest").write_text(tag.name)
-    return export, tag
-
-
-class Payload:
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return exec, (f"open({self.marker!r}, 'w').close()",)
+    loading would create tmp_path/PWNED."""
+    cfg = tiny_config(tmp_path)
+    return write_export(tmp_path / "export", cfg), write_deepspeed_like(tmp_path / "run", cfg, tmp_path / "PWNED")
 
 
 def test_locate_and_the_pickle_rule(tmp_path, capsys):
     export, tag = tiny_dirs(tmp_path)
     marker = tmp_path / "PWNED"
-    torch.save({"module": Payload(marker)}, tag / "mp_rank_00_model_states.pt")
     for where in (tmp_path / "run", tmp_path / "run" / "checkpoints", tag):
         found, cfg, meta = cli.locate_checkpoint(where)
-        assert found == tag and cfg.family == "eco_rna" and meta == {"step": 3}
+        assert found == tag and cfg.family == "eco_rna" and meta == {"step": 3, "world_size": 1}
     with pytest.raises(ConfigError, match=f"^{tag}: a DeepSpeed checkpoint is a pickle.*pass --trust-checkpoint"):
         cli.require_trust(tag, False)
     with pytest.raises(ConfigError, match="--trust-checkpoint"):
