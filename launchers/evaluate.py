@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
                    "blimp: JSONL or dir; lambada: text or JSONL; proteingym: assay CSV or dir")
     p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
-                   "recursive_gpt, 1-8 for eco_rna); at most 4 x the deepest training depth, and at least 8")
+                   "recursive_gpt, 1-8 for eco_rna); capped at 4 x the deepest training depth (a cap never below 8)")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
     p.add_argument("--seed", type=int, default=0, help="seeds the masks and the initial-state table")
     p.add_argument("--reference-sheet", type=Path, default=None, help="RNAGym reference_sheet.csv")

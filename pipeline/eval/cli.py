@@ -155,18 +155,13 @@ def locate_checkpoint(path) -> tuple[Path, object, dict]:
     return tag_dir, cfg, meta
 
 
-def is_deepspeed_checkpoint(tag_dir: Path) -> bool:
-    from pipeline.checkpoint import is_export
-
-    return not is_export(tag_dir)
-
-
 def require_trust(tag_dir: Path, trusted: bool):
     """The pickle rule: a DeepSpeed checkpoint is read only with --trust-checkpoint (then with a one-line warning);
     without it, a one-line ConfigError that says why and what to pass. Exports pass silently."""
+    from pipeline.checkpoint import is_export
     from pipeline.config import ConfigError
 
-    if not is_deepspeed_checkpoint(tag_dir):
+    if is_export(tag_dir):
         return
     if not trusted:
         raise ConfigError(f"{tag_dir}: a DeepSpeed checkpoint is a pickle, and loading it can run any code it holds; "
@@ -174,16 +169,6 @@ def require_trust(tag_dir: Path, trusted: bool):
                           "(tools/convert_checkpoint.py, model.safetensors), which needs nothing")
     print(f"warning: {TRUST_FLAG}: unpickling {tag_dir} with DeepSpeed's loader (torch.load weights_only=False), "
           "which runs any code the files hold", file=sys.stderr)
-
-
-def open_checkpoint(path, trusted: bool):
-    """:func:`locate_checkpoint`, the pickle rule, then ``pipeline.checkpoint.load_trained_model`` (weights loaded,
-    eval mode). Returns (TrainedModel, metadata)."""
-    from pipeline.checkpoint import load_trained_model
-
-    tag_dir, _, meta = locate_checkpoint(path)
-    require_trust(tag_dir, trusted)
-    return load_trained_model(tag_dir), meta
 
 
 # ---- progress --------------------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ arguments of forward_flops differently)."""
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 from pipeline.config import load_config
 
@@ -100,3 +102,17 @@ def test_depths_syntax_and_cap_are_evaluate_s():
                            "64", "--depths", "1-33"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "--depths '1-33': depth 33 is above the maximum 32" in proc.stderr
     assert "eco_rna_demo.yaml" in proc.stderr and "objective.k_cap 8" in proc.stderr
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "launchers" / "configs").glob("*.yaml")))
+def test_every_config_counts_length_as_length(config):
+    """The source of issue 11: the families' forward_flops order (depth, length) and (length, depth) differently, so
+    tools/flops.py calls them by keyword. Guard that for every shipped config: doubling L at least doubles the count
+    (attention makes it superlinear), and one more core application never lowers it."""
+    import inspect
+
+    m = load_config(REPO / "launchers" / "configs" / config).model
+    assert {"length", "depth"} <= set(inspect.signature(m.forward_flops).parameters)
+    f = lambda k, n: m.forward_flops(depth=k, length=n)  # noqa: E731
+    assert f(1, 512) >= 2 * f(1, 256) > 0
+    assert f(2, 256) >= f(1, 256)
