@@ -174,7 +174,8 @@ def _install_http_overrides():
 def bounded_http(timeout_s: float, max_retries: int = 0, backoff_factor: float = 0):
     """MLflow HTTP requests made by the calling thread from now on: ``timeout_s`` per connect/read, ``max_retries``."""
     _install_http_overrides()
-    _thread.http = {"MLFLOW_HTTP_REQUEST_TIMEOUT": float(timeout_s), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": int(max_retries),
+    _thread.http = {"MLFLOW_HTTP_REQUEST_TIMEOUT": float(timeout_s),
+                    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": int(max_retries),
                     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": backoff_factor, "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": 0.0}
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml  # noqa: E402
 
-from pipeline.tracking import (PENDING, Store, _flatten, _short, bounded_http, config_params,  # noqa: E402
+from pipeline.tracking import (PENDING, Store, _short, bounded_http, config_params,  # noqa: E402
                                logged_cadence, new_state, read_metrics_jsonl, read_state, replay, write_state)
 
 
@@ -104,7 +104,7 @@ def sync(run_dir: Path, uri: str | None = None, all_steps: bool = False, status:
         if created or not state.get("params_sent", {}).get(uri):
             store.log_params(run_id, params)
             state.setdefault("params_sent", {})[uri] = True
-        changed = store.config_tags(run_id, {k: str(v) for k, v in _flatten(config).items()}, None) if config else []
+        changed = store.config_tags(run_id, config_params(config), None) if config else []
 
         records = read_metrics_jsonl(metrics_path)
         if not all_steps:

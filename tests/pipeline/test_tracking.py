@@ -214,6 +214,7 @@ def test_mlflow_sync_replays_an_offline_run_idempotently(tmp_path):
     uri = sqlite_uri(tmp_path / "synced.db")
     res = mlflow_sync.sync(run_dir, uri)
     assert res["created"] and res["sent"] == [5, 10, 12] and res["artifacts"] == 1 and res["status"] == "FINISHED"
+    assert res["changed"] == []  # config.yaml is the config the params came from
     run = client(uri).get_run(res["run_id"])
     assert run.data.params["train.log_every"] == "5" and run.info.status == "FINISHED"
     assert [a.path for a in client(uri).list_artifacts(res["run_id"])] == ["config.yaml"]
@@ -286,7 +287,11 @@ class Proxy:
                 continue
             except OSError:
                 return
-            u = socket.create_connection(("127.0.0.1", self.upstream))
+            try:
+                u = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:  # the server behind it is dead: so is this connection
+                self._close(c)
+                continue
             with self.lock:
                 self.conns.update((c, u))
             threading.Thread(target=self._pump, args=(c, u, False), daemon=True).start()
