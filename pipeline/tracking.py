@@ -436,6 +436,7 @@ class Tracker:
         self.retry_s, self.max_retry_s = float(retry_s), float(max_retry_s)
         self._run_id = self._real_id = self._worker = None
         self._is_offline = False
+        self.failed_attempts = 0  # store calls that failed (rank 0), for tests and diagnostics
         error = None
         if rank == 0 and self.enabled:
             try:
@@ -674,7 +675,11 @@ class Tracker:
                         if self._finishing or self._stop:
                             self._gave_up = True
                             return
-                        self._cv.wait(delay)  # finish() wakes it for one last attempt
+                        # Back off; new items do not cut it short (they would make it retry every step), finish()
+                        # does, for one last attempt.
+                        until = time.monotonic() + delay
+                        while not (self._finishing or self._stop) and time.monotonic() < until:
+                            self._cv.wait(until - time.monotonic())
                     delay = min(delay * 2, self.max_retry_s)
         except BaseException as e:  # a bug here must not take training down
             if not self._quiet:
@@ -688,6 +693,7 @@ class Tracker:
 
     def _failed(self, e: BaseException):
         with self._cv:
+            self.failed_attempts += 1
             self._connected = self._busy = False
             was, self._is_offline = self._is_offline, True
             self._cv.notify_all()

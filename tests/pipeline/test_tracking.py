@@ -85,8 +85,12 @@ def test_unreachable_store_costs_nothing(tmp_path, capfd):
     construct = time.perf_counter() - t0
     assert construct < 2.0, construct
     assert tracker.run_id.startswith(PENDING)
-    calls = [engine_step(tracker, run_dir, s) for s in range(1, 101)]
+    calls = []
+    for s in range(1, 101):
+        calls.append(engine_step(tracker, run_dir, s))
+        time.sleep(0.005)
     assert sum(calls) < 0.1 and max(calls) < 0.02, (sum(calls), max(calls))
+    assert tracker.failed_attempts <= 2  # backoff (1 s, then 2 s), not one attempt per step
     tracker.log_artifact(run_dir / "metrics.jsonl")
     wait_for(lambda: tracker.offline, what="the tracker to notice the outage")
     t0 = time.perf_counter()
