@@ -13,10 +13,10 @@ exponential backoff (``retry_s`` doubling up to ``max_retry_s``); when it succee
 catches up. Errors the store will never accept (a bad value, an unknown run) drop that item with one line per error
 code.
 
-Timeouts. Every HTTP request of the worker runs with ``tracking.timeout_s`` (default 10 s) and no MLflow-level retry
-(``MLFLOW_HTTP_REQUEST_TIMEOUT`` = timeout_s, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` = 0, backoff 0); MLflow's defaults
-(120 s, 7 retries with backoff) are what made one call block for ~4 minutes. These values apply to the tracker's
-thread only: MLflow reads them through ``mlflow.environment_variables.<NAME>.get()`` on every request, and
+Timeouts. Every HTTP request of the worker runs with ``tracking.timeout_s`` (default 10 s, per connect and per read)
+and no MLflow-level retry (``MLFLOW_HTTP_REQUEST_TIMEOUT`` = timeout_s, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` = 0,
+backoff 0); MLflow's defaults (120 s, 7 retries with backoff) are what made one call block for ~4 minutes. These
+values apply to the tracker's thread only: MLflow reads them through ``mlflow.environment_variables.<NAME>.get()`` on every request, and
 ``bounded_http`` wraps those getters with a thread-local override, so ``os.environ`` and every other thread in the
 process keep the user's settings.
 
@@ -47,8 +47,10 @@ after its last checkpoint (resume at step R < H). Guarantee: each key has at mos
 the steps this tracker and mlflow_sync send; for steps R+1..H of a resume the store keeps the values of the attempt
 that first ran them (identical where resume is bit-exact, as on CPU; possibly not bit-identical with nondeterministic
 GPU kernels), metrics.jsonl holds the re-run's, and the run gets tag ``resumed_at_step_<R>.kept_steps`` = ``R+1-H``.
-A resumed job also replays from metrics.jsonl the steps <= R that the store misses (what mlflow_sync does), so one
-outage is repaired by the next resume. A ``time`` key in a record (seconds since the epoch) is used as the metric
+A resumed job also replays from metrics.jsonl the steps <= R that the store misses (what mlflow_sync does) when the
+journal says some may be missing, so one outage is repaired by the next resume. Limits: a step with more than 1000
+metrics takes two batches; mlflow_sync run while a live tracker of the same run sends can duplicate the steps both
+send (run it after the job). A ``time`` key in a record (seconds since the epoch) is used as the metric
 timestamp and not logged as a metric.
 
 Params on resume. MLflow params are immutable: the params stay the config of the run's first start. On each later
