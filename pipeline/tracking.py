@@ -16,9 +16,9 @@ code.
 Timeouts. Every HTTP request of the worker runs with ``tracking.timeout_s`` (default 10 s, per connect and per read)
 and no MLflow-level retry (``MLFLOW_HTTP_REQUEST_TIMEOUT`` = timeout_s, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` = 0,
 backoff 0); MLflow's defaults (120 s, 7 retries with backoff) are what made one call block for ~4 minutes. These
-values apply to the tracker's thread only: MLflow reads them through ``mlflow.environment_variables.<NAME>.get()`` on every request, and
-``bounded_http`` wraps those getters with a thread-local override, so ``os.environ`` and every other thread in the
-process keep the user's settings.
+values apply to the tracker's thread only: MLflow reads them through ``mlflow.environment_variables.<NAME>.get()`` on
+every request, and ``bounded_http`` wraps those getters with a thread-local override, so ``os.environ`` and every other
+thread in the process keep the user's settings.
 
 Start. The constructor waits for the worker to know the run id: at most the mlflow import (local, 2-4 s) plus
 ``timeout_s``, and not at all beyond the first failed attempt. Rank 0 then broadcasts the id to every rank.
