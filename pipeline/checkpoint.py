@@ -18,6 +18,7 @@ import torch
 
 from pipeline.config import ConfigError, RunConfig, build_config, load_yaml
 from pipeline.families import get_family
+from pipeline.run_dir import LATEST, resume_tag  # noqa: F401  (LATEST: engine)
 
 EXPORTED_WEIGHTS = "model.safetensors"
 
@@ -30,12 +31,13 @@ class TrainedModel:
     client_state: dict  # step, mlflow_run_id, ... ({} for an export)
 
 
-LATEST = "latest"  # RUN_DIR/checkpoints/latest names the newest complete checkpoint (written by the engine)
-
-
 def latest_tag(ckpt_dir: Path) -> str | None:
-    f = ckpt_dir / LATEST
-    return f.read_text().strip() if f.is_file() else None
+    """The checkpoint to continue from or evaluate: what ``latest`` names if complete, else the newest complete one
+    (pipeline/run_dir.py), with a note on stderr when it is not what ``latest`` names."""
+    tag, note = resume_tag(Path(ckpt_dir))
+    if note:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    return tag
 
 
 def resolve_tag_dir(path: str | Path) -> Path:

@@ -118,6 +118,10 @@ class DataConfig:
     # of the shard and in-shard permutations); stateless, so resume stays exact. Holds ~this many samples in memory.
     # 0 = off. Must not change on resume.
     shuffle_buffer: int = 0
+    # Each loader stream interleaves the samples of this many shards at a time (seeded; resume stays exact), so a
+    # shard set with one domain or class per shard still gives mixed batches. 1 = one shard after another (the order
+    # of checkpoints from before this key). Must not change on resume.
+    mix_shards: int = 4
     # Check each shard's sha256 against the manifest the first time a rank opens it (a corrupt or swapped shard
     # fails with one error line instead of training on wrong data). Sources without a manifest are not checked.
     verify: bool = True
@@ -127,6 +131,7 @@ class DataConfig:
         _check(self.context_length >= 8, "data.context_length", f"must be >= 8, got {self.context_length}")
         _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
         _check(self.shuffle_buffer >= 0, "data.shuffle_buffer", f"must be >= 0, got {self.shuffle_buffer}")
+        _check(self.mix_shards >= 1, "data.mix_shards", f"must be >= 1, got {self.mix_shards}")
         names = [s.name for s in self.sources]
         dup = sorted({n for n in names if names.count(n) > 1})
         _check(not dup, "data.sources", f"duplicate source name {dup[0]!r}" if dup else "")

@@ -31,6 +31,7 @@ from pipeline.checkpoint import (check_same_model, is_export, load_state_dict, l
                                  resolve_tag_dir)
 from pipeline.config import ConfigError, RunConfig, dump_yaml, load_yaml
 from pipeline.ds_config import load_ds_config, resolve_ds_config
+from pipeline.data.compat import check_shards_fit
 from pipeline.data.loader import ShardStream, Source, is_url_pattern, make_loader, resolve_shards
 from pipeline.families import get_family
 from pipeline.parallel import EP_KEY, check_parallelism, optimizer_groups, parallelize
@@ -251,6 +252,8 @@ class Trainer:
         n_streams = max(1, cfg.data.num_workers)
         self.dataset_samples = 0  # one epoch: every sample of every source once (for train.max_epochs)
         for key, spec in self._shard_specs():
+            # The shards' tokenizer (manifest) must be the one this family reads, with ids inside model.vocab_size.
+            check_shards_fit(spec, cfg.family, cfg.model.vocab_size, key)
             shards = resolve_shards(spec)  # reads the manifest (or, for brace URLs, every tar once)
             n = len(shards)
             self.dataset_samples += sum(sh.samples for sh in shards)
@@ -279,7 +282,8 @@ class Trainer:
                       micro_batch_size=cfg.train.micro_batch_size, seed=cfg.seed,
                       transform=self.family.make_transform(cfg), pad_id=self.family.pad_id,
                       grad_accum_steps=cfg.train.grad_accum_steps, max_tokens=cfg.train.max_tokens_per_microbatch,
-                      pack=d.pack, row_length=d.context_length, shuffle_buffer=d.shuffle_buffer)
+                      pack=d.pack, row_length=d.context_length, shuffle_buffer=d.shuffle_buffer,
+                      mix_shards=d.mix_shards, vocab_size=cfg.model.vocab_size, verify=d.verify)
         if not d.sources:
             return ShardStream(d.train_shards, **kwargs)
         sources = []
@@ -492,6 +496,10 @@ class Trainer:
         ours = self.cfg.to_dict()
         for key in RESUME_INVARIANTS:
             a, b = _get_path(saved, key), _get_path(ours, key)
+            if key == "data":  # checking digests or not does not change what is read
+                a, b = ({k: v for k, v in (x or {}).items() if k != "verify"} for x in (a, b))
+            if key == "data" and "mix_shards" not in a:  # checkpoints from before the key read one shard at a time
+                a["mix_shards"] = 1
             if a != b:
                 if self.allow_config_change:
                     if os.environ.get("RANK", "0") == "0":

@@ -90,7 +90,7 @@ def test_stage_b_starts_from_stage_a(sample_shards, tmp_path):
     # From an export (tools/convert_checkpoint.py): the same fp32 weights, so the same run as from the checkpoint.
     export = tmp_path / "export_a"
     conv = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "--checkpoint", str(a_ckpt),
-                           "--output", str(export)], cwd=REPO, capture_output=True, text=True)
+                           "--output", str(export), "--trust-checkpoint"], cwd=REPO, capture_output=True, text=True)
     assert conv.returncode == 0, conv.stderr[-3000:]
     b_exp_dir = tmp_path / "b_export"
     b_exp = run_pretrain(2, "ds_configs/zero2.json", overrides(sample_shards, b_exp_dir, 2, *b_opts),
