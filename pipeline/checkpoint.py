@@ -18,7 +18,7 @@ import torch
 
 from pipeline.config import ConfigError, RunConfig, build_config, load_yaml
 from pipeline.families import get_family
-from pipeline.run_dir import LATEST, resume_tag  # noqa: F401  (LATEST: engine)
+from pipeline.run_dir import resume_tag
 
 EXPORTED_WEIGHTS = "model.safetensors"
 

@@ -39,7 +39,7 @@ from pipeline.run_dir import (CHECKPOINT_FORMAT, COMPLETE, LATEST, RunDirLock, c
                               mark_complete, resume_tag, rotate, set_aside_later_checkpoints, write_atomic)
 from pipeline.run_dir import read_latest as read_latest_tag
 from pipeline.run_log import current as current_run_log
-from pipeline.tracking import Tracker
+from pipeline.tracking import Tracker, broadcast_object, resolve_run_id
 
 CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations",  # logged as total/<name>
               "skipped", "nonfinite")
@@ -459,6 +459,9 @@ class Trainer:
         """MLflow tags linking this run to the run it started from."""
         client = read_client_state(src)
         tags = {"parent_checkpoint": str(src.resolve()), "init_from_optimizer": str(self.cfg.train.init_from_optimizer)}
+        if client.get("mlflow_run_id"):  # a run started offline holds 'pending:<key>' until its journal knows more
+            client["mlflow_run_id"] = resolve_run_id(src.parent.parent, client["mlflow_run_id"],
+                                                     client.get("mlflow_tracking_uri")) or client["mlflow_run_id"]
         for key, name in (("mlflow_run_id", "parent_run_id"), ("mlflow_tracking_uri", "parent_tracking_uri"),
                           ("step", "parent_step"), ("source", "parent_export_source")):
             if client.get(key) is not None:
@@ -651,7 +654,7 @@ class Trainer:
                 streak = streak + 1 if rec["nonfinite"] else 0
                 streak_start = (streak_start or self.step) if streak else None
                 dt = time.perf_counter() - t0
-                rec.update(step=self.step, lr=lr, step_time=dt, tokens_per_s=rec["tokens"] / dt,
+                rec.update(step=self.step, time=time.time(), lr=lr, step_time=dt, tokens_per_s=rec["tokens"] / dt,
                            tflops_per_device=rec.get("flops", 0.0) / self.world / dt / 1e12)
                 if peak:
                     rec["mfu"] = rec["tflops_per_device"] * 1e12 / peak
@@ -815,12 +818,6 @@ def _all_gather_object(obj) -> list:
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def _get_path(d: dict, dotted: str):
     for part in dotted.split("."):
         d = d.get(part) if isinstance(d, dict) else None
@@ -870,7 +867,13 @@ def shutdown_distributed():
 def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False):
     trainer = Trainer(cfg, ds_config_path, resume, allow_config_change)
     try:
-        trainer.setup()
+        try:
+            trainer.setup()
+        except BaseException:
+            tracker = getattr(trainer, "tracker", None)
+            if tracker is not None:  # created before the failure: its MLflow run must not stay RUNNING
+                tracker.finish("FAILED")
+            raise
         trainer.train()
     finally:
         lock = getattr(trainer, "lock", None)
