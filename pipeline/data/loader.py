@@ -795,7 +795,8 @@ class StreamLoader:
                 self._it = iter(self.dataset)
             else:
                 self._it = iter(DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers,
-                                           prefetch_factor=4, persistent_workers=False))
+                                           prefetch_factor=4, persistent_workers=False,
+                                           worker_init_fn=_ignore_stop_signals))
         batch = next(self._it)
         if isinstance(batch, WorkerError):
             self._it = None  # the DataLoader and its workers go with it; a retry restarts from the last batch
@@ -819,6 +820,16 @@ class StreamLoader:
             out[name] = (sum(s["taken"][i] for s in self._state["streams"]),
                          sum(s["tokens"][i] for s in self._state["streams"]))
         return out
+
+
+def _ignore_stop_signals(worker_id: int):
+    """Loader workers ignore SIGTERM/SIGUSR1: a scheduler or DeepSpeed's launch.py signals the whole process tree,
+    and the rank above them must keep its batches coming while it finishes its step and checkpoint (the engine's
+    StopRequest). They end with the rank's DataLoader."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def make_loader(dataset: ShardStream, num_workers: int) -> StreamLoader:
