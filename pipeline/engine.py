@@ -743,7 +743,7 @@ class Trainer:
         ]
         if latest:
             lines.append(f"export: python tools/convert_checkpoint.py --checkpoint {self.run_dir} "
-                         f"--output exports/{self.run_dir.name}")
+                         f"--output exports/{self.run_dir.name} --trust-checkpoint")
         if self.tracker.uri:
             lines.append(f"mlflow: run {self.tracker.run_id} in {self.tracker.uri} "
                          f"(mlflow ui --backend-store-uri {self.tracker.uri})")
