@@ -473,15 +473,20 @@ def _check_finite(value, key: str = ""):
             _check_finite(v, f"{key.rstrip('.')}[{i}].")
 
 
-def read_yaml(path: str | Path) -> Any:
-    """The document of one YAML file, strictly: errors carry the file and line, a duplicate key is refused."""
-    path = Path(path)
+def read_config_text(path: Path) -> str:
+    """A config file's text; one ConfigError naming it when it is unreadable or not UTF-8."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def read_yaml(path: str | Path) -> Any:
+    """The document of one YAML file, strictly: errors carry the file and line, a duplicate key is refused."""
+    path = Path(path)
+    text = read_config_text(path)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         if node is None:

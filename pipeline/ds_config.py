@@ -29,7 +29,7 @@ import json.scanner
 import math
 from pathlib import Path
 
-from pipeline.config import ConfigError, RunConfig
+from pipeline.config import ConfigError, RunConfig, read_config_text
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -324,12 +324,7 @@ def load_ds_config(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{path}: ds_config file not found")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    text = read_config_text(p)
     try:
         raw = _strict_decoder().decode(text)
     except json.JSONDecodeError as e:
