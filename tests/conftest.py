@@ -1,4 +1,6 @@
-"""Shared fixtures: the repository root on sys.path, sample shards, and a runner for real DeepSpeed launches."""
+"""Shared fixtures: the repository root on sys.path, sample shards, a runner for real DeepSpeed launches, and a
+local MLflow server."""
+import importlib.util
 import json
 import os
 import signal
@@ -6,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -86,6 +89,38 @@ def launch_and_kill(cmd: list, metrics: Path, at_step: int, timeout: int = 300):
                 break
             time.sleep(0.05)
         assert proc.poll() is None, "training ended before it could be killed"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def sqlite_uri(path: Path) -> str:
+    return f"sqlite:///{path.resolve()}"
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:
+        pytest.skip("mlflow's server extras (uvicorn, fastapi) are not installed")
+    port, db = free_port(), tmp_path / "server.db"
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", sqlite_uri(db), "--default-artifact-root",
+           (tmp_path / "server-artifacts").as_uri(), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, "mlflow server did not start"
+            time.sleep(0.25)
+        yield proc, port, db
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

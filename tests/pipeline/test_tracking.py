@@ -1,7 +1,6 @@
 """Tracker: an unreachable or frozen store never stalls the caller; a store that dies and comes back is caught up
 without duplicated steps; resume keeps one value per step and tags config changes; tools/mlflow_sync.py replays
 what the store missed, idempotently. Single process (torch.distributed not initialized)."""
-import importlib.util
 import json
 import os
 import signal
@@ -10,12 +9,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, sqlite_uri
 
 from pipeline.config import ConfigError, dump_yaml, load_config
 from pipeline.tracking import PENDING, RUN_KEY_TAG, STATE_FILE, Tracker, bounded_http, read_state, resolve_run_id
@@ -70,10 +68,6 @@ def client(uri: str):
 
 def loss_steps(uri: str, run_id: str) -> list:
     return sorted(m.step for m in client(uri).get_metric_history(run_id, "loss"))
-
-
-def sqlite_uri(path: Path) -> str:
-    return f"sqlite:///{path.resolve()}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -312,34 +306,6 @@ class Proxy:
             pass
         self._close(src)
         self._close(dst)
-
-
-@pytest.fixture
-def mlflow_server(tmp_path):
-    if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:
-        pytest.skip("mlflow's server extras (uvicorn, fastapi) are not installed")
-    port, db = free_port(), tmp_path / "server.db"
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", sqlite_uri(db), "--default-artifact-root",
-           (tmp_path / "server-artifacts").as_uri(), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, "mlflow server did not start"
-            time.sleep(0.25)
-        yield proc, port, db
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def test_server_dies_mid_run_then_catch_up_and_sync(tmp_path, mlflow_server, capfd):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY, free_port, read_jsonl, run_pretrain
+from conftest import REPO, TINY, deepspeed_cmd, free_port, launch_env, read_jsonl, run_pretrain, sqlite_uri
 
 pytestmark = pytest.mark.slow
 
@@ -73,3 +73,46 @@ def test_unreachable_store_costs_no_training_time_and_sync_replays_it(sample_sha
         m["loss"] for m in read_jsonl(out_dir / "metrics.jsonl")]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "ds_config.json", "data", "metrics.jsonl"} <= artifacts
+
+
+def test_server_killed_mid_run_costs_no_training_time_and_sync_fills_the_gap(sample_shards, tmp_path, mlflow_server):
+    import os
+    import signal
+
+    server, port, db = mlflow_server
+    run_dir, steps, kill_at = tmp_path / "run", 40, 12
+    cmd = deepspeed_cmd(2, "ds_configs/zero2.json", overrides(
+        sample_shards, run_dir, f"train.max_steps={steps}", f"tracking.tracking_uri=http://127.0.0.1:{port}"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.is_file() and any(m["step"] >= kill_at for m in read_jsonl(metrics))):
+            assert proc.poll() is None and time.time() < deadline, "training ended before the server was killed"
+            time.sleep(0.05)
+        os.killpg(server.pid, signal.SIGKILL)  # the tracking server dies mid-run
+        server.wait()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in records] == list(range(1, steps + 1))
+    times = {m["step"]: m["step_time"] for m in records}
+    before = statistics.median(times[s] for s in range(3, kill_at))
+    after = statistics.median(times[s] for s in range(kill_at + 2, steps + 1))
+    assert after < 2 * before, (after, before)
+
+    # The server's store lacks the steps after the kill; mlflow_sync fills them in, each step once.
+    uri = sqlite_uri(db)
+    sync = subprocess.run([sys.executable, str(REPO / "tools" / "mlflow_sync.py"), str(run_dir), "--tracking-uri", uri],
+                          capture_output=True, text=True, timeout=300)
+    assert sync.returncode == 0, sync.stderr
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert sorted(h.step for h in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, steps + 1))
+    assert run.info.status == "FINISHED"
