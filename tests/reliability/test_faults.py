@@ -103,7 +103,8 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_0_on_every_rank(sample_sh
     tag = f"step{last:08d}"
     assert (run_dir / "checkpoints" / "latest").read_text() == tag, text[-3000:]
     assert (run_dir / "checkpoints" / tag / "COMPLETE").is_file()
-    assert f"stopping at step {last}: the launcher (pid" in text
+    # Rank 0 names the launcher's exit, or (when rank 1's watch saw it first) the stop request of another rank.
+    assert f"stopping at step {last}: " in text and ("the launcher (pid" in text or "another rank" in text)
     assert text.count("exits successfully") == 2, text[-3000:]  # launch.py: both ranks exited 0
     assert mlflow_status(run_dir) == ["KILLED"]
     train_log = (run_dir / "train.log").read_text()
