@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     try:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ConfigError(f"{out}: exists and is not empty")
-        if not out.parent.is_dir():
-            raise FileNotFoundError(f"{out.parent}: --output: no such directory")
+        if next((a for a in (out.parent, *out.parent.parents) if a.exists()), out.parent).is_file():
+            raise ConfigError(f"{out.parent}: --output: a file is in the way of the export's directory")
         if args.spm is not None and not args.spm.is_file():
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
         from pipeline.checkpoint import EXPORTED_WEIGHTS, is_export, load_trained_model
@@ -110,6 +110,7 @@ def main(argv=None) -> int:
         bar.set_postfix_str("loading the checkpoint")
         trained = load_trained_model(tag_dir)
         bar.update()
+        out.parent.mkdir(parents=True, exist_ok=True)  # e.g. exports/, as the training's summary suggests
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
         bar.set_postfix_str(f"writing {EXPORTED_WEIGHTS}")
         from safetensors.torch import save_file
