@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipeline.data.tokenizer import SEP_ID, SPM_NAME, VOCAB, NucleotideTokenizer
+from pipeline.run_dir import write_atomic
 
 from . import Source
 from .fasta import FastaError, input_position
@@ -934,9 +935,7 @@ def _split_doc(manifests: dict, settings: Settings, source: str) -> dict:
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
 def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerprint: dict, splits: tuple = ("",),

@@ -58,6 +58,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.eval.cli import TRUST_FLAG, TRUST_HELP, check_depths, locate_checkpoint, parse_depths  # noqa: E402
 from pipeline.eval.cli import require_trust  # noqa: E402
+from pipeline.run_dir import write_atomic  # noqa: E402
 
 TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym")
 
@@ -446,9 +447,7 @@ def main(argv=None) -> int:
     result.update(task=args.task, checkpoint=str(trained.tag_dir), data=str(data), seed=args.seed, depths=depths)
     if args.task == "proteingym":
         result.update(reference=str(args.reference) if args.reference else None)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=float))
-    os.replace(tmp, out)  # never half a JSON where the result belongs
+    write_atomic(out, json.dumps(result, indent=1, default=float))  # never half a JSON where the result belongs
     print(f"wrote {out}")
     if not args.no_mlflow:
         log = log_proteingym_to_mlflow(trained, result, out, data) if args.task == "proteingym" else \

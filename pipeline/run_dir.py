@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -96,7 +97,10 @@ def resume_tag(ckpt_dir: Path) -> tuple[str | None, str | None]:
 
 
 def write_atomic(path: Path, text: str):
-    tmp = path.with_name(path.name + ".tmp")
+    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never half of it. The temp name
+    is per process and thread, so concurrent writers (the tracker's thread and the engine) never share one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 

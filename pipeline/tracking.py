@@ -77,6 +77,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pipeline.config import ConfigError
+from pipeline.run_dir import write_atomic
 
 STATE_FILE = "tracking_state.json"
 SPOOL_DIR = "tracking_spool"
@@ -201,10 +202,7 @@ def read_state(run_dir: Path) -> dict | None:
 
 
 def write_state(run_dir: Path, state: dict):
-    p = state_path(run_dir)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
-    os.replace(tmp, p)
+    write_atomic(state_path(run_dir), json.dumps(state, indent=1, sort_keys=True))
 
 
 def new_state(run_key: str | None = None) -> dict:
@@ -631,10 +629,7 @@ class Tracker:
         with self._file_lock:
             if seq <= self._written_seq:
                 return
-            p = state_path(self.run_dir)
-            tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, p)
+            write_atomic(state_path(self.run_dir), text)
             self._written_seq = seq
 
     # -- worker thread ----------------------------------------------------------------------------------------------
