@@ -762,7 +762,9 @@ class Tracker:
                 if not self._queue:
                     self._busy = False
                     self._cv.notify_all()
-                    snap = self._snapshot(force=True)
+                    # Throttled: a drained queue after every logged step must not rewrite the journal each time
+                    # (a stale confirmed_step only costs the idempotent present-steps check on resume).
+                    snap = self._snapshot(force=self._finishing)
                     break
                 self._busy = True
                 items = [self._queue.popleft()]

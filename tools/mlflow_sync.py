@@ -18,7 +18,6 @@ Prints one line; exit status 0, or 1 with one ``error:`` line (store unreachable
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -48,15 +47,15 @@ def read_config(run_dir: Path) -> dict:
 
 
 def latest_client_state(run_dir: Path) -> dict:
-    ckpt = run_dir / "checkpoints"
-    tag = (ckpt / "latest").read_text().strip() if (ckpt / "latest").is_file() else None
-    p = ckpt / tag / "client_state.json" if tag else None
-    if p is None or not p.is_file():
-        return {}
+    """The client state of the checkpoint a resume would take (pipeline/run_dir.py), {} when there is none."""
+    from pipeline.config import ConfigError
+    from pipeline.run_dir import read_client, resume_tag
+
     try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
+        tag, _ = resume_tag(run_dir / "checkpoints")
+    except ConfigError:  # checkpoints, none complete: no run id to learn from them
         return {}
+    return (read_client(run_dir / "checkpoints" / tag) or {}) if tag else {}
 
 
 def state_for(run_dir: Path, config: dict) -> dict:
