@@ -12,13 +12,15 @@ gathering sees every use of every parameter.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.models.layers import ATTN_BACKENDS, RMSNorm, SandwichBlock, init_linear_, residual_std, rope_cache
+from pipeline.models.layers import (ATTN_BACKENDS, RMSNorm, SandwichBlock, Varlen, flash_available, init_linear_,
+                                    residual_std, rope_cache)
 
 
 @dataclass
@@ -41,6 +43,11 @@ class EcoRNAConfig:
     a_cap: float = 4.0
     init_std: float = 0.02
     attn_backend: str = "auto"
+    # true: blocks run on the packed real tokens [T, d] (varlen attention; flash-attn's kernel when attn_backend
+    # selects it, else one SDPA call per sequence); false: padded rows [B, L, d]; "auto": packed exactly when
+    # flash-attn runs (attn_backend "flash", or "auto" with flash-attn importable and CUDA inputs). Same parameters
+    # and, at real tokens, the same outputs either way.
+    unpad: bool | str = "auto"
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "d_ff", "n_core"):
@@ -67,6 +74,8 @@ class EcoRNAConfig:
             raise ValueError(f"model.a_cap: must be a finite number, got {self.a_cap}")
         if self.attn_backend not in ATTN_BACKENDS:
             raise ValueError(f"model.attn_backend: must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        if not (isinstance(self.unpad, bool) or self.unpad == "auto"):
+            raise ValueError(f"model.unpad: must be true, false or 'auto', got {self.unpad!r}")
 
     # ---- accounting known before the model is built -----------------------------------------------------------
     @property
@@ -278,7 +287,9 @@ class EcoRNA(nn.Module):
 
         Row i is active at step t iff t > k_max - K_i, so every row ends at step k_max after exactly K_i core
         applications. Rows are sorted by depth (descending) so the active rows are always a prefix: the core runs on
-        exactly sum_i K_i row-iterations, never on a padded row.
+        exactly sum_i K_i row-iterations, never on a padded row. With ``unpad`` (see EcoRNAConfig) the blocks run on
+        the packed real tokens of the sorted rows, where the active rows' tokens are a prefix too; outputs are
+        scattered back to [B, L, ...] (zero at padding).
         """
         B, L = tokens.shape
         depths = torch.as_tensor(depths, device=tokens.device).expand(B).long()
@@ -286,38 +297,105 @@ class EcoRNA(nn.Module):
         if B and (int(depths.min()) < 1 or int(depths.max()) > k_max):
             raise ValueError(f"depths must lie in [1, k_max={k_max}], got {depths.tolist()}")
         window = k_max if backward_window is None else min(int(backward_window), k_max)
-        e, rope, key_mask = self._prelude(tokens, attention_mask)
-
         order = torch.argsort(depths, descending=True, stable=True)
-        k_sorted = depths[order]
-        e_s, mask_s = e[order], key_mask[order]
-        s = init_state.to(e.dtype)[order]
-        prev = s  # s^(K_i - 1): after step k_max - 1, or s_0 for rows with K_i = 1 (never used: they have no K-1)
-        anchor = torch.zeros_like(s) if anchor_depth is not None else None
-        row_iterations = 0
-        for t in range(1, k_max + 1):
-            n = int((k_sorted > k_max - t).sum())  # active rows: a prefix of the sorted batch
-            if t == k_max - window + 1 and window < k_max:
-                s = s.detach()  # truncated backprop: the suffix of W steps starts from a detached state
-            with torch.set_grad_enabled(torch.is_grad_enabled() and t > k_max - window):
-                new = self.core(s[:n], e_s[:n], rope, mask_s[:n])  # called even with n = 0 (ZeRO-3 symmetry)
-            s = torch.cat([new, s[n:]]) if n < B else new
-            row_iterations += n
-            if t == k_max - 1:
-                prev = s
-            if anchor is not None:  # rows whose K_a-th iteration is step t: k_max - K_i + K_a == t
-                hit = (k_sorted == k_max + anchor_depth - t) & (k_sorted > anchor_depth)
-                if bool(hit.any()):
-                    anchor[hit] = s[hit].detach()
-
+        schedule = (depths[order].tolist(), k_max, window, anchor_depth)
+        if self.unpadded(tokens):
+            return self._forward_packed(tokens, attention_mask, depths, init_state, order, schedule)
+        e, rope, key_mask = self._prelude(tokens, attention_mask)
+        mask_s = key_mask[order]
+        extent = list(range(B + 1))  # a unit is a row
+        s, prev, anchor, row_iterations = self._wavefront(init_state.to(e.dtype)[order], e[order], schedule, extent,
+                                                          lambda n: (rope, mask_s[:n]))
         inverse = torch.argsort(order)
         logits = self.embed(self.readout(s, rope, mask_s), as_head=True)[inverse]
         anchor_rows = anchor_logits = None
         if anchor is not None:
             anchor_rows = torch.nonzero(depths > anchor_depth).squeeze(-1)  # original row indices
-            sorted_rows = inverse[anchor_rows]
+            sorted_rows = inverse[anchor_rows]  # all below n_a: the anchor rows are a prefix of the sorted rows
             with torch.no_grad():  # readout called on every rank, even with no eligible row (ZeRO-3 symmetry)
                 anchor_logits = self.embed(self.readout(anchor[sorted_rows], rope, mask_s[sorted_rows]),
                                            as_head=True)
         return EcoRNAOutput(logits=logits, state=s[inverse], prev_state=prev[inverse], anchor_logits=anchor_logits,
                             anchor_rows=anchor_rows, row_iterations=row_iterations, core_calls=k_max)
+
+    def unpadded(self, tokens: torch.Tensor) -> bool:
+        """Whether forward runs on packed real tokens for inputs on ``tokens``' device (EcoRNAConfig.unpad)."""
+        mode, backend = self.cfg.unpad, self.cfg.attn_backend
+        if mode != "auto":
+            return mode
+        return backend == "flash" or (backend == "auto" and flash_available() and tokens.is_cuda)
+
+    def _forward_packed(self, tokens, attention_mask, depths, init_state, order, schedule) -> "EcoRNAOutput":
+        """forward on the packed layout: the real tokens of the depth-sorted rows end to end, [T, d]."""
+        B, L = tokens.shape
+        mask_s = attention_mask.bool()[order]  # [B, L] sorted rows
+        seqs = Varlen.from_lengths(mask_s.sum(1))  # host copy of the lengths: one sync
+        extent = [0, *itertools.accumulate(seqs.lengths)]  # tokens of the first n sorted rows
+        flat = mask_s.reshape(-1).nonzero().squeeze(-1)  # [T] real positions of the sorted rows, row-major
+        row, pos = flat // L, flat % L
+        where = order[row] * L + pos  # [T] each token's index in the caller's [B * L]
+        x = self.embed(tokens.reshape(-1)[where])  # [T, d]
+        cos, sin = self.rope(L, x.device, x.dtype)
+        rope = (cos[pos], sin[pos])  # [T, hd/2]: each token at its own position
+        e = self.prelude_norm(self.prelude(x, rope, seqs))
+        d = e.shape[-1]
+        prefixes = {B: seqs}
+
+        def context(n: int):  # rope and sequences of the first n sorted rows
+            if n not in prefixes:
+                prefixes[n] = seqs.prefix(n)
+            return (rope[0][:extent[n]], rope[1][:extent[n]]), prefixes[n]
+
+        s0 = init_state.to(e.dtype).reshape(B * L, d)[where]
+        s, prev, anchor, row_iterations = self._wavefront(s0, e, schedule, extent, context)
+
+        def unpack(t: torch.Tensor, index=where, rows=B):  # [T', ...] -> [rows, L, ...], zero at padding
+            return t.new_zeros(rows * L, *t.shape[1:]).index_copy(0, index, t).view(rows, L, *t.shape[1:])
+
+        logits = unpack(self.embed(self.readout(s, rope, seqs), as_head=True))
+        anchor_rows = anchor_logits = None
+        if anchor is not None:
+            anchor_depth = schedule[3]
+            anchor_rows = torch.nonzero(depths > anchor_depth).squeeze(-1)  # original row indices, ascending
+            n_a, T_a = len(anchor_rows), anchor.shape[0]  # the anchor rows are the first n_a sorted rows
+            slot = torch.empty(B, dtype=torch.long, device=tokens.device)  # sorted row -> its output row
+            slot[torch.argsort(order)[anchor_rows]] = torch.arange(n_a, device=tokens.device)
+            with torch.no_grad():  # readout called on every rank, even with no eligible row (ZeRO-3 symmetry)
+                a_logits = self.embed(self.readout(anchor, *context(n_a)), as_head=True)  # [T_a, V]
+            anchor_logits = unpack(a_logits, slot[row[:T_a]] * L + pos[:T_a], n_a)
+        return EcoRNAOutput(logits=logits, state=unpack(s), prev_state=unpack(prev), anchor_logits=anchor_logits,
+                            anchor_rows=anchor_rows, row_iterations=row_iterations, core_calls=schedule[1])
+
+    def _wavefront(self, s0, e, schedule, extent, context):
+        """The right-aligned schedule over depth-sorted rows, in either layout -> (s, prev, anchor, row_iterations).
+
+        s0, e: [U, ...] units of the sorted rows (rows [B, L, d], or tokens [T, d]); ``extent[n]`` is the number of
+        units of the first n rows and ``context(n)`` their (rope, key mask or Varlen). The active rows at step t are
+        the first n(t) and n never shrinks (a started row runs to step k_max), so the active state is one tensor of
+        the first extent[n] units that grows, by the starting rows' s_0, only at steps where n grows: no gather or
+        concatenation of the whole batch at every step. ``anchor`` [extent[n_a], ...]: the state after K_a
+        iterations of the rows with K_i > K_a (the first n_a rows), detached; None without an anchor depth.
+        """
+        ks, k_max, window, anchor_depth = schedule  # ks: K_i of the sorted rows, descending (host list)
+        grad = torch.is_grad_enabled()
+        active, prev, row_iterations = s0[:0], s0, 0
+        anchor = None
+        if anchor_depth is not None:
+            anchor = s0.new_zeros((extent[sum(k > anchor_depth for k in ks)], *s0.shape[1:]))
+        for t in range(1, k_max + 1):
+            n = sum(k > k_max - t for k in ks)  # active rows: a prefix of the sorted batch
+            if extent[n] > active.shape[0]:
+                active = torch.cat([active, s0[active.shape[0]:extent[n]]])  # rows starting now begin at s_0
+            if t == k_max - window + 1 and window < k_max:
+                active = active.detach()  # truncated backprop: the suffix of W steps starts from a detached state
+            with torch.set_grad_enabled(grad and t > k_max - window):
+                active = self.core(active, e[:extent[n]], *context(n))  # called even with n = 0 (ZeRO-3 symmetry)
+            row_iterations += n
+            if t == k_max - 1:
+                prev = torch.cat([active, s0[extent[n]:]])  # s^(K_i - 1); rows with K_i = 1 have none (s_0 stands)
+            k_hit = None if anchor is None else k_max + anchor_depth - t
+            if k_hit is not None and k_hit > anchor_depth:
+                # rows whose K_a-th iteration is step t have K_i = k_hit: a run lo..hi-1 of the sorted rows
+                lo, hi = sum(k > k_hit for k in ks), sum(k >= k_hit for k in ks)
+                anchor[extent[lo]:extent[hi]] = active[extent[lo]:extent[hi]].detach()
+        return active, prev, anchor, row_iterations

@@ -3,10 +3,16 @@
 Attention has one backend switch: ``sdpa`` (torch's scaled_dot_product_attention, every device) or ``flash``
 (flash-attn's varlen kernel, CUDA only). Both use the same parameters, so a checkpoint moves between them freely;
 ``auto`` picks flash when flash-attn imports and the tensors are on CUDA.
+
+Blocks take activations in one of two layouts: padded rows ``[B, L, d]`` with a key mask ``[B, L]`` bool, or packed
+real tokens ``[T, d]`` (the real tokens of n sequences end to end) with a :class:`Varlen` in place of the mask. Only
+attention needs to know which (norms and MLPs act per token); in the packed layout no FLOP is spent on padding.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn as nn
@@ -49,8 +55,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     cos/sin: [L, hd/2] shared by every row, or [B, L, hd/2] per row (packed rows: positions restart per document).
     """
-    x1, x2 = x.chunk(2, dim=-1)
     cos, sin = (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos[None, None], sin[None, None])
+    return rotate(x, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation itself: x [..., hd] with cos/sin broadcastable to [..., hd/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -121,6 +132,62 @@ def flash_varlen(q, k, v, key_mask, causal: bool = False, segments: torch.Tensor
     return full.view(B, L, H, hd).transpose(1, 2)
 
 
+@dataclass(frozen=True)
+class Varlen:
+    """Packed sequences: sequence i owns tokens ``offsets[i]:offsets[i + 1]`` of a ``[T, ...]`` tensor.
+
+    ``lengths`` is a host tuple (one entry per sequence, zero allowed) because flash-attn takes ``max_seqlen`` as an
+    int and the SDPA path loops over sequences: reading it back from the device at every layer would sync each time.
+    ``cu_seqlens`` [n_nonempty + 1] int32 (on ``device``) skips empty sequences, which flash-attn's kernel does not
+    take. ``prefix(n)`` is the first n sequences, the wavefront's active rows when sequences are sorted by depth.
+    """
+
+    lengths: tuple
+    device: torch.device
+
+    @staticmethod
+    def from_lengths(lengths: torch.Tensor) -> "Varlen":
+        return Varlen(tuple(int(n) for n in lengths.tolist()), lengths.device)
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    @cached_property
+    def max_len(self) -> int:
+        return max(self.lengths, default=0)
+
+    @cached_property  # built once per Varlen, not once per layer
+    def cu_seqlens(self) -> torch.Tensor:
+        nonempty = [n for n in self.lengths if n]
+        return F.pad(torch.tensor(nonempty, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(self.device)
+
+    def prefix(self, n: int) -> "Varlen":
+        return Varlen(self.lengths[:n], self.device)
+
+
+def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, *, backend: str = "auto",
+                  causal: bool = False) -> torch.Tensor:
+    """Attention within each packed sequence. q: [T, H, hd]; k/v: [T, Hkv, hd] -> [T, H, hd].
+
+    flash-attn's varlen kernel where ``backend`` selects it (see use_flash), else one SDPA call per sequence: the same
+    result, the pure-PyTorch path of the packed layout (slower than padded SDPA for many short sequences)."""
+    if q.shape[0] == 0:
+        # A zero-token call (the wavefront at a step with no active row): built from q, k and v so that autograd
+        # still reaches their projections, as ZeRO-3 needs every rank to run each module's backward equally.
+        return q * 0 + (k.sum() + v.sum()) * 0
+    if use_flash(backend, q):
+        cu = seqs.cu_seqlens
+        return flash_attn_varlen_func(q, k, v, cu, cu, seqs.max_len, seqs.max_len, causal=causal)
+    out, at = [], 0
+    for n in seqs.lengths:
+        if n:
+            qs, ks, vs = (t[at:at + n].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, hd]
+            out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=True)[0].transpose(0, 1))
+            at += n
+    return torch.cat(out)
+
+
 class Attention(nn.Module):
     """Bidirectional grouped-query attention with QK RMSNorm and RoPE (the masked LMs' blocks).
 
@@ -145,8 +212,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, norm_eps)
         self.k_norm = RMSNorm(self.head_dim, norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple, key_mask: torch.Tensor) -> torch.Tensor:
-        """x: [B, L, d]; key_mask: [B, L] bool, True at real tokens."""
+    def forward(self, x: torch.Tensor, rope: tuple, key_mask: "torch.Tensor | Varlen") -> torch.Tensor:
+        """x: [B, L, d] with key_mask [B, L] bool, True at real tokens, and rope [L, hd/2] tables; or packed tokens
+        x: [T, d] with key_mask a Varlen and rope [T, hd/2] tables (each token's own position)."""
+        if isinstance(key_mask, Varlen):
+            T = x.shape[0]
+            q = self.q_norm(self.q_proj(x).view(T, self.n_heads, self.head_dim))  # [T, H, hd]
+            k = self.k_norm(self.k_proj(x).view(T, self.n_kv_heads, self.head_dim))  # [T, Hkv, hd]
+            v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+            cos, sin = (t[:, None] for t in rope)  # [T, 1, hd/2]: one position per token, shared by its heads
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            out = varlen_attend(q, k, v, key_mask, backend=self.backend)
+            return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, L, self.n_heads, self.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)).transpose(1, 2)

@@ -106,15 +106,18 @@ def test_rows_without_work_still_call_the_core():
     assert calls == [0, 0, 0, 1, 2] and out.row_iterations == 3
 
 
-def test_flash_wavefront_with_idle_steps_and_no_anchor_row_matches_sdpa(monkeypatch):
+@pytest.mark.parametrize("unpad,core_units", [(False, [0, 0, 0, 1, 3, 4]), ("auto", [0, 0, 0, 0, 11, 21])])
+def test_flash_wavefront_with_idle_steps_and_no_anchor_row_matches_sdpa(monkeypatch, unpad, core_units):
     """Backend 'flash' (the CPU stand-in kernel) against 'sdpa' with the same weights, forward and backward, where
     flash-attn would get no token: k_max = 6 above every depth (steps 1-3 call the core on zero rows, step 3 of them
     inside the backward window), a row of padding only (at step 4 it is the one active row) and K_a = 3 >= every K_i
     (the anchor readout runs on zero rows). The CUDA version with the real kernel is
-    test_eco_rna.py::test_flash_backend_matches_sdpa_on_gpu."""
+    test_eco_rna.py::test_flash_backend_matches_sdpa_on_gpu. unpad false runs flash inside padded blocks (the core
+    sees rows), "auto" with flash runs the blocks on packed real tokens (the core sees the active rows' tokens:
+    lengths 0, 3, 8 and 10 in depth order)."""
     kernel_tokens = use_cpu_flash(monkeypatch)
     m_s = small_model(7)
-    m_f = EcoRNA(dataclasses.replace(m_s.cfg, attn_backend="flash"))
+    m_f = EcoRNA(dataclasses.replace(m_s.cfg, attn_backend="flash", unpad=unpad))
     m_f.load_state_dict(m_s.state_dict())
     core_rows = []
     m_f.core.register_forward_hook(lambda mod, inp, out: core_rows.append(inp[0].shape[0]))
@@ -135,7 +138,7 @@ def test_flash_wavefront_with_idle_steps_and_no_anchor_row_matches_sdpa(monkeypa
                 + (out.prev_state * sweights)[depths >= 2].sum())
         results.append((out, torch.autograd.grad(loss, list(m.parameters()))))
     (out_f, grads_f), (out_s, grads_s) = results
-    assert core_rows == [0, 0, 0, 1, 3, 4]
+    assert core_rows == core_units
     assert kernel_tokens and 0 not in kernel_tokens  # the flash path ran, and never on an empty batch
     assert out_f.anchor_rows.numel() == 0 and out_f.anchor_logits.shape == (0, L, 23)
     for name in ("logits", "state", "prev_state"):

@@ -1,0 +1,80 @@
+"""Eco-RNA's packed (unpadded) layout against its padded one: same weights, same batch, same outputs and gradients.
+
+The padded path with SDPA is the reference. The packed path runs the blocks on the real tokens only, [T, d], with
+varlen attention: through flash-attn's kernel ("flash", here the CPU stand-in from test_layers.py, so everything but
+the kernel is the production GPU code) and through one SDPA call per sequence ("sdpa" with unpad true). Outputs are
+compared at real positions (the packed path leaves padding at zero), gradients everywhere, in fp32 to 1e-5.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig, initial_state
+from test_layers import use_cpu_flash
+from test_wavefront import assert_near
+
+
+def run(m, tokens, mask, depths, s0, weights, sweights, **kw):
+    out = m(tokens, mask, depths, s0, **kw)
+    loss = (out.logits * weights).sum() + (out.state * sweights).sum() + (out.prev_state * sweights)[depths >= 2].sum()
+    if out.anchor_logits is not None and out.anchor_rows.numel():  # no-grad readout: compared, not differentiated
+        loss = loss + 0 * out.anchor_logits.sum()
+    return out, torch.autograd.grad(loss, list(m.parameters()))
+
+
+@pytest.mark.parametrize("backend", ["flash", "sdpa"])
+@pytest.mark.parametrize("seed,window,extra_kmax,anchor", [(0, 100, 0, None), (1, 2, 0, 2), (2, 3, 2, 1),
+                                                            (3, 1, 1, 4)])
+def test_packed_layout_equals_padded(monkeypatch, backend, seed, window, extra_kmax, anchor):
+    kernel_tokens = use_cpu_flash(monkeypatch)
+    torch.manual_seed(seed)
+    cfg = EcoRNAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_prelude=1, n_core=2, n_coda=1,
+                       attn_backend="sdpa", unpad=False)
+    padded = EcoRNA(cfg)
+    packed = EcoRNA(dataclasses.replace(cfg, attn_backend=backend, unpad=True))
+    packed.load_state_dict(padded.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    B, L = 6, 13
+    lengths = torch.tensor([13, 5, 9, 1, 13, 7])
+    mask = torch.arange(L)[None] < lengths[:, None]  # [B, L], right-padded
+    if seed == 2:
+        mask[2, 3] = False  # a hole: a masked position inside a row keeps its neighbours' positions
+    depths = torch.randint(1, 7, (B,), generator=g)
+    tokens = torch.randint(6, 12, (B, L), generator=g).masked_fill(~mask, 0)
+    s0 = initial_state(cfg, mask, generator=g)
+    weights = torch.randn(B, L, 23, generator=g) / (B * L) * mask[..., None]
+    sweights = torch.randn(B, L, 32, generator=g) / (B * L) * mask[..., None]
+    kw = dict(k_max=int(depths.max()) + extra_kmax, backward_window=window, anchor_depth=anchor)
+
+    out_p, grads_p = run(padded, tokens, mask, depths, s0, weights, sweights, **kw)
+    out_u, grads_u = run(packed, tokens, mask, depths, s0, weights, sweights, **kw)
+    assert bool(kernel_tokens) == (backend == "flash")  # the flash stand-in ran exactly when selected
+    assert out_u.row_iterations == out_p.row_iterations == int(depths.sum())
+    assert out_u.core_calls == out_p.core_calls
+    for name in ("logits", "state"):
+        assert_near(getattr(out_u, name)[mask], getattr(out_p, name)[mask], name)
+        assert not getattr(out_u, name)[~mask].any(), f"{name} is not zero at padding"
+    deep = mask & (depths >= 2)[:, None]
+    assert_near(out_u.prev_state[deep], out_p.prev_state[deep], "prev_state")
+    if anchor is None:
+        assert out_u.anchor_logits is None
+    else:
+        assert torch.equal(out_u.anchor_rows, out_p.anchor_rows)
+        rows_mask = mask[out_p.anchor_rows]
+        assert_near(out_u.anchor_logits[rows_mask], out_p.anchor_logits[rows_mask], "anchor_logits")
+    for (name, _), a, b in zip(padded.named_parameters(), grads_u, grads_p):
+        assert_near(a, b, name)
+
+
+def test_unpad_auto_follows_the_attention_backend():
+    """auto packs exactly where flash-attn runs: never on CPU tensors unless the backend is 'flash' explicitly."""
+    cfg = EcoRNAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_prelude=1, n_core=1, n_coda=1)
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    assert not EcoRNA(cfg).unpadded(tokens)
+    assert EcoRNA(dataclasses.replace(cfg, attn_backend="flash")).unpadded(tokens)
+    assert EcoRNA(dataclasses.replace(cfg, unpad=True)).unpadded(tokens)
+    assert not EcoRNA(dataclasses.replace(cfg, attn_backend="flash", unpad=False)).unpadded(tokens)
+    for bad in ("yes", "on", 1):
+        with pytest.raises(ValueError, match="model.unpad"):
+            EcoRNAConfig(unpad=bad)
