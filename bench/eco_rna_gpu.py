@@ -279,7 +279,7 @@ def throughput(model_cfg, obj, state, device, lengths_list, repeats: int, dry_ru
                     m, cfg = build(model_cfg, backend, unpad, state, device, dtype)
                     ac = device.type if precision == "autocast" else None
 
-                    def step():
+                    def step(m=m, cfg=cfg, ac=ac):
                         m.zero_grad(set_to_none=True)
                         ctx = torch.autocast(ac, torch.bfloat16) if ac else torch.enable_grad()
                         with ctx:
@@ -296,11 +296,11 @@ def throughput(model_cfg, obj, state, device, lengths_list, repeats: int, dry_ru
                           f"{peak:>9.2f}")
                     if precision == "bf16" and L == lengths_list[0] and mfu > best.get("mfu", -1):
                         best = {"mfu": mfu, "path": label, "ms": ms, "L": L, "rows": rows}
-                    del m
+                    m = step = None  # free this setting's weights and gradients before the next
                 except Exception as e:  # noqa: BLE001 - reported; only a bf16 (training-path) crash fails the run
                     why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                    print(f"  {L:>5} {rows:>4} {precision:<9}{label:<14} {'FAILED' if precision == 'bf16' else 'not run'}"
-                          f": {why[:160]}")
+                    verdict = "FAILED" if precision == "bf16" else "not run"
+                    print(f"  {L:>5} {rows:>4} {precision:<9}{label:<14} {verdict}: {why[:160]}")
                     ok &= precision != "bf16"
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

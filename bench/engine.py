@@ -7,10 +7,11 @@ P4 (one process, gloo, world size 1): the project's real training step, built by
 launchers/configs/eco_rna_80m.yaml's objective and ds_configs/zero2.json (ZeRO-2, fp32 on CPU), against a plain loop
 over the same model (same initial weights), the same microbatches, the same loss function (the family's plan and
 loss: depth sampling, wavefront, auxiliary terms) and torch.optim.AdamW with the same parameter groups and gradient
-clipping, without DeepSpeed, one torch thread on both sides (--threads). The engine step is what Trainer.train() runs per step, minus the metrics files: set_lr,
-train_step (token-count and K_max all-reduces, engine.backward / engine.step per microbatch, the statistics
-all-gather and all-reduce, the grad norm), mixture_metrics (one all-reduce), the non-finite checks, the tracker's
-log_metrics every train.log_every steps, and the StopRequest all-reduce. The plain step is plan + loss +
+clipping, without DeepSpeed, one torch thread on both sides (--threads). The engine step is what Trainer.train()
+runs per step, minus the metrics files: set_lr, train_step (token-count and K_max all-reduces, engine.backward /
+engine.step per microbatch, the statistics all-gather and all-reduce, the grad norm), mixture_metrics (one
+all-reduce), the non-finite checks, the tracker's log_metrics every 5 steps (MLflow, sqlite in the run directory),
+and the StopRequest all-reduce. The plain step is plan + loss +
 backward(sum / n) + clip_grad_norm_ + AdamW.step + zero_grad. Batches are drawn from the real loader before timing
 (bench/data.py measures the loader), and each engine step is paired with a plain step on the same batch and the same
 depths, in alternating order, so both see the same machine state. P4 = median over steps of engine / plain.

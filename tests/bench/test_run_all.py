@@ -1,5 +1,4 @@
 """bench/run_all.py: RESULT collection, target marking, failure reporting, against fake benchmark scripts."""
-import sys
 import textwrap
 
 from bench import run_all
