@@ -1,0 +1,250 @@
+#!/usr/bin/env python
+"""Benchmark: what the DeepSpeed engine costs per step against a plain PyTorch loop, and 2-rank scaling on CPU.
+
+    python bench/engine.py [--quick] [--steps 12 --warmup 3] [--skip-p4] [--skip-scaling]
+
+P4 (one process, gloo, world size 1): the project's real training step, built by pipeline/engine.py's Trainer from
+launchers/configs/eco_rna_80m.yaml's objective and ds_configs/zero2.json (ZeRO-2, fp32 on CPU), against a plain loop
+over the same model (same initial weights), the same microbatches, the same loss function (the family's plan and
+loss: depth sampling, wavefront, auxiliary terms) and torch.optim.AdamW with the same parameter groups and gradient
+clipping, without DeepSpeed, one torch thread on both sides (--threads). The engine step is what Trainer.train()
+runs per step, minus the metrics files: set_lr, train_step (token-count and K_max all-reduces, engine.backward /
+engine.step per microbatch, the statistics all-gather and all-reduce, the grad norm), mixture_metrics (one
+all-reduce), the non-finite checks, the tracker's log_metrics every 5 steps (MLflow, sqlite in the run directory),
+and the StopRequest all-reduce. The plain step is plan + loss +
+backward(sum / n) + clip_grad_norm_ + AdamW.step + zero_grad. Batches are drawn from the real loader before timing
+(bench/data.py measures the loader), and each engine step is paired with a plain step on the same batch and the same
+depths, in alternating order, so both see the same machine state. P4 = median over steps of engine / plain.
+
+Model (small, not tiny: compute dominates the step as on real runs): Eco-RNA d 256, 4 heads of 64 (2 KV), SwiGLU
+1024, 1 prelude + 2 core + 1 coda blocks (4.08M parameters), context 256, 8 rows per microbatch, one microbatch per
+step, depths from the paper's law (mu_K 4, sigma 0.5, W_bwd 4, anchor K_a 1) capped at 8 so that one step stays
+near a second, on the shipped Rfam sample (data_prep'd into a temp dir).
+
+scaling: tokens/s of the real launcher (python -m deepspeed.launcher.runner --num_gpus N launchers/pretrain.py
+--ds_config ds_configs/zero2.json) at world size 2 over world size 1, one thread per rank (OMP_NUM_THREADS=1), the
+demo Eco-RNA (d 128, context 128, 8 rows x 2 microbatches per rank), read off metrics.jsonl (tokens per step over
+the time between consecutive steps' records, median after warm-up). Ideal on 2 free cores: 2.0.
+
+Prints RESULT P4 (and P4.cpu, the same ratio in process CPU time, which other load on the host cannot inflate)
+and RESULT scaling; exits non-zero when a training fails. --quick: fewer steps (under 3 minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+SAMPLE_FASTA = REPO / "data" / "samples" / "rfam_nrc_train_sample.fasta.gz"
+
+P4_MODEL = ["model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=1024", "model.n_prelude=1",
+            "model.n_core=2", "model.n_coda=1", "objective.k_cap=8"]
+P4_RUN = ["data.context_length=256", "data.num_workers=0", "data.shuffle_buffer=0", "train.micro_batch_size=8",
+          "train.grad_accum_steps=1", "optim.warmup_steps=2", "train.log_every=5", "train.max_steps=1000000",
+          "checkpoint.every_steps=1000000"]
+
+
+def model_text(cfg) -> str:
+    m, o = cfg.model, cfg.objective
+    return (f"Eco-RNA d{m.d_model} {m.n_prelude}+{m.n_core}xK+{m.n_coda} blocks ctx{cfg.data.context_length} "
+            f"{cfg.train.micro_batch_size} rows, mu_K {o.mu_k:g} cap {o.k_cap} W {o.backward_window}")
+
+
+def build_shards(out: Path) -> Path:
+    """The shipped Rfam sample as 8 shards, by the real data_prep CLI (as the tests build theirs)."""
+    subprocess.run([sys.executable, "-m", "data_prep", "rnacentral", "--input", str(SAMPLE_FASTA), "--output",
+                    str(out), "--shard-size", "300", "--progress", "off"], cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# P4
+# --------------------------------------------------------------------------------------------------------------------
+def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: int = 1) -> dict:
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.engine import Trainer, param_groups, shutdown_distributed, train_step
+
+    cfg = load_config(REPO / "launchers" / "configs" / "eco_rna_80m.yaml",
+                      P4_MODEL + P4_RUN + [f"data.train_shards={shards}", f"run_dir={run_dir}"])
+    trainer = Trainer(cfg, str(REPO / "ds_configs" / "zero2.json"), resume="never")
+    trainer.setup()  # DeepSpeed ZeRO-2 engine, loader, tracker: the real path
+    try:
+        family, engine, device = trainer.family, trainer.engine, trainer.device
+        # One thread on both sides: on a shared 2-core host a multi-threaded step stalls at every parallel region
+        # whenever another process holds a core (steps measured 10x slower), which buries the overhead in noise.
+        torch.set_num_threads(threads)
+        # The plain side: the same architecture from the same seed (the Trainer seeds before building its model).
+        torch.manual_seed(cfg.seed)
+        plain = family.build_model(cfg.model)
+        with torch.no_grad():  # identical starting weights (DeepSpeed keeps the module's own parameters)
+            for a, b in zip(plain.parameters(), engine.module.parameters()):
+                a.copy_(b)
+        opt = torch.optim.AdamW(param_groups(plain, cfg.optim), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                eps=cfg.optim.eps)
+        clip = cfg.optim.grad_clip
+        total = warmup + steps
+        batches = [[next(trainer.data) for _ in range(cfg.train.grad_accum_steps)] for _ in range(total)]
+        trainer.batches_consumed += total * cfg.train.grad_accum_steps
+
+        def engine_step(i):
+            micro = batches[i]
+            lr = trainer.set_lr()
+            skipped_before = engine.skipped_steps
+            rec = train_step(engine, family, cfg, micro, trainer.step, device)
+            rec.update(trainer.mixture_metrics(trainer.step))
+            trainer.step += 1
+            overflow = engine.skipped_steps > skipped_before
+            rec["nonfinite"] = int((overflow or not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])))
+                                   and rec["supervised_tokens"] > 0)
+            rec["lr"] = lr
+            if trainer.step % cfg.train.log_every == 0:
+                trainer.tracker.log_metrics({k: v for k, v in rec.items() if k != "step"}, trainer.step)
+            trainer._stop_requested()
+            return rec
+
+        def plain_step(i):
+            micro = batches[i]
+            plans = [family.plan(b, cfg, step=i, micro=j, rank=0) for j, b in enumerate(micro)]
+            n = sum(b.num_supervised for b in micro)
+            for b, p in zip(micro, plans):
+                out = family.loss(plain, b, cfg, p)
+                (out.sum_loss / n).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(out.sum_loss.detach())
+
+        t_engine, t_plain, k_max, cpu_ratios = [], [], [], []
+        for i in range(total):
+            # Same batch and depths on both sides (plan is seeded by step and microbatch); the order alternates.
+            order = (engine_step, plain_step) if i % 2 == 0 else (plain_step, engine_step)
+            times, cpu = {}, {}
+            for fn in order:
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn(i)
+                times[fn], cpu[fn] = time.perf_counter() - t0, time.process_time() - c0
+            if i >= warmup:
+                t_engine.append(times[engine_step])
+                t_plain.append(times[plain_step])
+                cpu_ratios.append(cpu[engine_step] / cpu[plain_step])
+                k_max.append(max(family.plan(b, cfg, step=i, micro=j, rank=0).sync_max["k_max"]
+                                 for j, b in enumerate(batches[i])))
+            print(f"P4 step {i + 1}/{total}{' (warm-up)' if i < warmup else ''}: engine "
+                  f"{times[engine_step] * 1e3:.0f} ms, plain {times[plain_step] * 1e3:.0f} ms", flush=True)
+        ratios = [e / p for e, p in zip(t_engine, t_plain)]
+        return {"ratio": statistics.median(ratios), "engine_ms": statistics.median(t_engine) * 1e3,
+                "plain_ms": statistics.median(t_plain) * 1e3, "ratios": ratios, "threads": threads,
+                "cpu_ratio": statistics.median(cpu_ratios), "model": model_text(cfg),
+                "k_max": k_max, "n_params": sum(p.numel() for p in plain.parameters())}
+    finally:
+        trainer.tracker.finish("FINISHED")
+        trainer.stop.restore()
+        trainer.lock.release()
+        shutdown_distributed()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# scaling
+# --------------------------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, shards: Path, run_dir: Path, steps: int) -> list:
+    """One training by the real launcher; its metrics.jsonl records."""
+    overrides = [f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={steps}",
+                 "train.log_every=1000000", f"checkpoint.every_steps={steps + 1}", "tracking.enabled=false"]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
+           str(free_port()), str(REPO / "launchers" / "pretrain.py"), "--ds_config",
+           str(REPO / "ds_configs" / "zero2.json")]
+    for o in overrides:
+        cmd += ["--set", o]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"world size {nproc}: the launcher exited with {proc.returncode}:\n{tail}")
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln]
+    print(f"scaling: world size {nproc}: {len(records)} steps, {time.perf_counter() - t0:.1f} s incl. start-up",
+          flush=True)
+    return records
+
+
+def throughput(records: list, warmup: int) -> tuple[float, float]:
+    """(tokens/s over the steps after ``warmup``: tokens of each step over the time since the previous record,
+    median; the trainer's own tokens_per_s median, which leaves out the per-step stop check)."""
+    per_step = [r["tokens"] / (r["time"] - prev["time"]) for prev, r in zip(records, records[1:])
+                if r["step"] > warmup]
+    own = [r["tokens_per_s"] for r in records if r["step"] > warmup]
+    return statistics.median(per_step), statistics.median(own)
+
+
+def measure_scaling(shards: Path, tmp: Path, steps: int, warmup: int) -> dict:
+    out = {}
+    for n in (1, 2):
+        records = launch(n, shards, tmp / f"scaling_ws{n}", steps)
+        out[n] = throughput(records, warmup)
+        out[f"tokens{n}"] = records[-1]["tokens"]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer steps (under 3 minutes on two cores)")
+    p.add_argument("--steps", type=int, default=None, help="timed P4 steps (default 12, --quick 6)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed P4 steps first (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for P4, both sides (default 1)")
+    p.add_argument("--scaling-steps", type=int, default=None, help="steps per scaling launch (default 30, --quick 12)")
+    p.add_argument("--skip-p4", action="store_true")
+    p.add_argument("--skip-scaling", action="store_true")
+    args = p.parse_args(argv)
+    steps = args.steps or (6 if args.quick else 12)
+    scaling_steps = args.scaling_steps or (12 if args.quick else 30)
+    if steps < 1 or args.warmup < 0 or scaling_steps < 8:
+        p.error("need --steps >= 1, --warmup >= 0, --scaling-steps >= 8")
+    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores (other processes skew timings)")
+    with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
+        tmp = Path(tmp)
+        shards = build_shards(tmp / "shards")
+        if not args.skip_scaling:  # first: P4's process group and threads stay in this process until it exits
+            s = measure_scaling(shards, tmp, scaling_steps, warmup=4)
+            (w1, own1), (w2, own2) = s[1], s[2]
+            print(f"scaling: tokens/s ws1 {w1:.0f} (trainer's own figure {own1:.0f}), ws2 {w2:.0f} ({own2:.0f}); "
+                  f"tokens per step {s['tokens1']} / {s['tokens2']}; {os.cpu_count()} CPU cores")
+            print(f"RESULT scaling {w2 / w1:.3f} tokens/s at world size 2 / world size 1, real launcher, ZeRO-2, "
+                  f"demo Eco-RNA d128 ctx128, 8 rows x 2 microbatches per rank, 1 thread per rank; ideal 2.0 on 2 "
+                  f"free cores")
+        if not args.skip_p4:
+            r = measure_p4(shards, tmp / "p4", steps, args.warmup, args.threads)
+            print(f"P4: {r['n_params'] / 1e6:.2f}M parameters, {r['threads']} torch thread(s), K_max per timed step "
+                  f"{r['k_max']}; median step engine {r['engine_ms']:.0f} ms, plain {r['plain_ms']:.0f} ms; "
+                  f"per-step ratios {[round(x, 3) for x in r['ratios']]}; process CPU time ratio (median) "
+                  f"{r['cpu_ratio']:.3f}")
+            print(f"RESULT P4 {r['ratio']:.3f} DeepSpeed ZeRO-2 engine step / plain PyTorch AdamW step, same model, "
+                  f"batches and loss, median of {steps} paired steps ({r['model']}; world 1, gloo, fp32, "
+                  f"{r['threads']} torch thread{'s' if r['threads'] > 1 else ''}); target <= 1.15")
+            print(f"RESULT P4.cpu {r['cpu_ratio']:.3f} the same as process CPU time (engine / plain, median of the "
+                  f"paired steps): what other processes on the host cannot inflate")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""Every CPU benchmark in one run, and one table of their figures against the targets.
+
+    python bench/run_all.py [--full] [--only NAME ...] [--timeout 480]
+
+Runs each script of BENCHES as its own subprocess (this python, cwd = the repository root), with ``--quick`` unless
+``--full``, streams its output (prefixed with its name) and collects its ``RESULT <ID> <value> <description>``
+lines. Each figure is a ratio both sides of which were measured in that script's one run. At the end it prints every
+figure, marked against its target (TARGETS), the wall time of each script and the total.
+
+Exit status 0 when every script ran, exited 0 and printed every figure it owes (FIGURES) as a well-formed RESULT
+line; 1 otherwise, naming each script that failed and why. A figure that misses its target is marked MISS in the
+table but is not a failure: the scripts measured what they measured. P5 (GPU MFU) is not here: bash bench/gpu.sh
+measures it on a CUDA host.
+
+The default (--quick) run takes a few minutes on two CPU cores.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import operator
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# (name, script relative to the repository root, the figure IDs it must print). A script may print more (e.g. the
+# per-setup P6.<setup> lines); those appear in the table unmarked unless TARGETS names them.
+BENCHES = [
+    ("wavefront", "bench/wavefront.py", ("P1", "P1.waste", "P1.gather")),
+    ("data", "bench/data.py", ("P2", "P3", "P3w2")),
+    ("padding", "bench/padding.py", ("P6",)),
+    ("engine", "bench/engine.py", ("P4", "scaling")),
+]
+
+# ID -> (comparison, bound). P3w2 is P3 with two data_prep workers: the same floor applies.
+TARGETS = {
+    "P1": ("<=", 1.10),
+    "P1.waste": ("==", 0.0),
+    "P2": (">=", 0.8),
+    "P3": (">=", 0.5),
+    "P3w2": (">=", 0.5),
+    "P4": ("<=", 1.15),
+    "P6": ("<=", 1.05),
+}
+_OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq}
+
+RESULT_RE = re.compile(r"^RESULT\s+(\S+)\s+(\S+)(?:\s+(.*))?$")
+
+
+@dataclass
+class Figure:
+    id: str
+    value: float
+    description: str
+    bench: str
+
+
+@dataclass
+class BenchRun:
+    name: str
+    script: str
+    expected: tuple
+    rc: int | None = None  # None: not started (missing script) or killed at the timeout
+    seconds: float = 0.0
+    figures: list = field(default_factory=list)
+    problems: list = field(default_factory=list)  # why this script counts as failed; empty when it passed
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.problems)
+
+
+def parse_result_line(line: str, bench: str) -> Figure | str | None:
+    """A Figure for a well-formed RESULT line, an error string for a malformed one, None for any other line."""
+    s = line.strip()
+    if not s.startswith("RESULT"):
+        return None
+    m = RESULT_RE.match(s)
+    if not m:
+        return f"malformed RESULT line {s!r} (want 'RESULT <ID> <value> <description>')"
+    try:
+        value = float(m.group(2))
+    except ValueError:
+        return f"RESULT {m.group(1)}: value {m.group(2)!r} is not a number"
+    if not math.isfinite(value):
+        return f"RESULT {m.group(1)}: value {m.group(2)} is not finite"
+    return Figure(m.group(1), value, (m.group(3) or "").strip(), bench)
+
+
+def check_target(fig_id: str, value: float) -> str:
+    """'ok', 'MISS' or '-' (no target for this ID)."""
+    if fig_id not in TARGETS:
+        return "-"
+    op, bound = TARGETS[fig_id]
+    return "ok" if _OPS[op](value, bound) else "MISS"
+
+
+def target_text(fig_id: str) -> str:
+    if fig_id not in TARGETS:
+        return ""
+    op, bound = TARGETS[fig_id]
+    return f"{op} {bound:g}"
+
+
+def run_bench(run: BenchRun, quick: bool, timeout: float, python: str = sys.executable, out=None) -> BenchRun:
+    """Run one script, stream its output prefixed with its name, collect its RESULT lines and its problems."""
+    out = sys.stdout if out is None else out
+    path = REPO / run.script if not Path(run.script).is_absolute() else Path(run.script)
+    if not path.is_file():
+        run.problems.append(f"{run.script} not found")
+        return run
+    cmd = [python, str(path)] + (["--quick"] if quick else [])
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            env=_env())
+    killed = threading.Event()
+
+    def kill():  # a hung benchmark must not hold up the rest
+        killed.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            out.write(f"[{run.name}] {line}")
+            out.flush()
+            parsed = parse_result_line(line, run.name)
+            if isinstance(parsed, Figure):
+                run.figures.append(parsed)
+            elif isinstance(parsed, str):
+                run.problems.append(parsed)
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    run.seconds = time.perf_counter() - t0
+    if killed.is_set():
+        run.problems.append(f"killed after the {timeout:g} s timeout")
+    else:
+        run.rc = rc
+        if rc != 0:
+            run.problems.append(f"exited with status {rc}")
+    if not run.figures:
+        run.problems.append("printed no RESULT line")
+    else:
+        seen = {f.id for f in run.figures}
+        missing = [i for i in run.expected if i not in seen]
+        if missing:
+            run.problems.append(f"printed no RESULT line for {', '.join(missing)}")
+        dup = sorted({f.id for f in run.figures if sum(g.id == f.id for g in run.figures) > 1})
+        if dup:
+            run.problems.append(f"printed {', '.join(dup)} more than once")
+    return run
+
+
+def _env() -> dict:
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"  # stream the scripts' progress as it happens
+    return env
+
+
+def format_table(runs: list) -> str:
+    """Every figure of every run, marked against its target; then each script's wall time and status; the total."""
+    rows = [("figure", "value", "target", "", "bench", "description")]
+    for r in runs:
+        for f in r.figures:
+            rows.append((f.id, f"{f.value:.4g}", target_text(f.id), check_target(f.id, f.value), r.name,
+                         f.description))
+        for i in r.expected:
+            if i not in {f.id for f in r.figures}:
+                rows.append((i, "n/a", target_text(i), "NONE", r.name, "not printed"))
+    widths = [max(len(row[c]) for row in rows) for c in range(5)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
+    lines.insert(1, "-" * (sum(widths) + 2 * 5 + 11))
+    lines.append("")
+    lines.append(f"{'bench':<12}{'script':<22}{'wall s':>8}  status")
+    for r in runs:
+        status = "ok" if not r.failed else "FAILED: " + "; ".join(r.problems)
+        lines.append(f"{r.name:<12}{r.script:<22}{r.seconds:>8.1f}  {status}")
+    lines.append(f"{'total':<34}{sum(r.seconds for r in runs):>8.1f}")
+    misses = [f.id for r in runs for f in r.figures if check_target(f.id, f.value) == "MISS"]
+    if misses:
+        lines.append(f"figures missing their target: {', '.join(misses)}")
+    return "\n".join(lines)
+
+
+def main(argv=None, benches=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--full", action="store_true", help="run each script at its default size instead of --quick")
+    p.add_argument("--only", nargs="+", metavar="NAME",
+                   help="run only these benches (names: wavefront data padding engine)")
+    p.add_argument("--timeout", type=float, default=480.0, help="seconds one script may run (default 480)")
+    args = p.parse_args(argv)
+    benches = BENCHES if benches is None else benches
+    names = [b[0] for b in benches]
+    if args.only:
+        unknown = [n for n in args.only if n not in names]
+        if unknown:
+            p.error(f"--only: unknown bench {unknown[0]!r} (known: {', '.join(names)})")
+        benches = [b for b in benches if b[0] in args.only]
+    runs = []
+    t0 = time.perf_counter()
+    for name, script, expected in benches:
+        print(f"== {name}: {script}{'' if args.full else ' --quick'}", flush=True)
+        runs.append(run_bench(BenchRun(name, script, tuple(expected)), quick=not args.full, timeout=args.timeout))
+    print()
+    print(format_table(runs))
+    print(f"run_all: {time.perf_counter() - t0:.1f} s wall")
+    failed = [r for r in runs if r.failed]
+    if failed:
+        for r in failed:
+            print(f"run_all: FAILED {r.name} ({r.script}): {'; '.join(r.problems)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

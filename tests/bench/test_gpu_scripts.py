@@ -1,0 +1,33 @@
+"""The prepared GPU check's CUDA-free parts: bench/eco_rna_gpu.py's CPU dry run and its one-line exit without CUDA,
+bench/gpu.sh's syntax and its exit on a host without CUDA."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import eco_rna_gpu
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_eco_rna_gpu_dry_run_runs_every_step(capsys):
+    assert eco_rna_gpu.main(["--dry-run", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(a) parity" in out and "case 'idle steps'" in out and "k_max 6" in out
+    assert out.count(" ok") >= 2 and "FAIL" not in out  # bf16 SDPA against fp32, both cases
+    assert "(b) forward+backward" in out and " bf16 " in out and " autocast " in out
+    assert "RESULT P5 " in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a host without CUDA")
+def test_without_cuda_the_gpu_scripts_exit_with_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        eco_rna_gpu.main([])
+    for script in ("bench/gpu.sh", "scripts/prepare_gpu_check.sh", "scripts/install_gpu_kernels.sh"):
+        subprocess.run(["bash", "-n", script], cwd=REPO, check=True)
+    env = {**os.environ, "PY": sys.executable, "GPU_WORK": str(tmp_path / "work")}
+    r = subprocess.run(["bash", "bench/gpu.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "torch sees no CUDA device" in r.stdout, r.stdout + r.stderr
