@@ -221,7 +221,8 @@ class Attention(nn.Module):
             k = self.k_norm(self.k_proj(x).view(T, self.n_kv_heads, self.head_dim))  # [T, Hkv, hd]
             v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
             cos, sin = (t[:, None] for t in rope)  # [T, 1, hd/2]: one position per token, shared by its heads
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            # back to v's dtype: under autocast the fp32 tables make q, k fp32, and flash-attn takes bf16/fp16 only
+            q, k = rotate(q, cos, sin).to(v.dtype), rotate(k, cos, sin).to(v.dtype)
             out = varlen_attend(q, k, v, key_mask, backend=self.backend)
             return self.o_proj(out.reshape(T, self.n_heads * self.head_dim))
         B, L, _ = x.shape
@@ -229,7 +230,7 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)  # autocast: as above
         out = attend(q, k, v, key_mask, backend=self.backend)
         return self.o_proj(out.transpose(1, 2).reshape(B, L, self.n_heads * self.head_dim))
 
