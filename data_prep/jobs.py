@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 # pipeline.data.shards is imported inside the functions that write: webdataset pulls in torch (~2 s), and argument
 # or output-directory mistakes should be reported at once.
 MANIFEST = "manifest.json"  # pipeline.data.shards.MANIFEST
+SHARD_FORMAT = "bioseq-wds/2"  # pipeline.data.shards.FORMAT: shards of blocks of samples
+BLOCK_SAMPLES = 2048  # pipeline.data.shards.BLOCK_SAMPLES
 JOB_MANIFEST_RE = re.compile(r"manifest-job(\d{4})-of-(\d{4})\.json")
 FILTERED = "filtered.tsv"
 FILTERED_HEADER = ("id", "reason", "input", "line", "detail")
@@ -302,7 +304,9 @@ def _fingerprint(source: Source, encoder: Encoder, inputs: list[Path], settings:
     def stat(p: Path):
         st = p.stat()
         return [str(p), st.st_size, st.st_mtime_ns]
+    # shard_format: a work directory left with shards of another format restarts rather than mix the two
     doc = {"source": source.name, "tokenizer": encoder.entry, "settings": _settings_doc(settings),
+           "shard_format": SHARD_FORMAT,
            "inputs": [stat(p) for p in inputs], "members": stat(members) if members else None}
     if clusters is not None:  # only then: fingerprints of sequence runs stay as they were
         doc["clusters"] = stat(clusters)
@@ -505,7 +509,7 @@ class _Split:
             on_close = work.record if not name else (lambda info: work.record(info, name))
             self.writer = ShardWriter(self.directory, work.prefix, self.settings.shard_size,
                                       vocab_size=self.encoder.vocab_size, completed=self.completed,
-                                      on_close=on_close, layout=self.layout)
+                                      on_close=on_close, layout=self.layout, block_samples=BLOCK_SAMPLES)
         return self.writer
 
     def write(self, key: str, tokens, meta: dict, offsets=None) -> None:
