@@ -518,6 +518,17 @@ class _Split:
             return  # already in a verified shard of the interrupted run
         self.open_writer().write(key, tokens, meta, *(() if offsets is None else (offsets,)))
 
+    def extend(self, keys: list, tokens: np.ndarray, bounds: np.ndarray, metas: list) -> None:
+        """Several samples (ShardWriter.extend), those already in verified shards skipped as in ``write``."""
+        n = len(keys)
+        skip = min(n, max(0, self.skip - self.written))
+        self.written += n
+        if skip == n:
+            return
+        if skip:
+            keys, metas, tokens, bounds = keys[skip:], metas[skip:], tokens[bounds[skip]:], bounds[skip:] - bounds[skip]
+        self.open_writer().extend(keys, tokens, bounds, metas)
+
     def abort(self) -> None:
         if self.writer is not None:
             self.writer.abort()
@@ -634,93 +645,117 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
     sizes = _input_sizes(inputs)
     mode, interval = progress
     next_update = 0.0
+    fast = _batch_reader(source, encoder, settings, ctx)
+
+    def one(rec, i: int, path: Path, inp: dict) -> None:
+        """Record ``i`` (global index) of ``path`` on the per-record path."""
+        nonlocal read
+        replaceable = rec.error is not None and rec.reason == "invalid_character" \
+            and s.replace_invalid is not None
+        if rec.error is not None and s.strict and not replaceable:
+            raise FastaError(rec.error)
+        # With --dedup a record's job follows its hash, so every copy of a sequence meets in one job;
+        # otherwise ownership is decided first and other jobs' records cost nothing more.
+        seq = digest = replaced = None
+        if s.dedup:
+            seq = normalise(rec.seq)
+            if replaceable:
+                seq, replaced = encoder.replace(seq, s.replace_invalid)
+            digest = hashlib.sha1(seq).digest()
+        owner = int.from_bytes(digest[:8], "little") if digest is not None else i
+        if owner % s.num_jobs != s.job_index:
+            return
+        if seq is None:
+            seq = normalise(rec.seq)
+            if replaceable:
+                seq, replaced = encoder.replace(seq, s.replace_invalid)
+        name = split_of(rec.id, s.val_fraction)
+        sp, st, filt = splits[name], stats[name], filtered[name]
+        read += 1
+        inp[name]["records"] += 1
+        if rec.error is not None and not replaceable:
+            filt[rec.reason] = filt.get(rec.reason, 0) + 1
+            chars = encoder.bad_characters(seq) if rec.reason == "invalid_character" else None
+            if chars:
+                invalid_chars[name].update(chars)
+            damage.add(rec.reason, rec.error, chars)
+            sp.dropped.add(rec.id, rec.reason, path, rec.line, _detail(rec.error, path))
+            return
+        n = encoder.residues(seq)
+        reason = detail = None
+        if n == 0:
+            reason = "empty"
+            damage.add("empty", f"{path}:{rec.line}: record {rec.id} has no sequence")
+        elif n < s.min_length:
+            reason, detail = short, f"{n} residues"
+        elif s.max_length is not None and n > s.max_length:
+            reason, detail = long, f"{n} residues"
+        elif digest is not None:
+            first = seen_hashes.get(digest)
+            if first is not None:
+                reason, detail = "duplicate", f"same sequence as {first}"
+            else:
+                seen_hashes[digest] = rec.id
+        if reason is not None:
+            filt[reason] += 1
+            sp.dropped.add(rec.id, reason, path, rec.line, detail or "")
+            return
+        if not encoder.text and normalise(rec.seq) != rec.seq:  # soft-masked (lowercase) residues present
+            st["lowercase_residues"] += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
+        if replaced:
+            st["replaced_characters"] += sum(replaced.values())
+            st["records_with_replacements"] += 1
+            for c, k in replaced.items():
+                st["replaced"][c] = st["replaced"].get(c, 0) + k
+        inp[name]["kept"] += 1
+        inp[name]["residues"] += n
+        meta = {"id": rec.id, "source": source.name, "length": n}
+        if rec.meta is None:
+            meta["description"] = rec.description
+        else:
+            meta.update(rec.meta)
+        key = f"{i:012d}"
+        if s.window is None:
+            if sp.written + 1 <= sp.skip:
+                sp.written += 1  # in a verified shard already: not encoded again
+                return
+            sp.write(key, encoder.encode(seq), meta)
+            return
+        _write_windows(sp, st["windows"], key, rec.id, seq, meta, encoder, s)
+
+    def progress_update(path: Path, done_before: int) -> None:
+        bar.update(done_before + input_position(path), records=index, written=sum(x.written for x in splits.values()),
+                   filtered=sum(sum(f.values()) for f in filtered.values()))
+        damage.poll(read)
+
     try:
         with Progress(source.name, sum(sizes), mode, interval) as bar:
             for n_input, path in enumerate(inputs):
                 inp = {k: {"path": str(path), "records": 0, "kept": 0, "residues": 0} for k in splits}
                 done_before = sum(sizes[:n_input])
                 any_record = False
-                for rec in source.reader(path, ctx):
-                    any_record = True
-                    i, index = index, index + 1
-                    if index % 256 == 0 or time.monotonic() >= next_update:
-                        next_update = time.monotonic() + 0.25
-                        bar.update(done_before + input_position(path), records=index,
-                                   written=sum(x.written for x in splits.values()),
-                                   filtered=sum(sum(f.values()) for f in filtered.values()))
-                        damage.poll(read)
-                    replaceable = rec.error is not None and rec.reason == "invalid_character" \
-                        and s.replace_invalid is not None
-                    if rec.error is not None and s.strict and not replaceable:
-                        raise FastaError(rec.error)
-                    # With --dedup a record's job follows its hash, so every copy of a sequence meets in one job;
-                    # otherwise ownership is decided first and other jobs' records cost nothing more.
-                    seq = digest = replaced = None
-                    if s.dedup:
-                        seq = normalise(rec.seq)
-                        if replaceable:
-                            seq, replaced = encoder.replace(seq, s.replace_invalid)
-                        digest = hashlib.sha1(seq).digest()
-                    owner = int.from_bytes(digest[:8], "little") if digest is not None else i
-                    if owner % s.num_jobs != s.job_index:
-                        continue
-                    if seq is None:
-                        seq = normalise(rec.seq)
-                        if replaceable:
-                            seq, replaced = encoder.replace(seq, s.replace_invalid)
-                    name = split_of(rec.id, s.val_fraction)
-                    sp, st, filt = splits[name], stats[name], filtered[name]
-                    read += 1
-                    inp[name]["records"] += 1
-                    if rec.error is not None and not replaceable:
-                        filt[rec.reason] = filt.get(rec.reason, 0) + 1
-                        chars = encoder.bad_characters(seq) if rec.reason == "invalid_character" else None
-                        if chars:
-                            invalid_chars[name].update(chars)
-                        damage.add(rec.reason, rec.error, chars)
-                        sp.dropped.add(rec.id, rec.reason, path, rec.line, _detail(rec.error, path))
-                        continue
-                    n = encoder.residues(seq)
-                    reason = detail = None
-                    if n == 0:
-                        reason = "empty"
-                        damage.add("empty", f"{path}:{rec.line}: record {rec.id} has no sequence")
-                    elif n < s.min_length:
-                        reason, detail = short, f"{n} residues"
-                    elif s.max_length is not None and n > s.max_length:
-                        reason, detail = long, f"{n} residues"
-                    elif digest is not None:
-                        first = seen_hashes.get(digest)
-                        if first is not None:
-                            reason, detail = "duplicate", f"same sequence as {first}"
+                if fast is not None and fast.takes(path):
+                    for chunk in fast.read(path):
+                        if isinstance(chunk, list):  # read record by record
+                            for rec in chunk:
+                                i, index = index, index + 1
+                                one(rec, i, path, inp)
                         else:
-                            seen_hashes[digest] = rec.id
-                    if reason is not None:
-                        filt[reason] += 1
-                        sp.dropped.add(rec.id, reason, path, rec.line, detail or "")
-                        continue
-                    if not encoder.text and normalise(rec.seq) != rec.seq:  # soft-masked (lowercase) residues present
-                        st["lowercase_residues"] += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
-                    if replaced:
-                        st["replaced_characters"] += sum(replaced.values())
-                        st["records_with_replacements"] += 1
-                        for c, k in replaced.items():
-                            st["replaced"][c] = st["replaced"].get(c, 0) + k
-                    inp[name]["kept"] += 1
-                    inp[name]["residues"] += n
-                    meta = {"id": rec.id, "source": source.name, "length": n}
-                    if rec.meta is None:
-                        meta["description"] = rec.description
-                    else:
-                        meta.update(rec.meta)
-                    key = f"{i:012d}"
-                    if s.window is None:
-                        if sp.written + 1 <= sp.skip:
-                            sp.written += 1  # in a verified shard already: not encoded again
-                            continue
-                        sp.write(key, encoder.encode(seq), meta)
-                        continue
-                    _write_windows(sp, st["windows"], key, rec.id, seq, meta, encoder, s)
+                            # not "read += _batch(...)": one() counts the records it reads into read meanwhile
+                            fast_read = _batch(chunk, index, path, inp, one, splits, stats, filtered, damage, s,
+                                               fast, source.name)
+                            read += fast_read
+                            index += len(chunk)
+                        any_record = any_record or bool(chunk)
+                        progress_update(path, done_before)
+                else:
+                    for rec in source.reader(path, ctx):
+                        any_record = True
+                        i, index = index, index + 1
+                        if index % 256 == 0 or time.monotonic() >= next_update:
+                            next_update = time.monotonic() + 0.25
+                            progress_update(path, done_before)
+                        one(rec, i, path, inp)
                 if not any_record:
                     raise PrepError(f"{path}: no records in this input (empty after decompression?)")
                 for k in splits:
@@ -750,6 +785,139 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
         out[k] = Manifest(source=source.name, tokenizer=encoder.entry, shards=shards, filtered=filtered[k],
                           inputs=counts[k], stats=stats[k])
     return out, index
+
+
+class _BatchReader:
+    """data_prep/batch.py for this job: the FASTA sources' inputs read chunk by chunk, or None where the job needs
+    the per-record path throughout (``_batch_reader``)."""
+
+    def __init__(self, source: Source, encoder: Encoder, ctx):
+        from .sources import iter_uniref, uniref_record
+        self.uniref = source.reader is iter_uniref
+        everything = bytes(range(256))
+        check = ctx.invalid_positions
+        if self.uniref:  # the uniref reader accepts lowercase and upper-cases it (iter_uniref)
+            self.check = lambda seq: check(seq.upper())
+            self.to_record = lambda rec: uniref_record(rec, ctx)
+        else:
+            self.check, self.to_record = check, (lambda rec: rec)
+        bad = set(self.check(everything).tolist())
+        self.valid = bytes(c for c in range(256) if c not in bad)  # bytes a sequence may hold as written
+        table = bytearray(b"\xff" * 256)  # upper-cased residue -> token id
+        for c in self.valid.upper():
+            table[c] = int(encoder.encode(bytes([c]))[0])
+        self.tokens = bytes(table)
+
+    def takes(self, path: Path) -> bool:
+        from .batch import starts_with_header
+        return starts_with_header(path)
+
+    def read(self, path: Path):
+        from .batch import Reader
+        return Reader(path, self.valid, self.check, self.uniref, self.to_record)
+
+
+def _batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx) -> _BatchReader | None:
+    """The batch reader when every record of the job can take it: a FASTA source (fasta, genome, rnacentral,
+    uniref) without --dedup (a record's job and fate depend on all records before it), --window or
+    --uniref90-members (per-record work either way)."""
+    from .sources import iter_fasta_source, iter_uniref
+    if source.reader not in (iter_fasta_source, iter_uniref) or encoder.kind not in ("nucleotide", "protein"):
+        return None
+    if settings.dedup or settings.window is not None or ctx.members is not None or ctx.invalid_positions is None:
+        return None
+    return _BatchReader(source, encoder, ctx)
+
+
+def _batch(chunk, index0: int, path: Path, inp: dict, one, splits: dict, stats: dict, filtered: dict,
+           damage: DamageCheck, s: Settings, reader: _BatchReader, source_name: str) -> int:
+    """Write the records of one batch chunk (global indices index0 ..) as the per-record path would: the same
+    samples, keys, meta, filter counts and rows, statistics and split; records the chunk hands over (``slow``) go
+    through ``one`` in their place in the order. Returns the records of this job read here (the rest: ``one``)."""
+    from .batch import _enc
+
+    n = len(chunk)
+    bounds = chunk.bounds
+    upper = chunk.seq.upper()
+    tokens_all = np.frombuffer(upper.translate(reader.tokens), np.uint8)
+    lower_cum = None
+    if upper != chunk.seq:  # soft-masked residues: counted per kept record
+        lower_cum = np.zeros(len(chunk.seq) + 1, np.int64)
+        np.cumsum(_LOWER[np.frombuffer(chunk.seq, np.uint8)], out=lower_cum[1:])
+    src = _enc(source_name)
+    short, long = f"shorter_than_{s.min_length}", f"longer_than_{s.max_length}"
+    read = 0
+
+    def run(lo: int, hi: int) -> int:
+        js = np.arange(lo, hi)
+        if s.num_jobs > 1:
+            js = js[(index0 + js) % s.num_jobs == s.job_index]
+        if not len(js):
+            return 0
+        lengths = bounds[js + 1] - bounds[js]
+        names = [""] * len(js) if s.val_fraction is None else [split_of(chunk.ids[j], s.val_fraction)
+                                                                 for j in js.tolist()]
+        drop = lengths < max(s.min_length, 1)
+        if s.max_length is not None:
+            drop |= lengths > s.max_length
+        for k in np.flatnonzero(drop).tolist():  # in record order, across splits, as the per-record path
+            j, m, name = int(js[k]), int(lengths[k]), names[k]
+            rid, line = chunk.ids[j], chunk.line(j)
+            if m == 0:
+                reason, detail = "empty", ""
+                damage.add("empty", f"{path}:{line}: record {rid} has no sequence")
+            elif m < s.min_length:
+                reason, detail = short, f"{m} residues"
+            else:
+                reason, detail = long, f"{m} residues"
+            filtered[name][reason] += 1
+            splits[name].dropped.add(rid, reason, path, line, detail)
+        groups = {"": np.ones(len(js), bool)} if s.val_fraction is None else \
+            {name: np.array([x == name for x in names]) for name in splits}
+        for name, mask in groups.items():
+            inp[name]["records"] += int(mask.sum())
+            keep = mask & ~drop
+            kept, klen = js[keep], lengths[keep]
+            if not len(kept):
+                continue
+            st, ip = stats[name], inp[name]
+            if lower_cum is not None:
+                st["lowercase_residues"] += int((lower_cum[bounds[kept + 1]] - lower_cum[bounds[kept]]).sum())
+            ip["kept"] += len(kept)
+            ip["residues"] += int(klen.sum())
+            keys = [f"{index0 + j:012d}" for j in kept.tolist()]
+            metas = []
+            for j, m in zip(kept.tolist(), klen.tolist()):
+                tail = chunk.tails[j]
+                if tail is not None:
+                    metas.append(f'{{"id":{_enc(chunk.ids[j])},"source":{src},"length":{m}{tail}')
+                else:
+                    metas.append(json.dumps({"id": chunk.ids[j], "source": source_name, "length": m}
+                                            | chunk.metas[j], separators=(",", ":")))
+            a, b = int(bounds[kept[0]]), int(bounds[kept[-1] + 1])
+            if int(klen.sum()) == b - a:  # the kept records are adjacent: one slice
+                tokens = tokens_all[a:b]
+            else:
+                sel = np.zeros(len(tokens_all) + 1, np.int64)
+                np.add.at(sel, bounds[kept], 1)
+                np.add.at(sel, bounds[kept + 1], -1)
+                tokens = tokens_all[np.cumsum(sel[:-1]) > 0]
+            kb = np.zeros(len(kept) + 1, np.int64)
+            np.cumsum(klen, out=kb[1:])
+            splits[name].extend(keys, tokens, kb, metas)
+        return len(js)
+
+    prev = 0
+    for j in list(chunk.slow) + [n]:
+        if prev < j:
+            read += run(prev, j)
+        if j < n:
+            rec = chunk.slow[j]
+            if isinstance(rec, Exception):
+                raise rec
+            one(rec, index0 + j, path, inp)
+        prev = j + 1
+    return read
 
 
 def _write_windows(sp: _Split, w: dict, key: str, rid: str, seq: bytes, meta: dict, encoder: Encoder,

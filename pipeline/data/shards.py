@@ -367,10 +367,10 @@ class ShardWriter:
         while at < n:
             if self._writer is None:
                 self._open()
-            room = min(self.max_samples - self._count, self.block_samples - len(self._block["keys"]))
-            # stop before the sample that would carry the block past block_tokens (at least one sample)
+            room = min(self.max_samples - self._count, self.block_samples - len(self._block["keys"]), n - at)
+            # up to the sample that brings the block to block_tokens, where write() would close it too
             over = np.searchsorted(bounds[at + 1:at + room + 1] - bounds[at],
-                                   self.block_tokens - self._block_tokens, side="right")
+                                   self.block_tokens - self._block_tokens, side="left")
             take = max(1, min(room, int(over) + 1))
             b = self._block
             lo, hi = int(bounds[at]), int(bounds[at + take])
