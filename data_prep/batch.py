@@ -32,12 +32,13 @@ _enc = json.encoder.encode_basestring_ascii  # what json.dumps uses for str (ens
 @dataclass
 class Chunk:
     """Whole records of one input. Record j: header line ``line(j)``, id ``ids[j]``, sequence (as written, line
-    breaks removed) ``seq[bounds[j]:bounds[j + 1]]``; ``tails[j]`` the JSON text of its meta after ``"length":N``
+    breaks removed) ``seq[bounds[j]:bounds[j + 1]]``, its tokens at the same positions of ``tokens``; ``tails[j]`` the JSON text of its meta after ``"length":N``
     (``,"description":...}`` or the UniRef fields), or None when ``metas[j]`` holds the meta dict instead; records
     in ``slow`` (position -> Record from iter_fasta_text, or the FastaError it raised) are for the per-record path and their entries here are
     placeholders (empty sequence)."""
     ids: list
     seq: bytes
+    tokens: bytes  # seq tokenized (upper-cased residues' ids; 0xff at bytes outside the alphabet)
     bounds: np.ndarray  # int64 [n + 1]
     tails: list
     metas: dict
@@ -84,61 +85,52 @@ def chunks(path: Path, size: int = CHUNK) -> Iterator[tuple[bytes, int]]:
 
 
 # UniRef headers of the two shapes the shared data holds (parse_uniref_header reads any): the full header
-# "<name> n=<n> Tax=<taxon> TaxID=<id> RepID=<id>" and BioNeMo's "TaxID=<id> RepID=<id>". Only descriptions with
-# exactly as many '=' as the shape has fields are matched, so no other key can hide in a value; numbers are taken
-# as parse_uniref_header's _number would take them only when they are plain integers (or "<int>.0") of at most 15
-# digits (exact in a float); anything else goes to parse_uniref_header.
-_FULL = re.compile(r"(?:(.*?)\s+)?n=(.*?)\s+Tax=(.*?)\s+TaxID=(.*?)\s+RepID=(.*)", re.S)
-_SIMPLE = re.compile(r"TaxID=(.*?)\s+RepID=(.*)", re.S)
-_INT = re.compile(r"(\d{1,15})(?:\.0)?")
-_KEYLIKE = re.compile(r"(?:n|Tax|TaxID|RepID|ClusterName)=")
+# "<name> n=<n> Tax=<taxon> TaxID=<id> RepID=<id>", BioNeMo's "TaxID=<id> RepID=<id>" and its UniRef90 members'
+# "ClusterName=<name> TaxID=<id> RepID=<id>", matched for all records of
+# a chunk in one findall over the descriptions joined by NUL. A value may not hold '=' (so no other key can hide in
+# it: every split point of parse_uniref_header's _FIELD_SPLIT is one of the template's), \s+ before a key is the
+# whitespace run _FIELD_SPLIT removes, \s* after '=' what value.strip() removes; numbers are matched only as plain
+# integers (or "<int>.0") of at most 15 digits, exact in the float that _number parses, leading zeros dropped as
+# int() drops them. Any other description (the last alternative) goes to parse_uniref_header.
+_NUM = r"\s*0*(\d{1,15})(?:\.0)?"
+_VAL = r"\s*([^=\x00]*?)"
+_UNIREF = re.compile(rf"(?:(?:([^=\x00]*?)\s+)?n={_NUM}\s+Tax={_VAL}\s+TaxID={_NUM}\s+RepID=\s*([^=\x00]*)"
+                     rf"|TaxID={_NUM}\s+RepID=\s*([^=\x00]*)"
+                     rf"|ClusterName={_VAL}\s+TaxID={_NUM}\s+RepID=\s*([^=\x00]*)|([^\x00]*))\x00")
 
 
-def _int_json(text: str) -> str | None:
-    m = _INT.fullmatch(text)
-    return str(int(m.group(1))) if m else None
-
-
-def uniref_tail(desc: str) -> str | None:
-    """The JSON text of parse_uniref_header's fields after "length" (``,"name":...,"repid":...}``) for a header of
-    one of the two known shapes, else None."""
-    eq = desc.count("=")
-    if eq == 4:
-        m = _FULL.fullmatch(desc)
-        if m is None:
-            return None
-        name, n, tax, taxid, repid = m.groups()
-        n, taxid = _int_json(n.strip()), _int_json(taxid.strip())
-        if n is None or taxid is None:
-            return None
-        head = ""
-        if name is not None:
-            if _KEYLIKE.match(name):
-                return None
-            head = f',"name":{_enc(name)}'
-        return f'{head},"n":{n},"tax":{_enc(tax.strip())},"taxid":{taxid},"repid":{_enc(repid.strip())}}}'
-    if eq == 2:
-        m = _SIMPLE.fullmatch(desc)
-        if m is None:
-            return None
-        taxid = _int_json(m.group(1).strip())
-        if taxid is None:
-            return None
-        return f',"taxid":{taxid},"repid":{_enc(m.group(2).strip())}}}'
-    return None
+def uniref_tails(descs: list[str]) -> list[str | None]:
+    """Per description (stripped, as the FASTA reader leaves it): the JSON text of parse_uniref_header's fields
+    after "length" (``,"name":...,"repid":...}``), or None where parse_uniref_header must parse it."""
+    joined = "\x00".join(descs)
+    if joined.count("\x00") != len(descs) - 1:  # a NUL inside a description: all by parse_uniref_header
+        return [None] * len(descs)
+    out = []
+    for name, n, tax, taxid, repid, staxid, srepid, cname, ctaxid, crepid, other in _UNIREF.findall(joined + "\x00"):
+        if n:
+            head = f',"name":{_enc(name)}' if name else ""
+            out.append(f'{head},"n":{n},"tax":{_enc(tax)},"taxid":{taxid},"repid":{_enc(repid)}}}')
+        elif staxid:
+            out.append(f',"taxid":{staxid},"repid":{_enc(srepid)}}}')
+        elif ctaxid:
+            out.append(f',"clustername":{_enc(cname)},"taxid":{ctaxid},"repid":{_enc(crepid)}}}')
+        else:
+            out.append("}" if not other else None)
+    return out
 
 
 class Reader:
-    """Chunks of one FASTA input, parsed. ``valid``: the bytes a sequence may hold as written (the alphabet; for
-    UniRef also its lowercase); ``invalid_positions``: the source reader's own check (for the per-record
+    """Chunks of one FASTA input, parsed. ``tokens``: 256-byte table, byte as written -> token id of the
+    upper-cased residue, 0xff for a byte outside the alphabet (the source's: for UniRef lowercase is accepted and
+    upper-cased); ``invalid_positions``: the source reader's own check (for the per-record
     fallback); ``uniref``: the source parses UniRef headers into meta (``to_record`` completes a fallback record
     the way the source does)."""
 
-    def __init__(self, path: Path, valid: bytes, invalid_positions: Callable | None, uniref: bool,
+    def __init__(self, path: Path, tokens: bytes, invalid_positions: Callable | None, uniref: bool,
                  to_record: Callable[[Record], Record] = lambda r: r):
         self.path, self.uniref, self.to_record = path, uniref, to_record
         self.invalid_positions = invalid_positions
-        self._valid = valid
+        self._tokens = tokens
 
     def __iter__(self) -> Iterator[Chunk | list]:
         """A Chunk per chunk of the input, or the list of its Records when the chunk is read record by record."""
@@ -162,34 +154,33 @@ class Reader:
         seqs = [p[2].replace(b"\n", b"") for p in parts]
         heads = b"\n".join([p[0] for p in parts]).decode("utf-8", "backslashreplace").split("\n")
         seq = b"".join(seqs)
+        tokens = seq.translate(self._tokens)  # one pass: validation and tokenization
         bounds = np.zeros(n + 1, np.int64)
         np.cumsum(np.fromiter(map(len, seqs), np.int64, n), out=bounds[1:])
         slow: dict[int, Record] = {}
         bad_seq = None
-        if seq.translate(None, self._valid):  # some record holds a byte outside the alphabet (or a blank)
-            table = np.ones(256, np.int64)
-            table[np.frombuffer(self._valid, np.uint8)] = 0
+        if b"\xff" in tokens:  # some record holds a byte outside the alphabet (or a blank)
             cum = np.zeros(len(seq) + 1, np.int64)
-            np.cumsum(table[np.frombuffer(seq, np.uint8)], out=cum[1:])
+            np.cumsum(np.frombuffer(tokens, np.uint8) == 255, out=cum[1:])
             bad_seq = np.flatnonzero(cum[bounds[1:]] != cum[bounds[:-1]]).tolist()
         split = [h.split(None, 1) for h in heads]
         ids = [sp[0] if sp else "" for sp in split]
         descs = [(sp[1].strip() if len(sp) > 1 else "") for sp in split]
         metas: dict[int, dict] = {}
         if self.uniref:
-            tails = [(uniref_tail(d) if d else "}") for d in descs]
+            tails = uniref_tails(descs)
             for j, t in enumerate(tails):
                 if t is None and split[j]:
                     from .sources import parse_uniref_header
                     metas[j] = parse_uniref_header(ids[j], descs[j])
         else:
-            tails = [f',"description":{_enc(d)}}}' for d in descs]
+            tails = [f',"description":{d}}}' for d in map(_enc, descs)]
         for j, sp in enumerate(split):
             if not sp:  # no record id: the per-record path raises the error
                 slow[j] = None
         for j in bad_seq or ():
             slow[j] = None
-        chunk = Chunk(ids, seq, bounds, tails, metas, slow, text, first_line, header_starts)
+        chunk = Chunk(ids, seq, tokens, bounds, tails, metas, slow, text, first_line, header_starts)
         for j in sorted(slow):
             end = header_starts[j + 1] if j + 1 < n else len(text)
             try:

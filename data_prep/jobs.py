@@ -802,10 +802,10 @@ class _BatchReader:
         else:
             self.check, self.to_record = check, (lambda rec: rec)
         bad = set(self.check(everything).tolist())
-        self.valid = bytes(c for c in range(256) if c not in bad)  # bytes a sequence may hold as written
-        table = bytearray(b"\xff" * 256)  # upper-cased residue -> token id
-        for c in self.valid.upper():
-            table[c] = int(encoder.encode(bytes([c]))[0])
+        table = bytearray(b"\xff" * 256)  # byte as written -> token id of the upper-cased residue; 0xff: invalid
+        for c in range(256):
+            if c not in bad:
+                table[c] = int(encoder.encode(bytes([c]).upper())[0])
         self.tokens = bytes(table)
 
     def takes(self, path: Path) -> bool:
@@ -814,7 +814,7 @@ class _BatchReader:
 
     def read(self, path: Path):
         from .batch import Reader
-        return Reader(path, self.valid, self.check, self.uniref, self.to_record)
+        return Reader(path, self.tokens, self.check, self.uniref, self.to_record)
 
 
 def _batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx) -> _BatchReader | None:
@@ -838,10 +838,10 @@ def _batch(chunk, index0: int, path: Path, inp: dict, one, splits: dict, stats: 
 
     n = len(chunk)
     bounds = chunk.bounds
-    upper = chunk.seq.upper()
-    tokens_all = np.frombuffer(upper.translate(reader.tokens), np.uint8)
+    tokens_all = np.frombuffer(chunk.tokens, np.uint8)
     lower_cum = None
-    if upper != chunk.seq:  # soft-masked residues: counted per kept record
+    # soft-masked residues, counted per kept record (isupper: no lowercase, and at least one cased byte)
+    if not chunk.seq.isupper() and _LOWER[np.frombuffer(chunk.seq, np.uint8)].any():
         lower_cum = np.zeros(len(chunk.seq) + 1, np.int64)
         np.cumsum(_LOWER[np.frombuffer(chunk.seq, np.uint8)], out=lower_cum[1:])
     src = _enc(source_name)
@@ -885,15 +885,18 @@ def _batch(chunk, index0: int, path: Path, inp: dict, one, splits: dict, stats: 
                 st["lowercase_residues"] += int((lower_cum[bounds[kept + 1]] - lower_cum[bounds[kept]]).sum())
             ip["kept"] += len(kept)
             ip["residues"] += int(klen.sum())
-            keys = [f"{index0 + j:012d}" for j in kept.tolist()]
-            metas = []
-            for j, m in zip(kept.tolist(), klen.tolist()):
-                tail = chunk.tails[j]
-                if tail is not None:
-                    metas.append(f'{{"id":{_enc(chunk.ids[j])},"source":{src},"length":{m}{tail}')
-                else:
-                    metas.append(json.dumps({"id": chunk.ids[j], "source": source_name, "length": m}
-                                            | chunk.metas[j], separators=(",", ":")))
+            js_kept = kept.tolist()
+            keys = list(map("{:012d}".format, (index0 + kept).tolist()))
+            ids, tails = chunk.ids, chunk.tails
+            # json.dumps({"id", "source", "length", ...}) of the per-record path, as text: id and tail are encoded
+            # with json's own string encoder (batch.py), the tail being the meta after "length"
+            metas = [f'{{"id":{_enc(ids[j])},"source":{src},"length":{m}{tails[j]}' for j, m in zip(js_kept,
+                                                                                               klen.tolist())]
+            if chunk.metas:
+                for k, j in enumerate(js_kept):
+                    if tails[j] is None:
+                        metas[k] = json.dumps({"id": ids[j], "source": source_name, "length": int(klen[k])}
+                                              | chunk.metas[j], separators=(",", ":"))
             a, b = int(bounds[kept[0]]), int(bounds[kept[-1] + 1])
             if int(klen.sum()) == b - a:  # the kept records are adjacent: one slice
                 tokens = tokens_all[a:b]

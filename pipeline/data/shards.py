@@ -244,6 +244,28 @@ class _HashingFile:
         self._f.close()
 
 
+def _add_member(f: _HashingFile, name: str, parts: list) -> None:
+    """One regular tar member (USTAR header: mode 0444, mtime 0, owner bigdata like webdataset's TarWriter; names
+    are short ASCII, so no PAX header is needed) whose data is ``parts`` written one after the other: what
+    tarfile.addfile writes, without copying the data through a file object."""
+    size = sum(len(memoryview(p).cast("B")) for p in parts)
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime, info.uname, info.gname = size, 0o444, 0, "bigdata", "bigdata"
+    f.write(info.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape"))
+    for p in parts:
+        f.write(p)
+    if size % tarfile.BLOCKSIZE:
+        f.write(tarfile.NUL * (tarfile.BLOCKSIZE - size % tarfile.BLOCKSIZE))
+
+
+def _end_archive(f: _HashingFile) -> None:
+    """tarfile's end of archive: two zero blocks, then zeros up to a multiple of the record size (10240)."""
+    f.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
+    rest = f.tell() % tarfile.RECORDSIZE
+    if rest:
+        f.write(tarfile.NUL * (tarfile.RECORDSIZE - rest))
+
+
 class ShardWriter:
     """Writes samples into numbered tar shards of at most ``max_samples`` samples each.
 
@@ -291,9 +313,7 @@ class ShardWriter:
             # mtime makes tarfile write an extra PAX header (1 KiB) before every member.
             self._writer = TarWriter(self._file, encoder=False, mtime=0)
         else:
-            self._file = _HashingFile(self._tmp)
-            # USTAR: block member names are short ASCII, so no PAX header is ever needed; mtime 0 as above
-            self._writer = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+            self._file = self._writer = _HashingFile(self._tmp)
             self._blocks = 0
         self._count = self._tokens = 0
 
@@ -405,16 +425,14 @@ class ShardWriter:
             np.zeros(0, self.dtype)
         bounds = np.zeros(len(b["keys"]) + 1, np.uint64)
         np.cumsum(b["lengths"], out=bounds[1:])
-        members = [("keys.txt", "\n".join(b["keys"]).encode("ascii")), ("bounds.npy", _npy(bounds))]
+        members = [("keys.txt", ["\n".join(b["keys"]).encode("ascii")]), ("bounds.npy", _npy_parts(bounds))]
         if self.layout == "clusters":
             offsets = np.zeros(sum(len(m) for m in b["members"]) + 1, np.uint64)
             np.cumsum(np.concatenate(b["members"]), out=offsets[1:])
-            members.append(("offsets.npy", _npy(offsets)))
-        members += [("tokens.npy", _npy(tokens)), ("meta.json", ("[" + ",".join(b["meta"]) + "]").encode())]
-        for ext, data in members:
-            info = tarfile.TarInfo(f"{name}.{ext}")
-            info.size, info.mode, info.mtime, info.uname, info.gname = len(data), 0o444, 0, "bigdata", "bigdata"
-            self._writer.addfile(info, io.BytesIO(data))
+            members.append(("offsets.npy", _npy_parts(offsets)))
+        members += [("tokens.npy", _npy_parts(tokens)), ("meta.json", [("[" + ",".join(b["meta"]) + "]").encode()])]
+        for ext, parts in members:
+            _add_member(self._file, f"{name}.{ext}", parts)
         self._new_block()
 
     def _close_current(self):
@@ -422,6 +440,7 @@ class ShardWriter:
             return
         if self.block_samples is not None:
             self._flush_block()
+            _end_archive(self._file)
         self._writer.close()
         self._file.close()
         final = self._tmp.with_suffix("")  # drop .tmp
@@ -447,6 +466,13 @@ class ShardWriter:
         for s in self.shards:
             (self.directory / s.path).unlink(missing_ok=True)
         self.shards = []
+
+
+def _npy_parts(array: np.ndarray) -> list:
+    """np.save's bytes of a 1-D array as [header, the array's own buffer] (no copy of the data)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(array))
+    return [buf.getvalue(), np.ascontiguousarray(array).data]
 
 
 def _npy(array: np.ndarray) -> bytes:
