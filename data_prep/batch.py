@@ -46,6 +46,8 @@ class Chunk:
     text: bytes
     first_line: int
     header_starts: np.ndarray  # int64 [n]: offset of each record's '>' in text
+    index: np.ndarray  # int64 [n]: global record index (over all inputs) of each record
+    total: int = 0  # records of the chunk, this job's and the others' (Reader jobs): the global index advances by it
     _newlines: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -127,18 +129,23 @@ class Reader:
     the way the source does)."""
 
     def __init__(self, path: Path, tokens: bytes, invalid_positions: Callable | None, uniref: bool,
-                 to_record: Callable[[Record], Record] = lambda r: r):
+                 to_record: Callable[[Record], Record] = lambda r: r, first_index: int = 0,
+                 jobs: tuple[int, int] = (1, 0)):
         self.path, self.uniref, self.to_record = path, uniref, to_record
         self.invalid_positions = invalid_positions
         self._tokens = tokens
+        self.index = first_index  # global index of the next record (over all inputs)
+        self.jobs = jobs  # (N, I): only records whose global index % N == I are parsed past their header line
 
     def __iter__(self) -> Iterator[Chunk | list]:
         """A Chunk per chunk of the input, or the list of its Records when the chunk is read record by record."""
         for text, first_line in chunks(self.path):
             if b"\r" in text:
                 if text.count(b"\r") != text.count(b"\r\n"):  # a CR that is not a CRLF line end
-                    yield [self.to_record(r) for r in iter_fasta_text(self.path, text, first_line,
-                                                                      self.invalid_positions, "yield")]
+                    records = [self.to_record(r) for r in iter_fasta_text(self.path, text, first_line,
+                                                                             self.invalid_positions, "yield")]
+                    self.index += len(records)
+                    yield records
                     continue
                 text = text.replace(b"\r\n", b"\n")  # iter_fasta strips line ends: the same records
             yield self._parse(text, first_line)
@@ -146,10 +153,28 @@ class Reader:
     def _parse(self, text: bytes, first_line: int) -> Chunk:
         pieces = text.split(b"\n>")  # record texts without their '>'; text starts with '>'
         pieces[0] = pieces[0][1:]
-        n = len(pieces)
-        sizes = np.fromiter(map(len, pieces), np.int64, n)
-        header_starts = np.zeros(n, np.int64)
+        total = len(pieces)
+        sizes = np.fromiter(map(len, pieces), np.int64, total)
+        header_starts = np.zeros(total, np.int64)
         np.cumsum(sizes[:-1] + 2, out=header_starts[1:])
+        index = np.arange(self.index, self.index + total)
+        self.index += total
+        N, I = self.jobs
+        if N > 1:  # another job's records cost their header check only
+            first = (I - int(index[0])) % N
+            for j in range(total):
+                # a header without a record id is an error in every job (iter_fasta raises it), checked exactly
+                # unless the header's first byte is printable ASCII (then it holds an id)
+                if j % N != first and not 0x21 <= (pieces[j][:1] or b"\n")[0] <= 0x7E:
+                    head = pieces[j].partition(b"\n")[0].decode("utf-8", "backslashreplace")
+                    if not head.split(None, 1):
+                        line = first_line + text.count(b"\n", 0, int(header_starts[j]))
+                        raise FastaError(f"{self.path}:{line}: header has no record id")
+            pieces, header_starts, index = pieces[first::N], header_starts[first::N], index[first::N]
+        n = len(pieces)
+        if n == 0:  # every record of the chunk is another job's
+            return Chunk([], b"", b"", np.zeros(1, np.int64), [], {}, {}, text, first_line, header_starts, index,
+                         total)
         parts = [p.partition(b"\n") for p in pieces]
         seqs = [p[2].replace(b"\n", b"") for p in parts]
         heads = b"\n".join([p[0] for p in parts]).decode("utf-8", "backslashreplace").split("\n")
@@ -180,9 +205,10 @@ class Reader:
                 slow[j] = None
         for j in bad_seq or ():
             slow[j] = None
-        chunk = Chunk(ids, seq, tokens, bounds, tails, metas, slow, text, first_line, header_starts)
+        chunk = Chunk(ids, seq, tokens, bounds, tails, metas, slow, text, first_line, header_starts, index, total)
         for j in sorted(slow):
-            end = header_starts[j + 1] if j + 1 < n else len(text)
+            end = text.find(b"\n>", int(header_starts[j])) + 1 or len(text)  # the next record's '>'
+
             try:
                 recs = list(iter_fasta_text(self.path, text[header_starts[j]:end], chunk.line(j),
                                             self.invalid_positions, "yield"))

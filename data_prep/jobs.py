@@ -735,18 +735,20 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
                 done_before = sum(sizes[:n_input])
                 any_record = False
                 if fast is not None and fast.takes(path):
-                    for chunk in fast.read(path):
+                    # --strict: another job's invalid record is an error here too, so every record is parsed
+                    jobs = (1, 0) if s.strict else (s.num_jobs, s.job_index)
+                    for chunk in fast.read(path, index, jobs):
                         if isinstance(chunk, list):  # read record by record
                             for rec in chunk:
                                 i, index = index, index + 1
                                 one(rec, i, path, inp)
                         else:
                             # not "read += _batch(...)": one() counts the records it reads into read meanwhile
-                            fast_read = _batch(chunk, index, path, inp, one, splits, stats, filtered, damage, s,
+                            fast_read = _batch(chunk, path, inp, one, splits, stats, filtered, damage, s,
                                                fast, source.name)
                             read += fast_read
-                            index += len(chunk)
-                        any_record = any_record or bool(chunk)
+                            index += chunk.total
+                        any_record = any_record or bool(chunk) or bool(getattr(chunk, "total", 0))
                         progress_update(path, done_before)
                 else:
                     for rec in source.reader(path, ctx):
@@ -812,9 +814,9 @@ class _BatchReader:
         from .batch import starts_with_header
         return starts_with_header(path)
 
-    def read(self, path: Path):
+    def read(self, path: Path, first_index: int, jobs: tuple[int, int]):
         from .batch import Reader
-        return Reader(path, self.tokens, self.check, self.uniref, self.to_record)
+        return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs)
 
 
 def _batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx) -> _BatchReader | None:
@@ -829,9 +831,9 @@ def _batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx) -> 
     return _BatchReader(source, encoder, ctx)
 
 
-def _batch(chunk, index0: int, path: Path, inp: dict, one, splits: dict, stats: dict, filtered: dict,
+def _batch(chunk, path: Path, inp: dict, one, splits: dict, stats: dict, filtered: dict,
            damage: DamageCheck, s: Settings, reader: _BatchReader, source_name: str) -> int:
-    """Write the records of one batch chunk (global indices index0 ..) as the per-record path would: the same
+    """Write the records of one batch chunk (global indices chunk.index) as the per-record path would: the same
     samples, keys, meta, filter counts and rows, statistics and split; records the chunk hands over (``slow``) go
     through ``one`` in their place in the order. Returns the records of this job read here (the rest: ``one``)."""
     from .batch import _enc
@@ -850,8 +852,8 @@ def _batch(chunk, index0: int, path: Path, inp: dict, one, splits: dict, stats: 
 
     def run(lo: int, hi: int) -> int:
         js = np.arange(lo, hi)
-        if s.num_jobs > 1:
-            js = js[(index0 + js) % s.num_jobs == s.job_index]
+        if s.num_jobs > 1:  # the Reader left out the other jobs' records unless --strict
+            js = js[chunk.index[js] % s.num_jobs == s.job_index]
         if not len(js):
             return 0
         lengths = bounds[js + 1] - bounds[js]
@@ -886,7 +888,7 @@ def _batch(chunk, index0: int, path: Path, inp: dict, one, splits: dict, stats: 
             ip["kept"] += len(kept)
             ip["residues"] += int(klen.sum())
             js_kept = kept.tolist()
-            keys = list(map("{:012d}".format, (index0 + kept).tolist()))
+            keys = list(map("{:012d}".format, chunk.index[kept].tolist()))
             ids, tails = chunk.ids, chunk.tails
             # json.dumps({"id", "source", "length", ...}) of the per-record path, as text: id and tail are encoded
             # with json's own string encoder (batch.py), the tail being the meta after "length"
@@ -918,7 +920,7 @@ def _batch(chunk, index0: int, path: Path, inp: dict, one, splits: dict, stats: 
             rec = chunk.slow[j]
             if isinstance(rec, Exception):
                 raise rec
-            one(rec, index0 + j, path, inp)
+            one(rec, int(chunk.index[j]), path, inp)
         prev = j + 1
     return read
 
@@ -1368,3 +1370,115 @@ def _merge_dir(output: Path):
             os.replace(tmp, output / FILTERED)
         return Result(manifest, seen, write_manifest(output, manifest))
     return write
+
+
+# ---------------------------------------------------------------------------------------------------- --workers N
+def _worker(queue, index: int, kwargs: dict) -> None:
+    """Job ``index`` of a --workers run, in a forked process: its exit status and first error line to the parent."""
+    import signal
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        run(**kwargs)
+    except (PrepError, FastaError, OSError, ValueError) as e:
+        queue.put((index, 1, str(e)))
+        return
+    except KeyboardInterrupt:
+        queue.put((index, 130, "interrupted"))
+        return
+    except BaseException as e:  # noqa: BLE001 -- reported by the parent, which owns the output
+        queue.put((index, 2, f"{type(e).__name__}: {e}"))
+        return
+    queue.put((index, 0, ""))
+
+
+def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list[Path], output: Path,
+                settings: Settings = Settings(), overwrite: bool = False, **kwargs) -> Result:
+    """One data_prep run on ``workers`` processes of this machine: job k of N = workers (exactly the records,
+    shards, filter counts and lists of ``--num-jobs N --job-index k``, every option behaving as there) in forked
+    processes, written into ``DIR.workers-partial``, merged (``merge``) and renamed to ``DIR``: the output is the
+    merged shard directory of the N jobs (their shards ``SOURCE-jKKKK-*.tar`` and job manifests beside the merged
+    manifest.json). Each process reads every input (a gzip stream cannot be split) and tokenizes and writes its
+    own records; a bad input stops every job and leaves nothing; an interrupted run resumes each job's work."""
+    import multiprocessing
+
+    if settings.num_jobs != 1:
+        raise PrepError(f"--workers {workers} runs the jobs of one machine itself: it excludes --num-jobs "
+                        f"{settings.num_jobs}")
+    output = Path(output).resolve()
+    if output.exists() and not output.is_dir():
+        raise PrepError(f"output {output} exists and is not a directory")
+    nonempty = output.is_dir() and any(output.iterdir())
+    if nonempty and not overwrite:
+        raise PrepError(f"output directory {output} exists and is not empty (pass --overwrite to replace it)")
+    if nonempty and not _looks_like_output(output):
+        raise PrepError(f"output directory {output} holds no manifest.json; not replacing a directory that "
+                        "data_prep did not write")
+    from dataclasses import replace
+    import pipeline.data.shards  # noqa: F401,I001 -- imported once here, not in every worker
+
+    staging = output.with_name(f"{output.name}.workers-partial")
+    made = [p for p in reversed(staging.parents) if not p.exists()]
+    staging.mkdir(parents=True, exist_ok=True)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.SimpleQueue()
+    progress = kwargs.pop("progress", ("auto", 60.0))
+    procs = []
+    for k in range(workers):
+        job = dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging,
+                   settings=replace(settings, num_jobs=workers, job_index=k), overwrite=True,
+                   progress=progress if k == 0 else ("off", progress[1]))  # one progress bar: job 0's
+        procs.append(ctx.Process(target=_worker, args=(queue, k, job), daemon=False))
+    import gc
+    gc.freeze()  # the parent's objects out of the collector: a worker's collections do not copy their pages
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join()
+        raise
+    finally:
+        gc.unfreeze()
+    reports = []
+    while not queue.empty():
+        reports.append(queue.get())
+    reports.sort()
+    status = {k: (rc, msg) for k, rc, msg in reports}
+    failed = [(k, status.get(k, (p.exitcode or 1, f"worker {k} exited with status {p.exitcode}")))
+              for k, p in enumerate(procs) if status.get(k, (1, ""))[0] != 0]
+    if failed:
+        bad = [(k, rc, msg) for k, (rc, msg) in failed if rc == 1]
+        if bad:  # bad input: a rerun would fail the same way, so nothing is kept
+            shutil.rmtree(staging, ignore_errors=True)
+            for p in reversed(made):
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+            raise PrepError(bad[0][2])
+        if any(rc == 130 for _, (rc, _) in failed):
+            raise KeyboardInterrupt
+        k, (rc, msg) = failed[0]
+        raise PrepError(f"worker {k} of {workers} failed: {msg}")
+    result = merge(staging)
+    if output.exists():
+        old = output.with_name(f"{output.name}.old-{os.getpid()}")
+        os.rename(output, old)
+        try:
+            os.rename(staging, output)
+        except BaseException:
+            os.rename(old, output)
+            raise
+        shutil.rmtree(old)
+    else:
+        os.rename(staging, output)
+
+    def moved(path: Path) -> Path:
+        return output / path.relative_to(staging)
+    located = {k: (m, moved(loc)) for k, (m, loc) in result.splits.items()} if result.splits else None
+    return Result(result.manifest, result.records_seen, moved(result.location), located, result.val_fraction)

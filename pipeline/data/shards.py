@@ -59,8 +59,8 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from webdataset.tariterators import group_by_keys
-from webdataset.writer import TarWriter
+# webdataset (TarWriter for per-record shards, group_by_keys for read_shard) is imported where used: it pulls in torch
+# (~2 s), which data_prep's writer of blocks never needs.
 
 FORMAT = "bioseq-wds/2"  # written by this code: shards of blocks (module docstring)
 FORMATS = ("bioseq-wds/1", FORMAT)  # read: /1 manifests list per-record shards only
@@ -311,6 +311,7 @@ class ShardWriter:
             self._file = open(self._tmp, "wb")
             # mtime fixed so that the same input gives byte-identical shards (and sha256); an int, because a float
             # mtime makes tarfile write an extra PAX header (1 KiB) before every member.
+            from webdataset.writer import TarWriter
             self._writer = TarWriter(self._file, encoder=False, mtime=0)
         else:
             self._file = self._writer = _HashingFile(self._tmp)
@@ -572,6 +573,8 @@ def _block_samples(sample: dict, clusters: bool) -> list:
 
 def _read_samples(path: Path, expected_samples: int | None, clusters: bool) -> list:
     """(key, tokens, offsets or None, meta) of every sample, checked as read_shard / read_clusters promise."""
+    from webdataset.tariterators import group_by_keys
+
     out = []
     last = None  # last member read whole: locates tar-level corruption
     try:
