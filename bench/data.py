@@ -120,6 +120,24 @@ UNIREF90, CLUSTERS = SHARED / "uniref90_202104_members_of_ur50_first2500.fasta",
     SHARED / "uniref50_to_uniref90_mapping_first2500.tsv"
 
 
+def per_record_copy(shard_dir: Path, out: Path) -> Path:
+    """The shard directory rewritten with one member group per record (the layout before blocks): the loader's
+    speed on the old format, for comparison."""
+    from pipeline.data.shards import Manifest, ShardWriter, read_shard, write_manifest
+
+    m = load_manifest(shard_dir)
+    out.mkdir()
+    infos = []
+    for s in m.shards:
+        w = ShardWriter(out, prefix=Path(s.path).stem, max_samples=s.samples, vocab_size=len(m.tokenizer["vocab"]))
+        for key, tokens, meta in read_shard(shard_dir / s.path, s.samples):
+            w.write(key, tokens, meta)
+        infos += w.close()
+    write_manifest(out, Manifest(m.source, m.tokenizer, infos, m.filtered, m.inputs, m.stats, m.layout,
+                                 "bioseq-wds/1"))
+    return out
+
+
 def gzipped(src: Path, tmp: Path) -> Path:
     raw = src.read_bytes()
     out = tmp / (src.name + ".gz")
@@ -190,13 +208,16 @@ def main(argv=None):
         # (a) loader vs bare read + decode of the same shards; context above the longest record: no cropping
         _, longest = bare_read(shard_dir)
         context = longest + 2
+        per_record = per_record_copy(shard_dir, tmp / "shards-per-record")
         runs = [lambda: bare_read(shard_dir), lambda: bare_read(shard_dir, decode_tokens),
-                lambda: loader_epoch(shard_dir, context, args.micro_batch, args.workers, False)]
+                lambda: loader_epoch(shard_dir, context, args.micro_batch, args.workers, False),
+                lambda: loader_epoch(per_record, context, args.micro_batch, args.workers, False)]
         if not args.quick:
             runs.append(lambda: loader_epoch(shard_dir, context, args.micro_batch, args.workers, True))
         timed = best_interleaved(runs, repeats)
-        (t_bare, (bare_tokens, _)), (t_own, _), (t_load, load_tokens) = timed[:3]
+        (t_bare, (bare_tokens, _)), (t_own, _), (t_load, load_tokens), (t_old, old_tokens) = timed[:4]
         bare_rate, own_rate, load_rate = bare_tokens / t_bare, bare_tokens / t_own, load_tokens / t_load
+        old_rate = old_tokens / t_old
 
     print(f"input: {args.input} ({rna['mb']:.2f} MB gzipped, {manifest.total_samples} records, "
           f"{manifest.total_tokens} tokens, {len(manifest.shards)} shards, format {manifest.format})")
@@ -206,8 +227,10 @@ def main(argv=None):
     print(f"    ratio loader / bare read+decode = {load_rate / bare_rate:.2f}  (target >= 0.8)")
     print(f"    ratio loader / bare read with the loader's own npy decode = {load_rate / own_rate:.2f}  "
           f"(everything but read+decode: shuffle, framing, collate)")
+    print(f"    loader on the same records in per-record shards (format 1) {old_rate / 1e6:.2f} M tokens/s: "
+          f"blocks / per-record = {load_rate / old_rate:.2f}")
     if not args.quick:
-        t_mask, mask_tokens = timed[3]
+        t_mask, mask_tokens = timed[4]
         print(f"    with Eco-RNA span masking: {mask_tokens / t_mask / 1e6:.2f} M tokens/s, "
               f"ratio {mask_tokens / t_mask / bare_rate:.2f}")
 

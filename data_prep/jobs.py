@@ -19,6 +19,7 @@ beside the manifest that counts it; the file exists only when something was filt
 from __future__ import annotations
 
 import fcntl
+import gc
 import hashlib
 import json
 import os
@@ -728,6 +729,10 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
                    filtered=sum(sum(f.values()) for f in filtered.values()))
         damage.poll(read)
 
+    # The records, lists and strings made here hold no reference cycles; with the collector on, a process that
+    # imported torch (the bench, a notebook) spends a quarter of the run in collections that find nothing.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         with Progress(source.name, sum(sizes), mode, interval) as bar:
             for n_input, path in enumerate(inputs):
@@ -771,6 +776,9 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
         for sp in splits.values():  # bad input: nothing of this run is kept
             sp.abort()
         raise
+    finally:
+        if collecting:
+            gc.enable()
     from pipeline.data.shards import Manifest
 
     out = {}
@@ -1428,7 +1436,6 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
                    settings=replace(settings, num_jobs=workers, job_index=k), overwrite=True,
                    progress=progress if k == 0 else ("off", progress[1]))  # one progress bar: job 0's
         procs.append(ctx.Process(target=_worker, args=(queue, k, job), daemon=False))
-    import gc
     gc.freeze()  # the parent's objects out of the collector: a worker's collections do not copy their pages
     try:
         for p in procs:
