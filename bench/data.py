@@ -1,25 +1,31 @@
 #!/usr/bin/env python
 """Benchmark: the data pipeline against the floor of its own I/O, as ratios measured in one run.
 
-    python bench/data.py [--input FASTA(.gz)] [--shard-size 2000] [--repeats 2] [--workers 0]
+    python bench/data.py [--quick] [--input FASTA(.gz)] [--shard-size 2000] [--repeats 3] [--workers 0]
 
 (a) Loader: tokens/s of ShardStream over one epoch of the shards (shard and in-shard permutation, per-sample seeded
     transform, <cls>/<eos> framing, collate into padded microbatches, position bookkeeping) against a bare read +
-    decode of the same tars (tarfile iteration + np.load of every tokens.npy, nothing else). A second ratio uses the
-    loader's own faster npy decode in the bare read too, so it isolates everything else the loader does. The ratio uses a
+    decode of the same tars (tarfile iteration + np.load of every .npy member: a block's tokens and bounds, split
+    into its records by the bounds; a per-record shard's tokens; nothing else). A second ratio uses the loader's own
+    faster npy decode in the bare read too, so it isolates everything else the loader does. The ratio uses a
     framing-only transform, so it measures the loader; the line below it adds Eco-RNA's span masking (objective
     work, reported for scale). Tokens are stored sequence tokens in both cases (the context is set above the longest
-    record, so nothing is cropped). Target ratio >= 0.8.
-(b) data_prep: input MB/s of ``python -m data_prep rnacentral`` (in-process: parse, normalize, filter, tokenize,
-    write tars + sha256 + manifest) against ``gzip -dc`` of the same gzipped input (MB = compressed input bytes).
+    record, so nothing is cropped). Target ratio >= 0.8.  ->  RESULT P2
+(b) data_prep: input MB/s of ``python -m data_prep SOURCE`` (in-process: parse, normalize, filter, tokenize, write
+    tars + sha256 + manifest) against ``gzip -dc`` of the same gzipped input (MB = compressed input bytes), timed in
+    rotation: RNAcentral with 1 process (RESULT P3) and with ``--workers 2`` (RESULT P3w2: two forked processes, jobs
+    0 and 1 of 2, each reading the whole input and writing half of the records, then the merge; against one
+    ``gzip -dc``), and the UniRef50 files of ../shared/data (``uniref``, 1 and 2 workers; ``uniref --clusters`` on
+    the UniRef90 members). Target P3 >= 0.5 per worker, P3w2 near 2 x P3.
 
 Default input: RNAcentral ncRNA test set from ../shared/data (gzipped into a temp dir), else the shipped Rfam sample.
-Each timing is the best of ``--repeats``, the loader runs interleaved with the bare reads; the default run takes
-about a minute on one CPU core.
+Each timing is the best of ``--repeats`` (``--quick``: 2 repeats, and the masked loader epoch left out); the default
+run takes about a minute on one CPU core.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import io
 import shutil
@@ -68,14 +74,21 @@ def np_load(raw: bytes) -> np.ndarray:
 
 
 def bare_read(shard_dir: Path, decode=np_load) -> tuple[int, int]:
-    """(tokens, longest record) of every shard by plain tar iteration + ``decode`` of each tokens member."""
+    """(tokens, longest record) of every shard by plain tar iteration + ``decode`` of each .npy member: a block's
+    bounds then tokens, cut into its records (views); a per-record shard's tokens."""
     tokens = longest = 0
     for s in load_manifest(shard_dir).shards:
         with tarfile.open(shard_dir / s.path, "r") as tf:
+            bounds = None
             for m in tf:
-                if m.name.endswith(".tokens.npy"):
-                    n = len(decode(tf.extractfile(m).read()))
-                    tokens, longest = tokens + n, max(longest, n)
+                if m.name.endswith(".bounds.npy"):
+                    bounds = decode(tf.extractfile(m).read()).tolist()
+                elif m.name.endswith(".tokens.npy"):
+                    t = decode(tf.extractfile(m).read())
+                    records = [t] if bounds is None else [t[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+                    bounds = None
+                    for r in records:
+                        tokens, longest = tokens + len(r), max(longest, len(r))
     return tokens, longest
 
 
@@ -101,6 +114,61 @@ def loader_epoch(shard_dir: Path, context: int, micro_batch: int, workers: int, 
     return tokens
 
 
+SHARED = REPO.parent / "shared" / "data" / "protein"
+UNIREF = [SHARED / "uniref50_202104_esm2_train_5000.fasta", SHARED / "uniref50_2022_fullheader_100.fasta"]
+UNIREF90, CLUSTERS = SHARED / "uniref90_202104_members_of_ur50_first2500.fasta", \
+    SHARED / "uniref50_to_uniref90_mapping_first2500.tsv"
+
+
+def per_record_copy(shard_dir: Path, out: Path) -> Path:
+    """The shard directory rewritten with one member group per record (the layout before blocks): the loader's
+    speed on the old format, for comparison."""
+    from pipeline.data.shards import Manifest, ShardWriter, read_shard, write_manifest
+
+    m = load_manifest(shard_dir)
+    out.mkdir()
+    infos = []
+    for s in m.shards:
+        w = ShardWriter(out, prefix=Path(s.path).stem, max_samples=s.samples, vocab_size=len(m.tokenizer["vocab"]))
+        for key, tokens, meta in read_shard(shard_dir / s.path, s.samples):
+            w.write(key, tokens, meta)
+        infos += w.close()
+    write_manifest(out, Manifest(m.source, m.tokenizer, infos, m.filtered, m.inputs, m.stats, m.layout,
+                                 "bioseq-wds/1"))
+    return out
+
+
+def gzipped(src: Path, tmp: Path) -> Path:
+    raw = src.read_bytes()
+    out = tmp / (src.name + ".gz")
+    out.write_bytes(raw if raw[:2] == b"\x1f\x8b" else gzip.compress(raw, 6))
+    return out
+
+
+def prep_vs_gzip(tmp: Path, name: str, gz: Path, args: list, shard_size: int, repeats: int) -> dict:
+    """Best times of ``gzip -dc gz`` and of data_prep ``args`` on it with 1 and 2 workers, timed in rotation."""
+    from data_prep.__main__ import main as prep_main
+
+    out = tmp / f"shards-{name}"
+
+    def prep(workers: int):
+        def go():
+            shutil.rmtree(out, ignore_errors=True)
+            with contextlib.redirect_stdout(io.StringIO()):
+                rc = prep_main(args + ["--input", str(gz), "--output", str(out), "--shard-size", str(shard_size),
+                                       "--workers", str(workers)])
+            if rc:
+                raise SystemExit(f"data_prep {' '.join(args)} --workers {workers} failed with exit status {rc}")
+            return out
+        return go
+
+    def gunzip():
+        subprocess.run(["gzip", "-dc", str(gz)], check=True, stdout=subprocess.DEVNULL)
+
+    (t_gzip, _), (t1, _), (t2, _) = best_interleaved([gunzip, prep(1), prep(2)], repeats)
+    return {"mb": gz.stat().st_size / 1e6, "gzip": t_gzip, "w1": t1, "w2": t2}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", type=Path, default=next((f for f in DEFAULT_INPUTS if f.is_file()), None))
@@ -108,59 +176,88 @@ def main(argv=None):
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--workers", type=int, default=0, help="DataLoader workers for the loader run")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="2 repeats, no masked loader epoch (bench/run_all.py)")
     args = p.parse_args(argv)
     if args.input is None or not args.input.is_file():
         p.error(f"--input {args.input}: file not found")
-    from data_prep.__main__ import main as prep_main
+    repeats = min(args.repeats, 2) if args.quick else args.repeats
+    import pipeline.data.shards  # noqa: F401 -- imported before the first timing
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        gz = tmp / "input.fasta.gz"
-        with open(args.input, "rb") as f:
-            raw = f.read()
-        gz.write_bytes(raw if raw[:2] == b"\x1f\x8b" else gzip.compress(raw, 6))
-        mb = gz.stat().st_size / 1e6
-
-        # (b) data_prep vs gzip -dc
-        def prep():
-            out = tmp / "shards"
-            shutil.rmtree(out, ignore_errors=True)
-            rc = prep_main(["rnacentral", "--input", str(gz), "--output", str(out), "--shard-size",
-                            str(args.shard_size)])
-            if rc:
-                raise SystemExit(f"data_prep failed with exit status {rc}")
-            return out
-
-        def gunzip():
-            subprocess.run(["gzip", "-dc", str(gz)], check=True, stdout=subprocess.DEVNULL)
-
-        t_gzip, _ = best(gunzip, args.repeats)
-        t_prep, shard_dir = best(prep, args.repeats)
+        gz = gzipped(args.input, tmp)
+        # (b) data_prep vs gzip -dc, RNAcentral (the default input) then the UniRef files
+        rna = prep_vs_gzip(tmp, "rna", gz, ["rnacentral"], args.shard_size, repeats)
+        shard_dir = tmp / "shards-rna"
+        # the shards of a 1-worker run for the loader (the rotation left the 2-worker output in place)
+        from data_prep.__main__ import main as prep_main
+        shutil.rmtree(shard_dir)
+        with contextlib.redirect_stdout(io.StringIO()):
+            prep_main(["rnacentral", "--input", str(gz), "--output", str(shard_dir), "--shard-size",
+                       str(args.shard_size)])
         manifest = load_manifest(shard_dir)
+        uniref = {}
+        for f in UNIREF:
+            if f.is_file():
+                uniref[f.name] = prep_vs_gzip(tmp, f.stem, gzipped(f, tmp), ["uniref"], args.shard_size, repeats)
+        clusters = None
+        if UNIREF90.is_file() and CLUSTERS.is_file():
+            clusters = prep_vs_gzip(tmp, "clusters", gzipped(UNIREF90, tmp), ["uniref", "--clusters", str(CLUSTERS)],
+                                    args.shard_size, repeats)
 
         # (a) loader vs bare read + decode of the same shards; context above the longest record: no cropping
         _, longest = bare_read(shard_dir)
         context = longest + 2
-        (t_bare, (bare_tokens, _)), (t_own, _), (t_load, load_tokens), (t_mask, mask_tokens) = best_interleaved(
-            [lambda: bare_read(shard_dir), lambda: bare_read(shard_dir, decode_tokens),
-             lambda: loader_epoch(shard_dir, context, args.micro_batch, args.workers, False),
-             lambda: loader_epoch(shard_dir, context, args.micro_batch, args.workers, True)], args.repeats)
-        bare_rate, own_rate = bare_tokens / t_bare, bare_tokens / t_own
-        load_rate, mask_rate = load_tokens / t_load, mask_tokens / t_mask
+        per_record = per_record_copy(shard_dir, tmp / "shards-per-record")
+        runs = [lambda: bare_read(shard_dir), lambda: bare_read(shard_dir, decode_tokens),
+                lambda: loader_epoch(shard_dir, context, args.micro_batch, args.workers, False),
+                lambda: loader_epoch(per_record, context, args.micro_batch, args.workers, False)]
+        if not args.quick:
+            runs.append(lambda: loader_epoch(shard_dir, context, args.micro_batch, args.workers, True))
+        timed = best_interleaved(runs, repeats)
+        (t_bare, (bare_tokens, _)), (t_own, _), (t_load, load_tokens), (t_old, old_tokens) = timed[:4]
+        bare_rate, own_rate, load_rate = bare_tokens / t_bare, bare_tokens / t_own, load_tokens / t_load
+        old_rate = old_tokens / t_old
 
-    print(f"input: {args.input} ({mb:.2f} MB gzipped, {manifest.total_samples} records, "
-          f"{manifest.total_tokens} tokens, {len(manifest.shards)} shards)")
+    print(f"input: {args.input} ({rna['mb']:.2f} MB gzipped, {manifest.total_samples} records, "
+          f"{manifest.total_tokens} tokens, {len(manifest.shards)} shards, format {manifest.format})")
     print(f"(a) loader      {load_rate / 1e6:8.2f} M tokens/s  (workers={args.workers}, "
           f"micro_batch={args.micro_batch}, context={context})")
-    print(f"    bare read   {bare_rate / 1e6:8.2f} M tokens/s  (tar + np.load)")
+    print(f"    bare read   {bare_rate / 1e6:8.2f} M tokens/s  (tar + np.load, records cut by the block bounds)")
     print(f"    ratio loader / bare read+decode = {load_rate / bare_rate:.2f}  (target >= 0.8)")
     print(f"    ratio loader / bare read with the loader's own npy decode = {load_rate / own_rate:.2f}  "
           f"(everything but read+decode: shuffle, framing, collate)")
-    print(f"    with Eco-RNA span masking: {mask_rate / 1e6:.2f} M tokens/s, ratio {mask_rate / bare_rate:.2f}")
-    print(f"(b) data_prep   {mb / t_prep:8.2f} MB/s")
-    print(f"    gzip -dc    {mb / t_gzip:8.2f} MB/s")
-    print(f"    ratio data_prep / gzip -dc = {t_gzip / t_prep:.3f}")
+    print(f"    loader on the same records in per-record shards (format 1) {old_rate / 1e6:.2f} M tokens/s: "
+          f"blocks / per-record = {load_rate / old_rate:.2f}")
+    if not args.quick:
+        t_mask, mask_tokens = timed[4]
+        print(f"    with Eco-RNA span masking: {mask_tokens / t_mask / 1e6:.2f} M tokens/s, "
+              f"ratio {mask_tokens / t_mask / bare_rate:.2f}")
 
+    def show(label: str, r: dict):
+        print(f"(b) {label}: gzip -dc {r['mb'] / r['gzip']:6.2f} MB/s, data_prep {r['mb'] / r['w1']:6.2f} MB/s "
+              f"(ratio {r['gzip'] / r['w1']:.3f}), --workers 2 {r['mb'] / r['w2']:6.2f} MB/s "
+              f"(ratio {r['gzip'] / r['w2']:.3f}, speed-up {r['w1'] / r['w2']:.2f}x)  [{r['mb']:.2f} MB gzipped]")
+    show(f"rnacentral {args.input.name}", rna)
+    for name, r in uniref.items():
+        show(f"uniref {name}", r)
+    if clusters is not None:
+        show(f"uniref --clusters {UNIREF90.name}", clusters)
+    print(f"RESULT P2 {load_rate / bare_rate:.3f} loader / bare tar+np.load read of the same shards, tokens/s "
+          "(target >= 0.8)")
+    print(f"RESULT P3 {rna['gzip'] / rna['w1']:.3f} data_prep rnacentral / gzip -dc, MB/s of gzipped input, "
+          "1 process (target >= 0.5)")
+    print(f"RESULT P3w2 {rna['gzip'] / rna['w2']:.3f} data_prep rnacentral --workers 2 (2 forked job processes + "
+          "merge) / one gzip -dc, MB/s (target near 2 x P3)")
+    for name, r in uniref.items():
+        tag = "P3u" if name == UNIREF[0].name else "P3u100"
+        print(f"RESULT {tag} {r['gzip'] / r['w1']:.3f} data_prep uniref {name} / gzip -dc, 1 process "
+              "(target >= 0.5)")
+        print(f"RESULT {tag}w2 {r['gzip'] / r['w2']:.3f} data_prep uniref {name} --workers 2 / gzip -dc "
+              "(target near 2 x 1 process)")
+    if clusters is not None:
+        print(f"RESULT P3uc {clusters['gzip'] / clusters['w1']:.3f} data_prep uniref --clusters (UniRef90 members) "
+              "/ gzip -dc, 1 process (reported: not regressing)")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "val, the same whatever the job count or record order")
         p.add_argument("--dedup", action="store_true",
                        help="drop exact duplicate sequences (sha1 of the normalized sequence), counted as 'duplicate'")
+        p.add_argument("--workers", type=_positive, default=1, metavar="N",
+                       help="run on N processes of this machine: jobs 0..N-1 of --num-jobs N (same records, "
+                            "filters and lists), written and merged into DIR in one command (default 1)")
         p.add_argument("--num-jobs", type=_positive, default=1, metavar="N")
         p.add_argument("--job-index", type=_nonnegative, default=0, metavar="I")
         p.add_argument("--overwrite", action="store_true",
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (scheduler preemption) unwinds like Ctrl-C: the partial shard is dropped, finished ones are kept.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # Imported here so that --help and argument errors do not pay for torch (imported by webdataset).
-    from .jobs import PrepError, Settings, merge, run, split_summary, summary
+    from .jobs import PrepError, Settings, merge, run, run_workers, split_summary, summary
     try:
         if args.command == "merge":
             result = merge(args.output)
@@ -172,10 +175,15 @@ def main(argv: list[str] | None = None) -> int:
                             args.strict, args.dedup, args.max_filtered_fraction,
                             getattr(args, "replace_invalid", None), getattr(args, "window", None),
                             getattr(args, "stride", None), getattr(args, "window_tail", "short"), args.val_fraction)
-        result = run(src, src.alphabet or getattr(args, "alphabet", None), args.input, args.output, settings,
-                     args.overwrite, spm=getattr(args, "spm", None), members=getattr(args, "uniref90_members", None),
-                     clusters=getattr(args, "clusters", None), progress=(args.progress, args.progress_interval),
-                     text_column=getattr(args, "text_column", None))
+        kwargs = dict(spm=getattr(args, "spm", None), members=getattr(args, "uniref90_members", None),
+                      clusters=getattr(args, "clusters", None), progress=(args.progress, args.progress_interval),
+                      text_column=getattr(args, "text_column", None))
+        alphabet = src.alphabet or getattr(args, "alphabet", None)
+        if args.workers > 1:
+            result = run_workers(args.workers, src, alphabet, args.input, args.output, settings, args.overwrite,
+                                 **kwargs)
+        else:
+            result = run(src, alphabet, args.input, args.output, settings, args.overwrite, **kwargs)
     except (PrepError, FastaError, OSError, ValueError) as e:
         print(f"data_prep: error: {e}", file=sys.stderr)
         return 1
@@ -183,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         print("data_prep: interrupted; finished shards are kept, rerun the same command to resume", file=sys.stderr)
         return 130
     job = f" job {args.job_index}/{args.num_jobs}" if args.num_jobs > 1 else ""
+    if args.workers > 1:
+        job = f" ({args.workers} workers)"
+        if not result.splits:  # merged: the records of all jobs, like a single run's summary
+            print(summary(src.name, result.manifest, result.location, None, job))
+            return 0
     if result.splits:
         print(split_summary(src.name, result, job))
     else:

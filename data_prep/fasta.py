@@ -105,6 +105,23 @@ def iter_fasta(path: str | Path, invalid_positions: Callable[[bytes], np.ndarray
     a character outside the alphabet is reported with its line and column rather than later by the encoder.
     """
     path = Path(path)
+    try:
+        with open_input(path) as f:
+            yield from _records(path, enumerate(f, 1), invalid_positions, on_invalid)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
+
+
+def iter_fasta_text(path: Path, text: bytes, first_line: int,
+                    invalid_positions: Callable[[bytes], np.ndarray] | None = None,
+                    on_invalid: str = "raise") -> Iterator[Record]:
+    """The records of ``text``, whole records of ``path`` starting at its line ``first_line``, exactly as
+    iter_fasta reads them there (data_prep's batch reader hands it the records it does not take itself)."""
+    return _records(path, enumerate(io.BytesIO(text), first_line), invalid_positions, on_invalid)
+
+
+def _records(path: Path, lines, invalid_positions, on_invalid: str) -> Iterator[Record]:
+    """iter_fasta over ``lines``: (1-based line number, raw line with its line break)."""
     header: bytes | None = None
     hline = 0
     chunks: list[bytes] = []
@@ -128,32 +145,28 @@ def iter_fasta(path: str | Path, invalid_positions: Callable[[bytes], np.ndarray
                               error=str(err), reason="invalid_character", nbytes=nbytes)
         return Record(parts[0], parts[1].strip() if len(parts) > 1 else "", seq, hline, nbytes=nbytes)
 
-    try:
-        with open_input(path) as f:
-            offset = 0
-            for lineno, raw in enumerate(f, 1):
-                nbytes += len(raw)
-                if lineno == 1:
-                    if raw.startswith(UTF8_BOM):
-                        raw = raw[len(UTF8_BOM):]
-                    elif raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-                        raise FastaError(f"{path}:1: file is UTF-16 encoded; convert it to ASCII/UTF-8")
-                line = raw.rstrip()  # drops \r\n, \n and trailing blanks
-                if not line:
-                    continue
-                if line[:1] == b">":
-                    if header is not None:
-                        yield finish()
-                    header, hline = line[1:], lineno
-                    chunks, starts, linenos, offset, nbytes = [], [], [], 0, len(raw)
-                elif header is None:
-                    raise FastaError(f"{path}:{lineno}: sequence data before the first '>' header")
-                else:
-                    chunks.append(line)
-                    starts.append(offset)
-                    linenos.append(lineno)
-                    offset += len(line)
+    offset = 0
+    for lineno, raw in lines:
+        nbytes += len(raw)
+        if lineno == 1:
+            if raw.startswith(UTF8_BOM):
+                raw = raw[len(UTF8_BOM):]
+            elif raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+                raise FastaError(f"{path}:1: file is UTF-16 encoded; convert it to ASCII/UTF-8")
+        line = raw.rstrip()  # drops \r\n, \n and trailing blanks
+        if not line:
+            continue
+        if line[:1] == b">":
             if header is not None:
                 yield finish()
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
+            header, hline = line[1:], lineno
+            chunks, starts, linenos, offset, nbytes = [], [], [], 0, len(raw)
+        elif header is None:
+            raise FastaError(f"{path}:{lineno}: sequence data before the first '>' header")
+        else:
+            chunks.append(line)
+            starts.append(offset)
+            linenos.append(lineno)
+            offset += len(line)
+    if header is not None:
+        yield finish()

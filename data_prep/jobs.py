@@ -19,6 +19,7 @@ beside the manifest that counts it; the file exists only when something was filt
 from __future__ import annotations
 
 import fcntl
+import gc
 import hashlib
 import json
 import os
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
 # pipeline.data.shards is imported inside the functions that write: webdataset pulls in torch (~2 s), and argument
 # or output-directory mistakes should be reported at once.
 MANIFEST = "manifest.json"  # pipeline.data.shards.MANIFEST
+SHARD_FORMAT = "bioseq-wds/2"  # pipeline.data.shards.FORMAT: shards of blocks of samples
+BLOCK_SAMPLES = 2048  # pipeline.data.shards.BLOCK_SAMPLES
 JOB_MANIFEST_RE = re.compile(r"manifest-job(\d{4})-of-(\d{4})\.json")
 FILTERED = "filtered.tsv"
 FILTERED_HEADER = ("id", "reason", "input", "line", "detail")
@@ -302,7 +305,9 @@ def _fingerprint(source: Source, encoder: Encoder, inputs: list[Path], settings:
     def stat(p: Path):
         st = p.stat()
         return [str(p), st.st_size, st.st_mtime_ns]
+    # shard_format: a work directory left with shards of another format restarts rather than mix the two
     doc = {"source": source.name, "tokenizer": encoder.entry, "settings": _settings_doc(settings),
+           "shard_format": SHARD_FORMAT,
            "inputs": [stat(p) for p in inputs], "members": stat(members) if members else None}
     if clusters is not None:  # only then: fingerprints of sequence runs stay as they were
         doc["clusters"] = stat(clusters)
@@ -505,7 +510,7 @@ class _Split:
             on_close = work.record if not name else (lambda info: work.record(info, name))
             self.writer = ShardWriter(self.directory, work.prefix, self.settings.shard_size,
                                       vocab_size=self.encoder.vocab_size, completed=self.completed,
-                                      on_close=on_close, layout=self.layout)
+                                      on_close=on_close, layout=self.layout, block_samples=BLOCK_SAMPLES)
         return self.writer
 
     def write(self, key: str, tokens, meta: dict, offsets=None) -> None:
@@ -513,6 +518,17 @@ class _Split:
         if self.written <= self.skip:
             return  # already in a verified shard of the interrupted run
         self.open_writer().write(key, tokens, meta, *(() if offsets is None else (offsets,)))
+
+    def extend(self, keys: list, tokens: np.ndarray, bounds: np.ndarray, metas: list) -> None:
+        """Several samples (ShardWriter.extend), those already in verified shards skipped as in ``write``."""
+        n = len(keys)
+        skip = min(n, max(0, self.skip - self.written))
+        self.written += n
+        if skip == n:
+            return
+        if skip:
+            keys, metas, tokens, bounds = keys[skip:], metas[skip:], tokens[bounds[skip]:], bounds[skip:] - bounds[skip]
+        self.open_writer().extend(keys, tokens, bounds, metas)
 
     def abort(self) -> None:
         if self.writer is not None:
@@ -630,93 +646,123 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
     sizes = _input_sizes(inputs)
     mode, interval = progress
     next_update = 0.0
+    fast = _batch_reader(source, encoder, settings, ctx)
+
+    def one(rec, i: int, path: Path, inp: dict) -> None:
+        """Record ``i`` (global index) of ``path`` on the per-record path."""
+        nonlocal read
+        replaceable = rec.error is not None and rec.reason == "invalid_character" \
+            and s.replace_invalid is not None
+        if rec.error is not None and s.strict and not replaceable:
+            raise FastaError(rec.error)
+        # With --dedup a record's job follows its hash, so every copy of a sequence meets in one job;
+        # otherwise ownership is decided first and other jobs' records cost nothing more.
+        seq = digest = replaced = None
+        if s.dedup:
+            seq = normalise(rec.seq)
+            if replaceable:
+                seq, replaced = encoder.replace(seq, s.replace_invalid)
+            digest = hashlib.sha1(seq).digest()
+        owner = int.from_bytes(digest[:8], "little") if digest is not None else i
+        if owner % s.num_jobs != s.job_index:
+            return
+        if seq is None:
+            seq = normalise(rec.seq)
+            if replaceable:
+                seq, replaced = encoder.replace(seq, s.replace_invalid)
+        name = split_of(rec.id, s.val_fraction)
+        sp, st, filt = splits[name], stats[name], filtered[name]
+        read += 1
+        inp[name]["records"] += 1
+        if rec.error is not None and not replaceable:
+            filt[rec.reason] = filt.get(rec.reason, 0) + 1
+            chars = encoder.bad_characters(seq) if rec.reason == "invalid_character" else None
+            if chars:
+                invalid_chars[name].update(chars)
+            damage.add(rec.reason, rec.error, chars)
+            sp.dropped.add(rec.id, rec.reason, path, rec.line, _detail(rec.error, path))
+            return
+        n = encoder.residues(seq)
+        reason = detail = None
+        if n == 0:
+            reason = "empty"
+            damage.add("empty", f"{path}:{rec.line}: record {rec.id} has no sequence")
+        elif n < s.min_length:
+            reason, detail = short, f"{n} residues"
+        elif s.max_length is not None and n > s.max_length:
+            reason, detail = long, f"{n} residues"
+        elif digest is not None:
+            first = seen_hashes.get(digest)
+            if first is not None:
+                reason, detail = "duplicate", f"same sequence as {first}"
+            else:
+                seen_hashes[digest] = rec.id
+        if reason is not None:
+            filt[reason] += 1
+            sp.dropped.add(rec.id, reason, path, rec.line, detail or "")
+            return
+        if not encoder.text and normalise(rec.seq) != rec.seq:  # soft-masked (lowercase) residues present
+            st["lowercase_residues"] += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
+        if replaced:
+            st["replaced_characters"] += sum(replaced.values())
+            st["records_with_replacements"] += 1
+            for c, k in replaced.items():
+                st["replaced"][c] = st["replaced"].get(c, 0) + k
+        inp[name]["kept"] += 1
+        inp[name]["residues"] += n
+        meta = {"id": rec.id, "source": source.name, "length": n}
+        if rec.meta is None:
+            meta["description"] = rec.description
+        else:
+            meta.update(rec.meta)
+        key = f"{i:012d}"
+        if s.window is None:
+            if sp.written + 1 <= sp.skip:
+                sp.written += 1  # in a verified shard already: not encoded again
+                return
+            sp.write(key, encoder.encode(seq), meta)
+            return
+        _write_windows(sp, st["windows"], key, rec.id, seq, meta, encoder, s)
+
+    def progress_update(path: Path, done_before: int) -> None:
+        bar.update(done_before + input_position(path), records=index, written=sum(x.written for x in splits.values()),
+                   filtered=sum(sum(f.values()) for f in filtered.values()))
+        damage.poll(read)
+
+    # The records, lists and strings made here hold no reference cycles; with the collector on, a process that
+    # imported torch (the bench, a notebook) spends a quarter of the run in collections that find nothing.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         with Progress(source.name, sum(sizes), mode, interval) as bar:
             for n_input, path in enumerate(inputs):
                 inp = {k: {"path": str(path), "records": 0, "kept": 0, "residues": 0} for k in splits}
                 done_before = sum(sizes[:n_input])
                 any_record = False
-                for rec in source.reader(path, ctx):
-                    any_record = True
-                    i, index = index, index + 1
-                    if index % 256 == 0 or time.monotonic() >= next_update:
-                        next_update = time.monotonic() + 0.25
-                        bar.update(done_before + input_position(path), records=index,
-                                   written=sum(x.written for x in splits.values()),
-                                   filtered=sum(sum(f.values()) for f in filtered.values()))
-                        damage.poll(read)
-                    replaceable = rec.error is not None and rec.reason == "invalid_character" \
-                        and s.replace_invalid is not None
-                    if rec.error is not None and s.strict and not replaceable:
-                        raise FastaError(rec.error)
-                    # With --dedup a record's job follows its hash, so every copy of a sequence meets in one job;
-                    # otherwise ownership is decided first and other jobs' records cost nothing more.
-                    seq = digest = replaced = None
-                    if s.dedup:
-                        seq = normalise(rec.seq)
-                        if replaceable:
-                            seq, replaced = encoder.replace(seq, s.replace_invalid)
-                        digest = hashlib.sha1(seq).digest()
-                    owner = int.from_bytes(digest[:8], "little") if digest is not None else i
-                    if owner % s.num_jobs != s.job_index:
-                        continue
-                    if seq is None:
-                        seq = normalise(rec.seq)
-                        if replaceable:
-                            seq, replaced = encoder.replace(seq, s.replace_invalid)
-                    name = split_of(rec.id, s.val_fraction)
-                    sp, st, filt = splits[name], stats[name], filtered[name]
-                    read += 1
-                    inp[name]["records"] += 1
-                    if rec.error is not None and not replaceable:
-                        filt[rec.reason] = filt.get(rec.reason, 0) + 1
-                        chars = encoder.bad_characters(seq) if rec.reason == "invalid_character" else None
-                        if chars:
-                            invalid_chars[name].update(chars)
-                        damage.add(rec.reason, rec.error, chars)
-                        sp.dropped.add(rec.id, rec.reason, path, rec.line, _detail(rec.error, path))
-                        continue
-                    n = encoder.residues(seq)
-                    reason = detail = None
-                    if n == 0:
-                        reason = "empty"
-                        damage.add("empty", f"{path}:{rec.line}: record {rec.id} has no sequence")
-                    elif n < s.min_length:
-                        reason, detail = short, f"{n} residues"
-                    elif s.max_length is not None and n > s.max_length:
-                        reason, detail = long, f"{n} residues"
-                    elif digest is not None:
-                        first = seen_hashes.get(digest)
-                        if first is not None:
-                            reason, detail = "duplicate", f"same sequence as {first}"
+                if fast is not None and fast.takes(path):
+                    # --strict: another job's invalid record is an error here too, so every record is parsed
+                    jobs = (1, 0) if s.strict else (s.num_jobs, s.job_index)
+                    for chunk in fast.read(path, index, jobs):
+                        if isinstance(chunk, list):  # read record by record
+                            for rec in chunk:
+                                i, index = index, index + 1
+                                one(rec, i, path, inp)
                         else:
-                            seen_hashes[digest] = rec.id
-                    if reason is not None:
-                        filt[reason] += 1
-                        sp.dropped.add(rec.id, reason, path, rec.line, detail or "")
-                        continue
-                    if not encoder.text and normalise(rec.seq) != rec.seq:  # soft-masked (lowercase) residues present
-                        st["lowercase_residues"] += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
-                    if replaced:
-                        st["replaced_characters"] += sum(replaced.values())
-                        st["records_with_replacements"] += 1
-                        for c, k in replaced.items():
-                            st["replaced"][c] = st["replaced"].get(c, 0) + k
-                    inp[name]["kept"] += 1
-                    inp[name]["residues"] += n
-                    meta = {"id": rec.id, "source": source.name, "length": n}
-                    if rec.meta is None:
-                        meta["description"] = rec.description
-                    else:
-                        meta.update(rec.meta)
-                    key = f"{i:012d}"
-                    if s.window is None:
-                        if sp.written + 1 <= sp.skip:
-                            sp.written += 1  # in a verified shard already: not encoded again
-                            continue
-                        sp.write(key, encoder.encode(seq), meta)
-                        continue
-                    _write_windows(sp, st["windows"], key, rec.id, seq, meta, encoder, s)
+                            # not "read += _batch(...)": one() counts the records it reads into read meanwhile
+                            fast_read = _batch(chunk, path, inp, one, splits, stats, filtered, damage, s,
+                                               fast, source.name)
+                            read += fast_read
+                            index += chunk.total
+                        any_record = any_record or bool(chunk) or bool(getattr(chunk, "total", 0))
+                        progress_update(path, done_before)
+                else:
+                    for rec in source.reader(path, ctx):
+                        any_record = True
+                        i, index = index, index + 1
+                        if index % 256 == 0 or time.monotonic() >= next_update:
+                            next_update = time.monotonic() + 0.25
+                            progress_update(path, done_before)
+                        one(rec, i, path, inp)
                 if not any_record:
                     raise PrepError(f"{path}: no records in this input (empty after decompression?)")
                 for k in splits:
@@ -730,6 +776,9 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
         for sp in splits.values():  # bad input: nothing of this run is kept
             sp.abort()
         raise
+    finally:
+        if collecting:
+            gc.enable()
     from pipeline.data.shards import Manifest
 
     out = {}
@@ -746,6 +795,142 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
         out[k] = Manifest(source=source.name, tokenizer=encoder.entry, shards=shards, filtered=filtered[k],
                           inputs=counts[k], stats=stats[k])
     return out, index
+
+
+class _BatchReader:
+    """data_prep/batch.py for this job: the FASTA sources' inputs read chunk by chunk, or None where the job needs
+    the per-record path throughout (``_batch_reader``)."""
+
+    def __init__(self, source: Source, encoder: Encoder, ctx):
+        from .sources import iter_uniref, uniref_record
+        self.uniref = source.reader is iter_uniref
+        everything = bytes(range(256))
+        check = ctx.invalid_positions
+        if self.uniref:  # the uniref reader accepts lowercase and upper-cases it (iter_uniref)
+            self.check = lambda seq: check(seq.upper())
+            self.to_record = lambda rec: uniref_record(rec, ctx)
+        else:
+            self.check, self.to_record = check, (lambda rec: rec)
+        bad = set(self.check(everything).tolist())
+        table = bytearray(b"\xff" * 256)  # byte as written -> token id of the upper-cased residue; 0xff: invalid
+        for c in range(256):
+            if c not in bad:
+                table[c] = int(encoder.encode(bytes([c]).upper())[0])
+        self.tokens = bytes(table)
+
+    def takes(self, path: Path) -> bool:
+        from .batch import starts_with_header
+        return starts_with_header(path)
+
+    def read(self, path: Path, first_index: int, jobs: tuple[int, int]):
+        from .batch import Reader
+        return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs)
+
+
+def _batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx) -> _BatchReader | None:
+    """The batch reader when every record of the job can take it: a FASTA source (fasta, genome, rnacentral,
+    uniref) without --dedup (a record's job and fate depend on all records before it), --window or
+    --uniref90-members (per-record work either way)."""
+    from .sources import iter_fasta_source, iter_uniref
+    if source.reader not in (iter_fasta_source, iter_uniref) or encoder.kind not in ("nucleotide", "protein"):
+        return None
+    if settings.dedup or settings.window is not None or ctx.members is not None or ctx.invalid_positions is None:
+        return None
+    return _BatchReader(source, encoder, ctx)
+
+
+def _batch(chunk, path: Path, inp: dict, one, splits: dict, stats: dict, filtered: dict,
+           damage: DamageCheck, s: Settings, reader: _BatchReader, source_name: str) -> int:
+    """Write the records of one batch chunk (global indices chunk.index) as the per-record path would: the same
+    samples, keys, meta, filter counts and rows, statistics and split; records the chunk hands over (``slow``) go
+    through ``one`` in their place in the order. Returns the records of this job read here (the rest: ``one``)."""
+    from .batch import _enc
+
+    n = len(chunk)
+    bounds = chunk.bounds
+    tokens_all = np.frombuffer(chunk.tokens, np.uint8)
+    lower_cum = None
+    # soft-masked residues, counted per kept record (isupper: no lowercase, and at least one cased byte)
+    if not chunk.seq.isupper() and _LOWER[np.frombuffer(chunk.seq, np.uint8)].any():
+        lower_cum = np.zeros(len(chunk.seq) + 1, np.int64)
+        np.cumsum(_LOWER[np.frombuffer(chunk.seq, np.uint8)], out=lower_cum[1:])
+    src = _enc(source_name)
+    short, long = f"shorter_than_{s.min_length}", f"longer_than_{s.max_length}"
+    read = 0
+
+    def run(lo: int, hi: int) -> int:
+        js = np.arange(lo, hi)
+        if s.num_jobs > 1:  # the Reader left out the other jobs' records unless --strict
+            js = js[chunk.index[js] % s.num_jobs == s.job_index]
+        if not len(js):
+            return 0
+        lengths = bounds[js + 1] - bounds[js]
+        names = [""] * len(js) if s.val_fraction is None else [split_of(chunk.ids[j], s.val_fraction)
+                                                                 for j in js.tolist()]
+        drop = lengths < max(s.min_length, 1)
+        if s.max_length is not None:
+            drop |= lengths > s.max_length
+        for k in np.flatnonzero(drop).tolist():  # in record order, across splits, as the per-record path
+            j, m, name = int(js[k]), int(lengths[k]), names[k]
+            rid, line = chunk.ids[j], chunk.line(j)
+            if m == 0:
+                reason, detail = "empty", ""
+                damage.add("empty", f"{path}:{line}: record {rid} has no sequence")
+            elif m < s.min_length:
+                reason, detail = short, f"{m} residues"
+            else:
+                reason, detail = long, f"{m} residues"
+            filtered[name][reason] += 1
+            splits[name].dropped.add(rid, reason, path, line, detail)
+        groups = {"": np.ones(len(js), bool)} if s.val_fraction is None else \
+            {name: np.array([x == name for x in names]) for name in splits}
+        for name, mask in groups.items():
+            inp[name]["records"] += int(mask.sum())
+            keep = mask & ~drop
+            kept, klen = js[keep], lengths[keep]
+            if not len(kept):
+                continue
+            st, ip = stats[name], inp[name]
+            if lower_cum is not None:
+                st["lowercase_residues"] += int((lower_cum[bounds[kept + 1]] - lower_cum[bounds[kept]]).sum())
+            ip["kept"] += len(kept)
+            ip["residues"] += int(klen.sum())
+            js_kept = kept.tolist()
+            keys = list(map("{:012d}".format, chunk.index[kept].tolist()))
+            ids, tails = chunk.ids, chunk.tails
+            # json.dumps({"id", "source", "length", ...}) of the per-record path, as text: id and tail are encoded
+            # with json's own string encoder (batch.py), the tail being the meta after "length"
+            metas = [f'{{"id":{_enc(ids[j])},"source":{src},"length":{m}{tails[j]}' for j, m in zip(js_kept,
+                                                                                               klen.tolist())]
+            if chunk.metas:
+                for k, j in enumerate(js_kept):
+                    if tails[j] is None:
+                        metas[k] = json.dumps({"id": ids[j], "source": source_name, "length": int(klen[k])}
+                                              | chunk.metas[j], separators=(",", ":"))
+            a, b = int(bounds[kept[0]]), int(bounds[kept[-1] + 1])
+            if int(klen.sum()) == b - a:  # the kept records are adjacent: one slice
+                tokens = tokens_all[a:b]
+            else:
+                sel = np.zeros(len(tokens_all) + 1, np.int64)
+                np.add.at(sel, bounds[kept], 1)
+                np.add.at(sel, bounds[kept + 1], -1)
+                tokens = tokens_all[np.cumsum(sel[:-1]) > 0]
+            kb = np.zeros(len(kept) + 1, np.int64)
+            np.cumsum(klen, out=kb[1:])
+            splits[name].extend(keys, tokens, kb, metas)
+        return len(js)
+
+    prev = 0
+    for j in list(chunk.slow) + [n]:
+        if prev < j:
+            read += run(prev, j)
+        if j < n:
+            rec = chunk.slow[j]
+            if isinstance(rec, Exception):
+                raise rec
+            one(rec, int(chunk.index[j]), path, inp)
+        prev = j + 1
+    return read
 
 
 def _write_windows(sp: _Split, w: dict, key: str, rid: str, seq: bytes, meta: dict, encoder: Encoder,
@@ -1193,3 +1378,114 @@ def _merge_dir(output: Path):
             os.replace(tmp, output / FILTERED)
         return Result(manifest, seen, write_manifest(output, manifest))
     return write
+
+
+# ---------------------------------------------------------------------------------------------------- --workers N
+def _worker(queue, index: int, kwargs: dict) -> None:
+    """Job ``index`` of a --workers run, in a forked process: its exit status and first error line to the parent."""
+    import signal
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        run(**kwargs)
+    except (PrepError, FastaError, OSError, ValueError) as e:
+        queue.put((index, 1, str(e)))
+        return
+    except KeyboardInterrupt:
+        queue.put((index, 130, "interrupted"))
+        return
+    except BaseException as e:  # noqa: BLE001 -- reported by the parent, which owns the output
+        queue.put((index, 2, f"{type(e).__name__}: {e}"))
+        return
+    queue.put((index, 0, ""))
+
+
+def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list[Path], output: Path,
+                settings: Settings = Settings(), overwrite: bool = False, **kwargs) -> Result:
+    """One data_prep run on ``workers`` processes of this machine: job k of N = workers (exactly the records,
+    shards, filter counts and lists of ``--num-jobs N --job-index k``, every option behaving as there) in forked
+    processes, written into ``DIR.workers-partial``, merged (``merge``) and renamed to ``DIR``: the output is the
+    merged shard directory of the N jobs (their shards ``SOURCE-jKKKK-*.tar`` and job manifests beside the merged
+    manifest.json). Each process reads every input (a gzip stream cannot be split) and tokenizes and writes its
+    own records; a bad input stops every job and leaves nothing; an interrupted run resumes each job's work."""
+    import multiprocessing
+
+    if settings.num_jobs != 1:
+        raise PrepError(f"--workers {workers} runs the jobs of one machine itself: it excludes --num-jobs "
+                        f"{settings.num_jobs}")
+    output = Path(output).resolve()
+    if output.exists() and not output.is_dir():
+        raise PrepError(f"output {output} exists and is not a directory")
+    nonempty = output.is_dir() and any(output.iterdir())
+    if nonempty and not overwrite:
+        raise PrepError(f"output directory {output} exists and is not empty (pass --overwrite to replace it)")
+    if nonempty and not _looks_like_output(output):
+        raise PrepError(f"output directory {output} holds no manifest.json; not replacing a directory that "
+                        "data_prep did not write")
+    from dataclasses import replace
+    import pipeline.data.shards  # noqa: F401,I001 -- imported once here, not in every worker
+
+    staging = output.with_name(f"{output.name}.workers-partial")
+    made = [p for p in reversed(staging.parents) if not p.exists()]
+    staging.mkdir(parents=True, exist_ok=True)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.SimpleQueue()
+    progress = kwargs.pop("progress", ("auto", 60.0))
+    procs = []
+    for k in range(workers):
+        job = dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging,
+                   settings=replace(settings, num_jobs=workers, job_index=k), overwrite=True,
+                   progress=progress if k == 0 else ("off", progress[1]))  # one progress bar: job 0's
+        procs.append(ctx.Process(target=_worker, args=(queue, k, job), daemon=False))
+    gc.freeze()  # the parent's objects out of the collector: a worker's collections do not copy their pages
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+    except BaseException:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join()
+        raise
+    finally:
+        gc.unfreeze()
+    reports = []
+    while not queue.empty():
+        reports.append(queue.get())
+    reports.sort()
+    status = {k: (rc, msg) for k, rc, msg in reports}
+    failed = [(k, status.get(k, (p.exitcode or 1, f"worker {k} exited with status {p.exitcode}")))
+              for k, p in enumerate(procs) if status.get(k, (1, ""))[0] != 0]
+    if failed:
+        bad = [(k, rc, msg) for k, (rc, msg) in failed if rc == 1]
+        if bad:  # bad input: a rerun would fail the same way, so nothing is kept
+            shutil.rmtree(staging, ignore_errors=True)
+            for p in reversed(made):
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+            raise PrepError(bad[0][2])
+        if any(rc == 130 for _, (rc, _) in failed):
+            raise KeyboardInterrupt
+        k, (rc, msg) = failed[0]
+        raise PrepError(f"worker {k} of {workers} failed: {msg}")
+    result = merge(staging)
+    if output.exists():
+        old = output.with_name(f"{output.name}.old-{os.getpid()}")
+        os.rename(output, old)
+        try:
+            os.rename(staging, output)
+        except BaseException:
+            os.rename(old, output)
+            raise
+        shutil.rmtree(old)
+    else:
+        os.rename(staging, output)
+
+    def moved(path: Path) -> Path:
+        return output / path.relative_to(staging)
+    located = {k: (m, moved(loc)) for k, (m, loc) in result.splits.items()} if result.splits else None
+    return Result(result.manifest, result.records_seen, moved(result.location), located, result.val_fraction)

@@ -160,13 +160,18 @@ def iter_uniref(path: Path, ctx: Context) -> Iterator[Record]:
         return check(seq.upper())
 
     for rec in iter_fasta(path, upper_check if check is not None else None, on_invalid="yield"):
-        meta = parse_uniref_header(rec.id, rec.description)
-        if ctx.members is not None:
-            members = ctx.members.get(rec.id)
-            if members is not None:
-                meta["members"] = members
-                ctx.count("with_members")
-        yield rec._replace(meta=meta)
+        yield uniref_record(rec, ctx)
+
+
+def uniref_record(rec: Record, ctx: Context) -> Record:
+    """A FASTA record of a UniRef file with its meta (header fields, members): iter_uniref's per-record step."""
+    meta = parse_uniref_header(rec.id, rec.description)
+    if ctx.members is not None:
+        members = ctx.members.get(rec.id)
+        if members is not None:
+            meta["members"] = members
+            ctx.count("with_members")
+    return rec._replace(meta=meta)
 
 
 def load_members(path: Path) -> dict[str, list[str]]:

@@ -246,24 +246,81 @@ def read_tokens(path: Path, expected_samples: int | None = None, *, sha256: str 
     """(key, tokens) of every sample of a shard, in file order: the loader's hot path.
 
     Plain tar iteration + decode of the ``.tokens.npy`` members only (``meta.json`` is not needed to train and is
-    skipped; shards.read_shard and tools/inspect_shards.py check it). About 3x faster than webdataset's
-    tar_file_iterator + group_by_keys, which bench/data.py measures against the bare read floor. A truncated tar, a
-    corrupt tokens member, a member that is a link or escapes the shard, a token id >= ``vocab_size``, a count
-    differing from the manifest or a digest differing from ``sha256`` (see _ShardFile; checked in that order) is a
-    ShardError naming the file (and member or sample).
+    skipped; shards.read_shard and tools/inspect_shards.py check it); a block (shards.py: ``keys.txt`` and
+    ``bounds.npy`` before its ``tokens.npy``) yields its samples as views of its one tokens array. About 3x faster
+    than webdataset's tar_file_iterator + group_by_keys, which bench/data.py measures against the bare read floor. A
+    truncated tar, a corrupt tokens, bounds or keys member, a member that is a link or escapes the shard, a token id
+    >= ``vocab_size``, a count differing from the manifest or a digest differing from ``sha256`` (see _ShardFile;
+    checked in that order) is a ShardError naming the file (and member or sample).
     """
-    out, shard = [], _ShardFile(path)
+    out, shard, blocks = [], _ShardFile(path), {}
     for m, raw in shard.members():
-        if not m.name.endswith(".tokens.npy"):
-            if m.name.endswith(".offsets.npy"):  # never hand out a cluster's members end to end
-                raise ShardError(f"{path}: member {m.name}: a UniRef50 cluster shard, read by cluster "
+        name = m.name
+        if not name.endswith(".tokens.npy"):
+            if name.endswith(".offsets.npy"):  # never hand out a cluster's members end to end
+                raise ShardError(f"{path}: member {name}: a UniRef50 cluster shard, read by cluster "
                                  "sampling only (its manifest must say layout 'clusters')")
+            _block_part(blocks, name, raw)
             continue
-        key = m.name[:-len(".tokens.npy")]
-        out.append((key, _token_ids(path, key, _unsigned_member(path, m, raw), vocab_size)))
+        key = name[:-len(".tokens.npy")]
+        tokens = _unsigned_member(path, m, raw)
+        if key in blocks:
+            keys, bounds, _, _ = _block(path, key, blocks.pop(key), tokens, False)
+            _block_token_ids(path, keys, bounds, tokens, vocab_size)
+            b = bounds.tolist()
+            out += [(k, tokens[b[i]:b[i + 1]]) for i, k in enumerate(keys)]
+        else:
+            out.append((key, _token_ids(path, key, tokens, vocab_size)))
+    _no_partial_block(path, blocks)
     _checked_count(path, out, expected_samples)
     shard.verify(sha256)
     return out
+
+
+_BLOCK_PARTS = (".keys.txt", ".bounds.npy")
+
+
+def _block_part(blocks: dict, name: str, raw) -> None:
+    """Keep a block's keys / bounds member until its tokens member arrives (members of a block are adjacent)."""
+    for ext in _BLOCK_PARTS:
+        if name.endswith(ext):
+            blocks.setdefault(name[:-len(ext)], {})[ext] = raw
+
+
+def _block(path: Path, key: str, parts: dict, tokens: np.ndarray, clusters: bool):
+    """(keys, bounds [n + 1], index of each bound among the offsets, offsets [members + 1]; both None without
+    clusters) of block ``key``."""
+    from pipeline.data.shards import block_index
+
+    missing = [f"{key}{ext}" for ext in _BLOCK_PARTS + ((".offsets.npy",) if clusters else ()) if ext not in parts]
+    if missing:
+        raise ShardError(f"{path}: block {key} lacks {', '.join(missing)} before its tokens member")
+    bounds = _unsigned_member(path, _Named(f"{key}.bounds.npy"), parts[".bounds.npy"])
+    offsets = _unsigned_member(path, _Named(f"{key}.offsets.npy"), parts[".offsets.npy"]) if clusters else None
+    try:
+        keys, idx = block_index(parts[".keys.txt"], bounds, len(tokens), offsets)
+    except ValueError as e:
+        raise ShardError(f"{path}: corrupt member {key}.{e}") from None
+    return keys, bounds, idx, offsets
+
+
+@dataclass(frozen=True)
+class _Named:  # the member name _unsigned_member reports
+    name: str
+
+
+def _no_partial_block(path: Path, blocks: dict) -> None:
+    if blocks:
+        key = next(iter(blocks))
+        raise ShardError(f"{path}: block {key} has no {key}.tokens.npy member")
+
+
+def _block_token_ids(path: Path, keys: list, bounds: np.ndarray, tokens: np.ndarray, vocab_size: int | None):
+    """_token_ids over a whole block: one max; past the vocabulary, the sample holding the id is named."""
+    if vocab_size is not None and tokens.size and np.iinfo(tokens.dtype).max >= vocab_size \
+            and int(tokens.max()) >= vocab_size:
+        i = int(np.searchsorted(bounds, int(np.argmax(tokens)), side="right")) - 1
+        _token_ids(path, keys[i], tokens[int(bounds[i]):int(bounds[i + 1])], vocab_size)
 
 
 def _truncated(path: Path, last: str | None, error: Exception) -> ShardError:
@@ -305,9 +362,10 @@ def read_cluster_tokens(path: Path, expected_samples: int | None = None, *, sha2
     """(key, members' tokens end to end, offsets) of every sample of a cluster shard, in file order.
 
     The cluster counterpart of read_tokens (same errors and checks), plus: a sample without both members, or offsets
-    that do not split its tokens into non-empty members, is a ShardError naming the member.
+    that do not split its tokens into non-empty members, is a ShardError naming the member. A block's samples are
+    views of its tokens, their offsets relative to each sample.
     """
-    out, shard = [], _ShardFile(path)
+    out, shard, blocks = [], _ShardFile(path), {}
     key = tokens = offsets = None
 
     def finish():
@@ -320,11 +378,27 @@ def read_cluster_tokens(path: Path, expected_samples: int | None = None, *, sha2
         out.append((key, _token_ids(path, key, tokens, vocab_size), offsets))
 
     for m, raw in shard.members():
-        if m.name.endswith(".tokens.npy"):
-            k, kind = m.name[:-len(".tokens.npy")], "tokens"
-        elif m.name.endswith(".offsets.npy"):
-            k, kind = m.name[:-len(".offsets.npy")], "offsets"
+        name = m.name
+        if name.endswith(".tokens.npy"):
+            k, kind = name[:-len(".tokens.npy")], "tokens"
+        elif name.endswith(".offsets.npy"):
+            k, kind = name[:-len(".offsets.npy")], "offsets"
         else:
+            _block_part(blocks, name, raw)
+            continue
+        if k in blocks:  # a block: its offsets are kept until its tokens arrive
+            if kind == "offsets":
+                blocks[k][".offsets.npy"] = raw
+                continue
+            if key is not None:  # a per-sample cluster before the block: file order
+                finish()
+                key = tokens = offsets = None
+            block_tokens = _unsigned_member(path, m, raw)
+            keys, bounds, idx, block_offsets = _block(path, k, blocks.pop(k), block_tokens, True)
+            _block_token_ids(path, keys, bounds, block_tokens, vocab_size)
+            b = bounds.tolist()
+            out += [(kk, block_tokens[b[i]:b[i + 1]], block_offsets[idx[i]:idx[i + 1] + 1] - np.uint64(b[i]))
+                    for i, kk in enumerate(keys)]
             continue
         if k != key:  # the members of a sample are adjacent in a WebDataset tar
             if key is not None:
@@ -336,6 +410,7 @@ def read_cluster_tokens(path: Path, expected_samples: int | None = None, *, sha2
             offsets = _unsigned_member(path, m, raw)
     if key is not None:
         finish()
+    _no_partial_block(path, blocks)
     _checked_count(path, out, expected_samples)
     shard.verify(sha256)
     return out

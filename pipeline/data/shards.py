@@ -1,24 +1,48 @@
 """Shard format shared by every data_prep job and the training loader.
 
-A shard directory holds WebDataset tar files and one ``manifest.json``::
+A shard directory holds WebDataset tar files and one ``manifest.json``. Two member layouts exist; readers take both
+(even mixed in one tar), telling them apart by the members a key has:
 
-    DIR/manifest.json
-    DIR/<prefix>-000000.tar   members: <key>.tokens.npy  (token ids, no <cls>/<eos>; the smallest unsigned dtype
-                                                          that holds the vocabulary: uint8 up to 256 tokens,
-                                                          uint16 up to 65536, else uint32)
-                                       <key>.meta.json   ({"id": record id, "source": ..., ...})
+**Blocks** (format ``bioseq-wds/2``, what data_prep writes): one member group per block of up to ``block_samples``
+samples (and about ``block_tokens`` tokens), key ``block<NNNNNN>`` (numbered within the shard), members in this
+order::
+
+    <block>.keys.txt     the samples' keys, one per line (ASCII, "\n"-separated, no trailing newline)
+    <block>.bounds.npy   uint64 [n + 1]: sample i is tokens[bounds[i]:bounds[i + 1]] (bounds[0] = 0, non-decreasing,
+                         bounds[n] = len(tokens))
+    <block>.offsets.npy  clusters only: uint64 [members + 1], the block's member boundaries (strictly increasing,
+                         0 .. len(tokens)); every bound is one of them, so sample i's members are the offsets between
+                         bounds[i] and bounds[i + 1]
+    <block>.tokens.npy   every sample's token ids end to end (no <cls>/<eos>; the smallest unsigned dtype that holds
+                         the vocabulary: uint8 up to 256 tokens, uint16 up to 65536, else uint32)
+    <block>.meta.json    JSON array of the n samples' meta objects ({"id": record id, "source": ..., ...}), in order
+
+Why: one WebDataset sample (two tar members, 1-2 KiB of headers and padding) per record made data_prep spend most
+of its time in tarfile and made the shards ~4x the size of their tokens; a block costs five members for thousands of
+records, keeps the tar a valid WebDataset (a plain WebDataset reader sees one sample per block), and the reader
+slices the records out of one array (views, no copy). What a record is (key, tokens, meta) is unchanged.
+
+**One sample per record** (format ``bioseq-wds/1``: shards written before blocks, and ``ShardWriter`` with
+``block_samples=None``)::
+
+    <key>.tokens.npy   token ids of the sample (dtype as above)
+    <key>.meta.json    its meta object
+    <key>.offsets.npy  clusters only: n + 1 offsets into the sample's tokens (below)
+
+Versioning: the manifest's ``format`` is ``bioseq-wds/2`` when written by this code (its shards may hold either
+layout); ``bioseq-wds/1`` manifests (per-record shards only) are read as before.
 
 The manifest's ``layout`` says what a sample is:
 
-* ``"sequences"`` (every source; manifests written before the field existed): one sample = one sequence, the
-  two members above.
+* ``"sequences"`` (every source; manifests written before the field existed): one sample = one sequence.
 * ``"clusters"`` (``data_prep uniref --clusters``): one sample = one UniRef50 cluster holding all of its UniRef90
-  members. ``<key>.tokens.npy`` is the members' tokens concatenated in the cluster's member order and
-  ``<key>.offsets.npy`` (uint32, or uint64 past 2**32 - 1 tokens) holds n + 1 offsets, member i being
-  ``tokens[offsets[i]:offsets[i + 1]]`` (offsets[0] = 0, strictly increasing: no member is empty); meta ``members``
-  lists the member ids in that order. A shard's ``tokens`` count is the residues of all members. The training loader
-  draws one member per (seed, epoch, sample) and never sees the concatenation; read such shards with
-  :func:`read_clusters` (:func:`read_shard` refuses them rather than hand out the concatenation as one sequence).
+  members: the members' tokens concatenated in the cluster's member order, with n + 1 offsets (per record: the
+  sample's ``<key>.offsets.npy``, uint32, or uint64 past 2**32 - 1 tokens; in blocks: the block's offsets member),
+  member i being ``tokens[offsets[i]:offsets[i + 1]]`` (offsets[0] = 0, strictly increasing: no member is empty);
+  meta ``members`` lists the member ids in that order. A shard's ``tokens`` count is the residues of all members.
+  The training loader draws one member per (seed, epoch, sample) and never sees the concatenation; read such shards
+  with :func:`read_clusters` (:func:`read_shard` refuses them rather than hand out the concatenation as one
+  sequence).
 
 The manifest is the contract the loader relies on: per shard its sample and token counts and sha256, so a reader can
 jump to any (epoch, position) without opening the tars it skips, and can tell a truncated shard from a short one.
@@ -35,10 +59,13 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from webdataset.tariterators import group_by_keys
-from webdataset.writer import TarWriter
+# webdataset (TarWriter for per-record shards, group_by_keys for read_shard) is imported where used: it pulls in torch
+# (~2 s), which data_prep's writer of blocks never needs.
 
-FORMAT = "bioseq-wds/1"
+FORMAT = "bioseq-wds/2"  # written by this code: shards of blocks (module docstring)
+FORMATS = ("bioseq-wds/1", FORMAT)  # read: /1 manifests list per-record shards only
+BLOCK_SAMPLES = 2048  # default samples per block (data_prep)
+BLOCK_TOKENS = 1 << 22  # a block is closed once it holds this many tokens (bounds the writer's memory)
 LAYOUTS = ("sequences", "clusters")
 
 
@@ -109,8 +136,8 @@ def load_manifest(directory: str | Path) -> Manifest:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ShardError(f"{path}: not valid JSON ({e})") from None
-    if raw.get("format") != FORMAT:
-        raise ShardError(f"{path}: format {raw.get('format')!r}, expected {FORMAT!r}")
+    if raw.get("format") not in FORMATS:
+        raise ShardError(f"{path}: format {raw.get('format')!r}, expected one of {', '.join(map(repr, FORMATS))}")
     layout = raw.get("layout", "sequences")  # manifests from before clusters existed hold sequences
     if layout not in LAYOUTS:
         raise ShardError(f"{path}: layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
@@ -125,7 +152,7 @@ def load_manifest(directory: str | Path) -> Manifest:
         raise ShardError(f"{path}: lists no shards")
     return Manifest(source=raw["source"], tokenizer=raw["tokenizer"], shards=shards,
                     filtered=raw.get("filtered", {}), inputs=raw.get("inputs", []), stats=raw.get("stats", {}),
-                    layout=layout)
+                    layout=layout, format=raw["format"])
 
 
 def member_problem(member: tarfile.TarInfo) -> str | None:
@@ -195,79 +222,232 @@ def check_offsets(offsets: np.ndarray, n_tokens: int) -> str | None:
     return None
 
 
+def check_key(key: str) -> None:
+    if "/" in key or key.startswith(".") or "." in key or "\n" in key:
+        raise ValueError(f"sample key {key!r} may not contain '/', '.' or a line break")
+
+
+class _HashingFile:
+    """The shard file being written, hashed on the way (sha256 without reading the file back)."""
+
+    def __init__(self, path: Path):
+        self._f, self.sha = open(path, "wb"), hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def close(self):
+        self._f.close()
+
+
+def _add_member(f: _HashingFile, name: str, parts: list) -> None:
+    """One regular tar member (USTAR header: mode 0444, mtime 0, owner bigdata like webdataset's TarWriter; names
+    are short ASCII, so no PAX header is needed) whose data is ``parts`` written one after the other: what
+    tarfile.addfile writes, without copying the data through a file object."""
+    size = sum(len(memoryview(p).cast("B")) for p in parts)
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime, info.uname, info.gname = size, 0o444, 0, "bigdata", "bigdata"
+    f.write(info.tobuf(tarfile.USTAR_FORMAT, tarfile.ENCODING, "surrogateescape"))
+    for p in parts:
+        f.write(p)
+    if size % tarfile.BLOCKSIZE:
+        f.write(tarfile.NUL * (tarfile.BLOCKSIZE - size % tarfile.BLOCKSIZE))
+
+
+def _end_archive(f: _HashingFile) -> None:
+    """tarfile's end of archive: two zero blocks, then zeros up to a multiple of the record size (10240)."""
+    f.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
+    rest = f.tell() % tarfile.RECORDSIZE
+    if rest:
+        f.write(tarfile.NUL * (tarfile.RECORDSIZE - rest))
+
+
 class ShardWriter:
     """Writes samples into numbered tar shards of at most ``max_samples`` samples each.
 
-    Shards are written as ``.tar.tmp`` and renamed when closed; ``abort()`` removes everything written.
-    ``vocab_size`` fixes the stored dtype for the whole directory (default: uint8, the nucleotide and protein
-    vocabularies). ``layout`` "clusters" makes every sample a cluster: ``write`` then needs the members' offsets.
-    ``completed`` are shards a previous (interrupted) run already wrote and verified: numbering continues after
-    them. ``on_close(info)`` is called after each shard is renamed into place (a resumable job records it in its
-    progress file).
+    ``block_samples`` N: samples are written in blocks of up to N samples (format 2, the module docstring), a block
+    closed early once it holds ``block_tokens`` tokens; None writes one member group per sample (format 1, the layout
+    of shards written before blocks). Shards are written as ``.tar.tmp`` and renamed when closed; ``abort()`` removes
+    everything written. ``vocab_size`` fixes the stored dtype for the whole directory (default: uint8, the
+    nucleotide and protein vocabularies). ``layout`` "clusters" makes every sample a cluster: ``write`` then needs
+    the members' offsets. ``completed`` are shards a previous (interrupted) run already wrote and verified:
+    numbering continues after them. ``on_close(info)`` is called after each shard is renamed into place (a
+    resumable job records it in its progress file).
     """
 
     def __init__(self, directory: str | Path, prefix: str = "shard", max_samples: int = 10_000,
                  vocab_size: int = 256, completed: list[ShardInfo] | None = None,
-                 on_close: Callable[[ShardInfo], None] | None = None, layout: str = "sequences"):
+                 on_close: Callable[[ShardInfo], None] | None = None, layout: str = "sequences",
+                 block_samples: int | None = None, block_tokens: int = BLOCK_TOKENS):
         if max_samples < 1:
             raise ValueError(f"max_samples must be >= 1, got {max_samples}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
+        if block_samples is not None and block_samples < 1:
+            raise ValueError(f"block_samples must be >= 1, got {block_samples}")
         self.directory = Path(directory)
         self.prefix, self.max_samples, self.layout = prefix, max_samples, layout
+        self.block_samples, self.block_tokens = block_samples, max(1, block_tokens)
         self.dtype, self.vocab_size = token_dtype(vocab_size), vocab_size
         self.shards: list[ShardInfo] = list(completed or [])
         self.on_close = on_close
         self._writer = None
         self._tmp = None
         self._count = self._tokens = 0
+        self._new_block()
+
+    @property
+    def format(self) -> str:
+        return FORMAT if self.block_samples is not None else FORMATS[0]
 
     def _open(self):
         name = f"{self.prefix}-{len(self.shards):06d}.tar"
         self._tmp = self.directory / (name + ".tmp")
-        self._file = open(self._tmp, "wb")
-        # mtime fixed so that the same input gives byte-identical shards (and sha256); an int, because a float
-        # mtime makes tarfile write an extra PAX header (1 KiB) before every member.
-        self._writer = TarWriter(self._file, encoder=False, mtime=0)
+        if self.block_samples is None:
+            self._file = open(self._tmp, "wb")
+            # mtime fixed so that the same input gives byte-identical shards (and sha256); an int, because a float
+            # mtime makes tarfile write an extra PAX header (1 KiB) before every member.
+            from webdataset.writer import TarWriter
+            self._writer = TarWriter(self._file, encoder=False, mtime=0)
+        else:
+            self._file = self._writer = _HashingFile(self._tmp)
+            self._blocks = 0
         self._count = self._tokens = 0
 
-    def write(self, key: str, tokens: np.ndarray, meta: dict, offsets: np.ndarray | None = None):
-        """One sample; with layout "clusters" ``tokens`` are the members concatenated and ``offsets`` their n + 1
-        boundaries (see the module docstring)."""
-        if "/" in key or key.startswith(".") or "." in key:
-            raise ValueError(f"sample key {key!r} may not contain '/' or '.'")
-        if (offsets is not None) != (self.layout == "clusters"):
-            raise ValueError(f"sample {key}: offsets are given for, and only for, the clusters layout "
-                             f"(this writer's layout is {self.layout!r})")
+    def _check_tokens(self, key: str, tokens) -> np.ndarray:
         tokens = np.asarray(tokens)
         if tokens.ndim != 1 or tokens.dtype.kind not in "ui":
             raise ValueError(f"tokens must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
             raise ValueError(f"sample {key}: token id outside 0..{self.vocab_size - 1}")
-        member = {"__key__": key, "tokens.npy": _npy(tokens.astype(self.dtype, copy=False)),
-                  "meta.json": json.dumps(meta, separators=(",", ":")).encode()}
+        return tokens
+
+    def write(self, key: str, tokens: np.ndarray, meta: dict, offsets: np.ndarray | None = None):
+        """One sample; with layout "clusters" ``tokens`` are the members concatenated and ``offsets`` their n + 1
+        boundaries (see the module docstring)."""
+        check_key(key)
+        if (offsets is not None) != (self.layout == "clusters"):
+            raise ValueError(f"sample {key}: offsets are given for, and only for, the clusters layout "
+                             f"(this writer's layout is {self.layout!r})")
+        tokens = self._check_tokens(key, tokens)
         if offsets is not None:
             offsets = np.asarray(offsets)
             why = check_offsets(offsets, len(tokens))
             if why is not None:
                 raise ValueError(f"sample {key}: {why}")
-            member["offsets.npy"] = _npy(offsets.astype(offsets_dtype(len(tokens)), copy=False))
+        meta_json = json.dumps(meta, separators=(",", ":"))
         if self._writer is None:
             self._open()
-        self._writer.write(member)
-        self._count += 1
-        self._tokens += len(tokens)
+        if self.block_samples is None:
+            member = {"__key__": key, "tokens.npy": _npy(tokens.astype(self.dtype, copy=False)),
+                      "meta.json": meta_json.encode()}
+            if offsets is not None:
+                member["offsets.npy"] = _npy(offsets.astype(offsets_dtype(len(tokens)), copy=False))
+            self._writer.write(member)
+        else:
+            b = self._block
+            b["keys"].append(key)
+            b["tokens"].append(tokens)
+            b["lengths"].append(len(tokens))
+            b["meta"].append(meta_json)
+            if offsets is not None:
+                b["members"].append(np.diff(offsets.astype(np.int64)))
+            self._block_tokens += len(tokens)
+        self._added(1, len(tokens))
+
+    def extend(self, keys: list[str], tokens: np.ndarray, bounds: np.ndarray, meta_json: list[str]):
+        """Several samples at once (blocks, layout "sequences"): sample i is ``keys[i]``,
+        ``tokens[bounds[i]:bounds[i + 1]]`` and meta ``meta_json[i]``, one JSON object already encoded as
+        ``json.dumps(meta, separators=(",", ":"))`` would (the caller's promise: data_prep's batch path, tested to
+        equal it). ``tokens``: 1-D integer [bounds[-1]]; ``bounds``: [len(keys) + 1]. Same checks as ``write``,
+        over the whole batch."""
+        if self.block_samples is None or self.layout != "sequences":
+            raise ValueError("extend() writes blocks of sequences: the writer needs block_samples and layout "
+                             "'sequences'")
+        n = len(keys)
+        if n == 0:
+            return
+        joined = "\n".join(keys)
+        if "." in joined or "/" in joined or joined.count("\n") != n - 1 or any(not k for k in (keys[0], keys[-1])):
+            for k in keys:
+                check_key(k)
+        bounds = np.asarray(bounds, dtype=np.int64)
+        if len(bounds) != n + 1 or len(meta_json) != n or bounds[0] != 0 or bounds[-1] != len(tokens):
+            raise ValueError(f"extend: {n} keys, {len(meta_json)} metas, bounds [{len(bounds)}] from "
+                             f"{bounds[0] if len(bounds) else None} to {bounds[-1] if len(bounds) else None} for "
+                             f"{len(tokens)} tokens")
+        lengths = np.diff(bounds)
+        if (lengths < 0).any():
+            raise ValueError("extend: bounds must be non-decreasing")
+        tokens = self._check_tokens(keys[0], tokens)
+        at = 0
+        while at < n:
+            if self._writer is None:
+                self._open()
+            room = min(self.max_samples - self._count, self.block_samples - len(self._block["keys"]), n - at)
+            # up to the sample that brings the block to block_tokens, where write() would close it too
+            over = np.searchsorted(bounds[at + 1:at + room + 1] - bounds[at],
+                                   self.block_tokens - self._block_tokens, side="left")
+            take = max(1, min(room, int(over) + 1))
+            b = self._block
+            lo, hi = int(bounds[at]), int(bounds[at + take])
+            b["keys"].extend(keys[at:at + take])
+            b["tokens"].append(tokens[lo:hi])
+            b["lengths"].extend(lengths[at:at + take].tolist())
+            b["meta"].extend(meta_json[at:at + take])
+            self._block_tokens += hi - lo
+            at += take
+            self._added(take, hi - lo)
+
+    def _added(self, n: int, tokens: int):
+        self._count += n
+        self._tokens += tokens
+        if self.block_samples is not None and (len(self._block["keys"]) >= self.block_samples
+                                               or self._block_tokens >= self.block_tokens):
+            self._flush_block()
         if self._count >= self.max_samples:
             self._close_current()
+
+    def _new_block(self):
+        self._block = {"keys": [], "tokens": [], "lengths": [], "meta": [], "members": []}
+        self._block_tokens = 0
+
+    def _flush_block(self):
+        b = self._block
+        if not b["keys"]:
+            return
+        name = f"block{self._blocks:06d}"
+        self._blocks += 1
+        tokens = np.concatenate(b["tokens"]).astype(self.dtype, copy=False) if b["tokens"] else \
+            np.zeros(0, self.dtype)
+        bounds = np.zeros(len(b["keys"]) + 1, np.uint64)
+        np.cumsum(b["lengths"], out=bounds[1:])
+        members = [("keys.txt", ["\n".join(b["keys"]).encode("ascii")]), ("bounds.npy", _npy_parts(bounds))]
+        if self.layout == "clusters":
+            offsets = np.zeros(sum(len(m) for m in b["members"]) + 1, np.uint64)
+            np.cumsum(np.concatenate(b["members"]), out=offsets[1:])
+            members.append(("offsets.npy", _npy_parts(offsets)))
+        members += [("tokens.npy", _npy_parts(tokens)), ("meta.json", [("[" + ",".join(b["meta"]) + "]").encode()])]
+        for ext, parts in members:
+            _add_member(self._file, f"{name}.{ext}", parts)
+        self._new_block()
 
     def _close_current(self):
         if self._writer is None:
             return
+        if self.block_samples is not None:
+            self._flush_block()
+            _end_archive(self._file)
         self._writer.close()
         self._file.close()
         final = self._tmp.with_suffix("")  # drop .tmp
         os.replace(self._tmp, final)
-        info = ShardInfo(final.name, self._count, self._tokens, sha256_file(final))
+        digest = self._file.sha.hexdigest() if self.block_samples is not None else sha256_file(final)
+        info = ShardInfo(final.name, self._count, self._tokens, digest)
         self.shards.append(info)
         self._writer = None
         if self.on_close is not None:
@@ -279,6 +459,7 @@ class ShardWriter:
 
     def abort(self):
         if self._writer is not None:
+            self._new_block()
             self._writer.close()
             self._file.close()
             self._tmp.unlink(missing_ok=True)
@@ -286,6 +467,13 @@ class ShardWriter:
         for s in self.shards:
             (self.directory / s.path).unlink(missing_ok=True)
         self.shards = []
+
+
+def _npy_parts(array: np.ndarray) -> list:
+    """np.save's bytes of a 1-D array as [header, the array's own buffer] (no copy of the data)."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(array))
+    return [buf.getvalue(), np.ascontiguousarray(array).data]
 
 
 def _npy(array: np.ndarray) -> bytes:
@@ -315,14 +503,88 @@ def read_clusters(path: str | Path, expected_samples: int | None = None
     return out
 
 
+def block_index(keys_txt: bytes | memoryview, bounds: np.ndarray, n_tokens: int,
+                offsets: np.ndarray | None = None) -> tuple[list[str], np.ndarray | None]:
+    """A block's keys, checked against its bounds (and, for clusters, the position of every bound among the member
+    offsets: sample i's members are offsets[idx[i]:idx[i + 1] + 1]); ValueError naming the member at fault.
+    ``bounds`` [n + 1] and ``offsets`` [members + 1] are the decoded .npy arrays."""
+    try:
+        keys = bytes(keys_txt).decode("ascii").split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"keys.txt: not ASCII ({e})") from None
+    if bounds.ndim != 1 or bounds.dtype.kind != "u":
+        raise ValueError(f"bounds.npy: holds {bounds.dtype} {bounds.shape}, expected 1-D unsigned")
+    if len(bounds) != len(keys) + 1:
+        raise ValueError(f"bounds.npy: {len(bounds)} bounds for {len(keys)} keys (expected keys + 1)")
+    if int(bounds[0]) != 0 or int(bounds[-1]) != n_tokens or (bounds[1:] < bounds[:-1]).any():
+        raise ValueError(f"bounds.npy: bounds run from {int(bounds[0])} to {int(bounds[-1])} (non-decreasing "
+                         f"expected, 0 to {n_tokens}, the tokens)")
+    idx = None
+    if offsets is not None:
+        why = check_offsets(offsets, n_tokens)
+        if why is not None:
+            raise ValueError(f"offsets.npy: {why}")
+        idx = np.searchsorted(offsets, bounds)
+        if (idx >= len(offsets)).any() or (offsets[np.minimum(idx, len(offsets) - 1)] != bounds).any():
+            raise ValueError("offsets.npy: a sample bound is not a member boundary")
+    return keys, idx
+
+
+def _load_npy(sample: dict, key: str, ext: str) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(sample[ext]), allow_pickle=False)
+    except (ValueError, EOFError, OSError) as e:
+        raise ValueError(f"corrupt member {key}.{ext} ({e})") from None
+
+
+def _block_samples(sample: dict, clusters: bool) -> list:
+    """(key, tokens, offsets or None, meta) of every sample of one block (module docstring)."""
+    key = sample["__key__"]
+    missing = [m for m in ("keys.txt", "tokens.npy", "meta.json") if m not in sample]
+    if missing:
+        raise ValueError(f"block {key!r} lacks {', '.join(missing)}")
+    if ("offsets.npy" in sample) != clusters:
+        raise ValueError(f"block {key!r} is a UniRef50 cluster block ({key}.offsets.npy): read the shard with "
+                         "read_clusters" if not clusters else
+                         f"block {key!r} lacks offsets.npy: not a cluster shard (use read_shard)")
+    tokens = _load_npy(sample, key, "tokens.npy")
+    if tokens.ndim != 1 or tokens.dtype.kind != "u":
+        raise ValueError(f"corrupt member {key}.tokens.npy (holds {tokens.dtype} {tokens.shape}, expected 1-D "
+                         "unsigned ids)")
+    bounds = _load_npy(sample, key, "bounds.npy")
+    offsets = _load_npy(sample, key, "offsets.npy") if clusters else None
+    try:
+        keys, idx = block_index(sample["keys.txt"], bounds, len(tokens), offsets)
+    except ValueError as e:
+        raise ValueError(f"corrupt member {key}.{e}") from None
+    try:
+        metas = json.loads(sample["meta.json"])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"corrupt member {key}.meta.json ({e})") from None
+    if not isinstance(metas, list) or len(metas) != len(keys):
+        raise ValueError(f"corrupt member {key}.meta.json (expected a JSON array of {len(keys)} objects)")
+    out = []
+    for i, k in enumerate(keys):
+        a, b = int(bounds[i]), int(bounds[i + 1])
+        off = None if idx is None else offsets[idx[i]:idx[i + 1] + 1] - offsets.dtype.type(a)
+        out.append((k, tokens[a:b], off, metas[i]))
+    return out
+
+
 def _read_samples(path: Path, expected_samples: int | None, clusters: bool) -> list:
     """(key, tokens, offsets or None, meta) of every sample, checked as read_shard / read_clusters promise."""
+    from webdataset.tariterators import group_by_keys
+
     out = []
     last = None  # last member read whole: locates tar-level corruption
     try:
         with open(path, "rb") as f:
             for sample in group_by_keys(_checked_members(f, path)):
                 key = sample["__key__"]
+                if "bounds.npy" in sample:
+                    out += _block_samples(sample, clusters)
+                    last = f"{key}.tokens.npy"
+                    continue
                 if "tokens.npy" not in sample or "meta.json" not in sample:
                     raise ValueError(f"sample {key!r} lacks tokens.npy or meta.json")
                 if ("offsets.npy" in sample) != clusters:
@@ -349,9 +611,9 @@ def _read_samples(path: Path, expected_samples: int | None, clusters: bool) -> l
                 except (ValueError, UnicodeDecodeError) as e:
                     raise ValueError(f"corrupt member {key}.meta.json ({e})") from None
                 out.append((key, tokens, offsets, meta))
-                last = key
+                last = f"{key}.tokens.npy"
     except (tarfile.TarError, EOFError, OSError) as e:
-        after = f" after member {last}.tokens.npy" if last else " at its first member"
+        after = f" after member {last}" if last else " at its first member"
         raise ShardError(f"{path}: truncated or corrupt shard{after} ({e})") from None
     except ShardError:
         raise

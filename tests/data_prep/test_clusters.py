@@ -217,11 +217,9 @@ def load_manifest_job(out: Path, i: int) -> dict:
 
 
 def keys_of(out: Path, prefix: str) -> list[str]:
-    import tarfile
     keys = []
-    for p in sorted(out.glob(f"{prefix}-*.tar")):
-        with tarfile.open(p) as tf:
-            keys += [n.split(".")[0] for n in tf.getnames() if n.endswith(".offsets.npy")]
+    for p in sorted(out.glob(f"{prefix}-*.tar")):  # sample keys, whatever the member layout (blocks or per sample)
+        keys += [key for key, _, _ in read_clusters(p)]
     return keys
 
 

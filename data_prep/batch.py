@@ -1,0 +1,222 @@
+"""Batch reading of FASTA inputs for data_prep: whole chunks of records parsed, checked and tokenized at once.
+
+The per-record path (data_prep/fasta.py iter_fasta, one Python iteration per line and several numpy calls per
+record) ran at ~3 MB/s of gzipped input, far below ``gzip -dc``. Here the decompressed input is read in chunks of
+whole records (``CHUNK`` bytes, cut before a line that starts with '>'); per chunk the records are split with
+``bytes.split``, their sequences joined into one buffer, validated with one ``bytes.translate`` over it, upper-cased
+and tokenized with one ``bytes.translate`` each. Per record only the header is handled in Python.
+
+What a record becomes is exactly what iter_fasta (+ the uniref source's header parsing) makes of it: a record the
+batch path does not take as is -- a character outside the alphabet or whitespace inside the sequence, a header
+without an id, a UniRef header of another shape than the two the template knows -- is handed over as the
+``Record`` iter_fasta_text parses from its own lines (same errors, lines, columns), and the job treats it on its
+per-record path. Chunks with a CR other than in CRLF line ends, and inputs that do not start with '>', are read
+wholly on the per-record path.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .fasta import FastaError, Record, iter_fasta_text, open_input
+
+CHUNK = 1 << 22  # decompressed bytes read at a time; a record longer than this makes its chunk longer
+_enc = json.encoder.encode_basestring_ascii  # what json.dumps uses for str (ensure_ascii=True), in C
+
+
+@dataclass
+class Chunk:
+    """Whole records of one input. Record j: header line ``line(j)``, id ``ids[j]``, sequence (as written, line
+    breaks removed) ``seq[bounds[j]:bounds[j + 1]]``, its tokens at the same positions of ``tokens``; ``tails[j]`` the JSON text of its meta after ``"length":N``
+    (``,"description":...}`` or the UniRef fields), or None when ``metas[j]`` holds the meta dict instead; records
+    in ``slow`` (position -> Record from iter_fasta_text, or the FastaError it raised) are for the per-record path and their entries here are
+    placeholders (empty sequence)."""
+    ids: list
+    seq: bytes
+    tokens: bytes  # seq tokenized (upper-cased residues' ids; 0xff at bytes outside the alphabet)
+    bounds: np.ndarray  # int64 [n + 1]
+    tails: list
+    metas: dict
+    slow: dict
+    text: bytes
+    first_line: int
+    header_starts: np.ndarray  # int64 [n]: offset of each record's '>' in text
+    index: np.ndarray  # int64 [n]: global record index (over all inputs) of each record
+    total: int = 0  # records of the chunk, this job's and the others' (Reader jobs): the global index advances by it
+    _newlines: np.ndarray | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def line(self, j: int) -> int:
+        """1-based line number of record j's header."""
+        if self._newlines is None:
+            self._newlines = np.flatnonzero(np.frombuffer(self.text, np.uint8) == 10)
+        return self.first_line + int(np.searchsorted(self._newlines, self.header_starts[j]))
+
+
+def starts_with_header(path: Path) -> bool:
+    """Whether the input's first byte is '>' (else it is read record by record: BOM, blank lines, garbage)."""
+    with open_input(path) as f:
+        return f.peek(1)[:1] == b">"
+
+
+def chunks(path: Path, size: int = CHUNK) -> Iterator[tuple[bytes, int]]:
+    """(text, line number of its first line): the input cut before lines that start with '>'."""
+    line, carry = 1, b""
+    with open_input(path) as f:
+        while True:
+            block = f.read(size)
+            buf = carry + block if carry else block
+            if not block:
+                if buf:
+                    yield buf, line
+                return
+            cut = buf.rfind(b"\n>")
+            if cut < 0:
+                carry = buf
+                continue
+            text, carry = buf[:cut + 1], buf[cut + 1:]
+            yield text, line
+            line += text.count(b"\n")
+
+
+# UniRef headers of the two shapes the shared data holds (parse_uniref_header reads any): the full header
+# "<name> n=<n> Tax=<taxon> TaxID=<id> RepID=<id>", BioNeMo's "TaxID=<id> RepID=<id>" and its UniRef90 members'
+# "ClusterName=<name> TaxID=<id> RepID=<id>", matched for all records of
+# a chunk in one findall over the descriptions joined by NUL. A value may not hold '=' (so no other key can hide in
+# it: every split point of parse_uniref_header's _FIELD_SPLIT is one of the template's), \s+ before a key is the
+# whitespace run _FIELD_SPLIT removes, \s* after '=' what value.strip() removes; numbers are matched only as plain
+# integers (or "<int>.0") of at most 15 digits, exact in the float that _number parses, leading zeros dropped as
+# int() drops them. Any other description (the last alternative) goes to parse_uniref_header.
+_NUM = r"\s*0*(\d{1,15})(?:\.0)?"
+_VAL = r"\s*([^=\x00]*?)"
+_UNIREF = re.compile(rf"(?:(?:([^=\x00]*?)\s+)?n={_NUM}\s+Tax={_VAL}\s+TaxID={_NUM}\s+RepID=\s*([^=\x00]*)"
+                     rf"|TaxID={_NUM}\s+RepID=\s*([^=\x00]*)"
+                     rf"|ClusterName={_VAL}\s+TaxID={_NUM}\s+RepID=\s*([^=\x00]*)|([^\x00]*))\x00")
+
+
+def uniref_tails(descs: list[str]) -> list[str | None]:
+    """Per description (stripped, as the FASTA reader leaves it): the JSON text of parse_uniref_header's fields
+    after "length" (``,"name":...,"repid":...}``), or None where parse_uniref_header must parse it."""
+    joined = "\x00".join(descs)
+    if joined.count("\x00") != len(descs) - 1:  # a NUL inside a description: all by parse_uniref_header
+        return [None] * len(descs)
+    out = []
+    for name, n, tax, taxid, repid, staxid, srepid, cname, ctaxid, crepid, other in _UNIREF.findall(joined + "\x00"):
+        if n:
+            head = f',"name":{_enc(name)}' if name else ""
+            out.append(f'{head},"n":{n},"tax":{_enc(tax)},"taxid":{taxid},"repid":{_enc(repid)}}}')
+        elif staxid:
+            out.append(f',"taxid":{staxid},"repid":{_enc(srepid)}}}')
+        elif ctaxid:
+            out.append(f',"clustername":{_enc(cname)},"taxid":{ctaxid},"repid":{_enc(crepid)}}}')
+        else:
+            out.append("}" if not other else None)
+    return out
+
+
+class Reader:
+    """Chunks of one FASTA input, parsed. ``tokens``: 256-byte table, byte as written -> token id of the
+    upper-cased residue, 0xff for a byte outside the alphabet (the source's: for UniRef lowercase is accepted and
+    upper-cased); ``invalid_positions``: the source reader's own check (for the per-record
+    fallback); ``uniref``: the source parses UniRef headers into meta (``to_record`` completes a fallback record
+    the way the source does)."""
+
+    def __init__(self, path: Path, tokens: bytes, invalid_positions: Callable | None, uniref: bool,
+                 to_record: Callable[[Record], Record] = lambda r: r, first_index: int = 0,
+                 jobs: tuple[int, int] = (1, 0)):
+        self.path, self.uniref, self.to_record = path, uniref, to_record
+        self.invalid_positions = invalid_positions
+        self._tokens = tokens
+        self.index = first_index  # global index of the next record (over all inputs)
+        self.jobs = jobs  # (N, I): only records whose global index % N == I are parsed past their header line
+
+    def __iter__(self) -> Iterator[Chunk | list]:
+        """A Chunk per chunk of the input, or the list of its Records when the chunk is read record by record."""
+        for text, first_line in chunks(self.path):
+            if b"\r" in text:
+                if text.count(b"\r") != text.count(b"\r\n"):  # a CR that is not a CRLF line end
+                    records = [self.to_record(r) for r in iter_fasta_text(self.path, text, first_line,
+                                                                             self.invalid_positions, "yield")]
+                    self.index += len(records)
+                    yield records
+                    continue
+                text = text.replace(b"\r\n", b"\n")  # iter_fasta strips line ends: the same records
+            yield self._parse(text, first_line)
+
+    def _parse(self, text: bytes, first_line: int) -> Chunk:
+        pieces = text.split(b"\n>")  # record texts without their '>'; text starts with '>'
+        pieces[0] = pieces[0][1:]
+        total = len(pieces)
+        sizes = np.fromiter(map(len, pieces), np.int64, total)
+        header_starts = np.zeros(total, np.int64)
+        np.cumsum(sizes[:-1] + 2, out=header_starts[1:])
+        index = np.arange(self.index, self.index + total)
+        self.index += total
+        N, I = self.jobs
+        if N > 1:  # another job's records cost their header check only
+            first = (I - int(index[0])) % N
+            for j in range(total):
+                # a header without a record id is an error in every job (iter_fasta raises it), checked exactly
+                # unless the header's first byte is printable ASCII (then it holds an id)
+                if j % N != first and not 0x21 <= (pieces[j][:1] or b"\n")[0] <= 0x7E:
+                    head = pieces[j].partition(b"\n")[0].decode("utf-8", "backslashreplace")
+                    if not head.split(None, 1):
+                        line = first_line + text.count(b"\n", 0, int(header_starts[j]))
+                        raise FastaError(f"{self.path}:{line}: header has no record id")
+            pieces, header_starts, index = pieces[first::N], header_starts[first::N], index[first::N]
+        n = len(pieces)
+        if n == 0:  # every record of the chunk is another job's
+            return Chunk([], b"", b"", np.zeros(1, np.int64), [], {}, {}, text, first_line, header_starts, index,
+                         total)
+        parts = [p.partition(b"\n") for p in pieces]
+        seqs = [p[2].replace(b"\n", b"") for p in parts]
+        heads = b"\n".join([p[0] for p in parts]).decode("utf-8", "backslashreplace").split("\n")
+        seq = b"".join(seqs)
+        tokens = seq.translate(self._tokens)  # one pass: validation and tokenization
+        bounds = np.zeros(n + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, seqs), np.int64, n), out=bounds[1:])
+        slow: dict[int, Record] = {}
+        bad_seq = None
+        if b"\xff" in tokens:  # some record holds a byte outside the alphabet (or a blank)
+            cum = np.zeros(len(seq) + 1, np.int64)
+            np.cumsum(np.frombuffer(tokens, np.uint8) == 255, out=cum[1:])
+            bad_seq = np.flatnonzero(cum[bounds[1:]] != cum[bounds[:-1]]).tolist()
+        split = [h.split(None, 1) for h in heads]
+        ids = [sp[0] if sp else "" for sp in split]
+        descs = [(sp[1].strip() if len(sp) > 1 else "") for sp in split]
+        metas: dict[int, dict] = {}
+        if self.uniref:
+            tails = uniref_tails(descs)
+            for j, t in enumerate(tails):
+                if t is None and split[j]:
+                    from .sources import parse_uniref_header
+                    metas[j] = parse_uniref_header(ids[j], descs[j])
+        else:
+            tails = [f',"description":{d}}}' for d in map(_enc, descs)]
+        for j, sp in enumerate(split):
+            if not sp:  # no record id: the per-record path raises the error
+                slow[j] = None
+        for j in bad_seq or ():
+            slow[j] = None
+        chunk = Chunk(ids, seq, tokens, bounds, tails, metas, slow, text, first_line, header_starts, index, total)
+        for j in sorted(slow):
+            end = text.find(b"\n>", int(header_starts[j])) + 1 or len(text)  # the next record's '>'
+
+            try:
+                recs = list(iter_fasta_text(self.path, text[header_starts[j]:end], chunk.line(j),
+                                            self.invalid_positions, "yield"))
+            except FastaError as e:  # raised by the job when it reaches the record, as iter_fasta would
+                slow[j] = e
+                continue
+            if len(recs) != 1:  # cannot happen for the text of one header line and its sequence lines
+                raise FastaError(f"{self.path}:{chunk.line(j)}: expected one record, parsed {len(recs)}")
+            slow[j] = self.to_record(recs[0])
+        chunk.slow = dict(sorted(slow.items()))
+        return chunk

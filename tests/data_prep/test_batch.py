@@ -1,0 +1,155 @@
+"""data_prep's batch path (data_prep/batch.py) against the per-record path it replaces, and --workers.
+
+The reference is the per-record reader and loop of data_prep/jobs.py (kept for the inputs the batch path hands over)
+writing per-record shards (format 1, ``BLOCK_SAMPLES = None``): the code path and shard layout of data_prep before
+blocks. Every record (key, tokens, meta), every manifest count and statistic and every filtered.tsv row must be
+equal; only the tar layout differs.
+"""
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep import jobs
+from data_prep.__main__ import main
+from pipeline.data.shards import read_clusters, read_shard
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLES = REPO / "data" / "samples"
+RFAM = SAMPLES / "rfam_nrc_train_sample.fasta.gz"
+UR90, UR_TSV = SAMPLES / "uniref90_clusters_sample.fasta.gz", SAMPLES / "uniref50_to_uniref90_sample.tsv"
+
+# Every quirk the batch path must hand over or reproduce: lowercase, IUPAC, U and T, CRLF, blank and whitespace
+# lines, a header without description, an empty and a short record, characters outside the alphabet (X, a blank
+# inside a line) and a trailing tab (stripped), a non-ASCII header, a '>' inside a description.
+QUIRKS = (b">r1 first one\nACGTacgtNNRY\nACGU\n>r2\n\nACGTACGTAC\n\n>r3 empty\n>r4 short \xc3\xa9\nACG\n"
+          b">r5 bad char\nACGTXACGTACGT\n>r6 tab at end\nACGTACGTACGT\t\nACGT\n>r7 a > in it\r\nACGTACGTAAAA\r\n"
+          b">r8   spaced   \nAC GTACGTACGT\n>r9 last\nacgtacgtacgtacgt")
+UNIREF = (b">UniRef50_A name one n=3 Tax=Homo sapiens TaxID=9606 RepID=A_HUMAN\nMKTAYIAKQRQISFVKSHFSRQ\n"
+          b">UniRef50_B TaxID=67581.0 RepID=B_STRVD\nmktayiakqrqisfvksh\n"
+          b">UniRef50_C ClusterName=UniRef90_C TaxID=1 RepID=C_X\nMKTAYIAKQRQ\n"
+          b">UniRef50_D odd n=1e3 Tax=x TaxID=007 RepID=D\nMKTAYIAKQRQISF\n"
+          b">UniRef50_E\nMKTAY1AKQRQISF\n>UniRef50_F k=v n=2 Tax=a TaxID=2 RepID=F\nMKTAYIAKQRQ\n")
+
+
+def content(d: Path, clusters: bool = False) -> list:
+    """(records, manifest without shard list and format, filtered lists) of a shard directory (or its splits)."""
+    dirs = [d] if list(d.glob("manifest*.json")) else [d / "train", d / "val"]
+    out = []
+    for x in dirs:
+        m = json.loads(sorted(x.glob("manifest*.json"))[0].read_text())
+        read = read_clusters if clusters else read_shard
+        recs = [(k, [t.tolist() for t in v] if clusters else v.tolist(), meta)
+                for s in m["shards"] for k, v, meta in read(x / s["path"], s["samples"])]
+        for k in ("shards", "format"):
+            m.pop(k)
+        out.append((recs, m, [f.read_text() for f in sorted(x.glob("filtered*.tsv"))]))
+    return out
+
+
+def both(tmp_path: Path, monkeypatch, args: list, clusters: bool = False, rc: int = 0, capsys=None):
+    """Run ``args`` on the batch path (blocks) and on the reference (per-record path, per-record shards)."""
+    outs = []
+    for name, reference in (("new", False), ("ref", True)):
+        with monkeypatch.context() as mp:
+            if reference:
+                mp.setattr(jobs, "_batch_reader", lambda *a: None)
+                mp.setattr(jobs, "BLOCK_SAMPLES", None)
+            out = tmp_path / name
+            assert main([*map(str, args), "--output", str(out)]) == rc
+            if capsys is not None:
+                outs.append(capsys.readouterr().err.replace(str(out), "OUT"))
+            elif rc == 0:
+                outs.append(content(out, clusters))
+    assert outs[0] == outs[1]
+    return outs[0]
+
+
+@pytest.mark.parametrize("extra", [
+    [], ["--min-length", 60, "--max-length", 200, "--shard-size", 97],
+    ["--val-fraction", 0.3, "--num-jobs", 3, "--job-index", 2], ["--num-jobs", 2, "--job-index", 1, "--strict"],
+])
+def test_rfam_sample_equals_per_record_path(tmp_path, monkeypatch, extra):
+    got = both(tmp_path, monkeypatch, ["rnacentral", "--input", RFAM, *extra])
+    assert sum(len(r) for r, _, _ in got) > 100
+
+
+@pytest.mark.parametrize("extra", [["--max-filtered-fraction", 1], ["--replace-invalid", "N", "--min-length", 0],
+                                   ["--max-filtered-fraction", 1, "--num-jobs", 2, "--job-index", 0]])
+def test_quirks_equal_per_record_path(tmp_path, monkeypatch, extra):
+    quirks = tmp_path / "quirks.fa.gz"
+    quirks.write_bytes(gzip.compress(QUIRKS))
+    (recs, manifest, lists), = both(tmp_path, monkeypatch, ["fasta", "--alphabet", "rna", "--input", quirks, RFAM,
+                                                            *extra])
+    if "--replace-invalid" not in extra and "--num-jobs" not in extra:
+        # r5 (X) and r8 (a blank inside a line) are invalid; r6's trailing tab is stripped like any line end (the
+        # batch path hands r6 over, the per-record parser keeps it)
+        assert manifest["filtered"]["invalid_character"] == 2 and manifest["filtered"]["empty"] == 1
+        assert manifest["stats"]["lowercase_residues"] > 16 and "r8" in lists[0] and "r6" not in lists[0]
+        assert any(m["id"] == "r6" and m["length"] == 16 for _, _, m in recs)
+
+
+def test_bad_input_errors_equal_per_record_path(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.fa"
+    bad.write_bytes(QUIRKS)
+    err = both(tmp_path, monkeypatch, ["fasta", "--alphabet", "rna", "--input", bad], rc=1, capsys=capsys)
+    assert "dropped as invalid" in err  # 3 of 9 records over --max-filtered-fraction 0.01
+    both(tmp_path, monkeypatch, ["fasta", "--alphabet", "rna", "--input", bad, "--strict"], rc=1, capsys=capsys)
+    bad.write_bytes(QUIRKS.replace(b">r4 short \xc3\xa9", b">  "))  # record 3: job 1's, an error in job 0 too
+    err = both(tmp_path, monkeypatch, ["fasta", "--alphabet", "rna", "--input", bad, "--num-jobs", 2,
+                                       "--job-index", 0], rc=1, capsys=capsys)
+    assert "header has no record id" in err and not list(tmp_path.glob("*/*.tar"))
+
+
+def test_uniref_headers_equal_per_record_path(tmp_path, monkeypatch):
+    fa = tmp_path / "u.fasta"
+    fa.write_bytes(UNIREF)
+    (recs, manifest, _), = both(tmp_path, monkeypatch, ["uniref", "--input", fa, UR90, "--max-filtered-fraction", 1])
+    metas = {m["id"]: m for _, _, m in recs}
+    assert metas["UniRef50_A"]["name"] == "name one" and metas["UniRef50_B"]["taxid"] == 67581
+    assert metas["UniRef50_D"]["n"] == 1000 and metas["UniRef50_D"]["taxid"] == 7  # as parse_uniref_header
+    assert manifest["filtered"]["invalid_character"] == 1
+
+
+def test_clusters_equal_per_record_shards(tmp_path, monkeypatch):
+    both(tmp_path, monkeypatch, ["uniref", "--input", UR90, "--clusters", UR_TSV, "--shard-size", 40], clusters=True)
+
+
+def test_workers_equal_num_jobs_and_merge(tmp_path, capsys):
+    args = ["rnacentral", "--input", RFAM, "--shard-size", 300, "--val-fraction", 0.2]
+    assert main([*map(str, args), "--output", str(tmp_path / "w"), "--workers", "2"]) == 0
+    assert "(2 workers)" in capsys.readouterr().out
+    for i in range(2):
+        assert main([*map(str, args), "--output", str(tmp_path / "j"), "--num-jobs", "2", "--job-index",
+                     str(i)]) == 0
+    assert main(["merge", "--output", str(tmp_path / "j")]) == 0
+    assert content(tmp_path / "w") == content(tmp_path / "j")
+    assert json.loads((tmp_path / "w" / "split.json").read_text()) == \
+        json.loads((tmp_path / "j" / "split.json").read_text())
+    assert not list(tmp_path.glob("*.workers-partial"))
+
+
+def test_workers_bad_input_one_error_nothing_left(tmp_path, capsys):
+    bad = tmp_path / "bad.fa"
+    bad.write_bytes(QUIRKS)
+    assert main(["fasta", "--alphabet", "rna", "--input", str(bad), "--output", str(tmp_path / "o"),
+                 "--workers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("data_prep: error: ") and "dropped as invalid" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.fa"]
+
+
+def test_windows_and_dedup_take_the_per_record_path(tmp_path):
+    """--window / --dedup need each record on its own: no batch reader, the same output as before."""
+    from data_prep import SOURCES
+    from data_prep.sources import Context
+    enc = jobs.Encoder(SOURCES["rnacentral"], "rna", None)
+    ctx = Context(enc.invalid_positions)
+    assert jobs._batch_reader(SOURCES["rnacentral"], enc, jobs.Settings(), ctx) is not None
+    assert jobs._batch_reader(SOURCES["rnacentral"], enc, jobs.Settings(dedup=True), ctx) is None
+    assert jobs._batch_reader(SOURCES["rnacentral"], enc, jobs.Settings(window=10), ctx) is None
+    assert jobs._batch_reader(SOURCES["opengenome2"], enc, jobs.Settings(), ctx) is None
+    assert np.array_equal(np.frombuffer(b"acgtACGTN".translate(jobs._batch_reader(
+        SOURCES["rnacentral"], enc, jobs.Settings(), ctx).tokens), np.uint8), enc.encode(b"ACGUACGUN"))
