@@ -59,7 +59,11 @@ def main(argv=None):
     p.add_argument("--mu-k", type=float, default=4.0)
     p.add_argument("--window", type=int, default=4, help="training backward window, for the information line")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: a multi-threaded step stalls whenever another process takes a "
+                        "core, which decides a ratio more than the schedule does)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.quick:  # d 256 keeps the one-row core calls of the ragged start as efficient as on real model sizes
         args.length, args.repeats = 128, 3
     torch.manual_seed(0)
