@@ -43,16 +43,16 @@ families' transforms end a document with <eos>; ``pack_separator`` appends one m
 one would not fit in ``row_length``; a document longer than a row keeps its start. The row carries ``document_ids``
 and ``position_ids`` (restarting at 0 per document) so attention and positions can keep documents apart.
 
-Length windows. With ``length_window`` W (not with ``pack``: packed rows are full already) a stream's draws are cut
-into consecutive windows of W (window i: draws i*W .. i*W + W - 1, each picking its source as above). The window's W
+Length windows. With ``length_window`` M (not with ``pack``: packed rows are full already) a stream's draws are cut
+into consecutive windows of M (window i: draws i*M .. i*M + M - 1, each picking its source as above). The window's M
 samples, after the transform (so crops count), are sorted by len(input_ids), stably, and cut in that order into
-microbatches by the rules above (token budget, else groups of ``micro_batch_size``; W must then be a multiple of it);
-the window's batches are then emitted in a random order seeded (seed, rank, stream, i, W, tag), so a step does not
+microbatches by the rules above (token budget, else groups of ``micro_batch_size``; M must then be a multiple of it);
+the window's batches are then emitted in a random order seeded (seed, rank, stream, i, M, tag), so a step does not
 walk from short to long sequences. A microbatch thus holds sequences of about one length and padding nearly vanishes
 (bench/padding.py), while every sample of a window is still emitted exactly once, whole, with the content it has
 without windows. Mixture weights: every draw of a window uses the weights of the optimizer step of the window's
 first microbatch (the samples are drawn before any of the window's batches exists), so a schedule moves in steps of
-one window; ``seen()`` still counts exactly the samples and tokens of the emitted batches. Memory: W transformed
+one window; ``seen()`` still counts exactly the samples and tokens of the emitted batches. Memory: M transformed
 samples per stream.
 
 Position. Per stream the state is a handful of integers: draws made, microbatches emitted, samples and tokens taken
@@ -802,20 +802,20 @@ class ShardStream(IterableDataset):
         ``st`` names a window's start (draws, window_taken, the batches before it = batches - window_batches) and
         how many of its batches are out; the window is drawn again from there and those batches are skipped.
         """
-        W, S = self.length_window, len(self.sources)
+        M, S = self.length_window, len(self.sources)
         chooser = SourceChooser(self.seed, self.rank, w)
         iters = [self.sources[s].samples(w, st.window_taken[s]) for s in range(S)]  # lazy: nothing read yet
         while True:
             k0 = st.draws
             first = st.batches - st.window_batches  # this stream's microbatches before the window
             weights = self.mixture.weights((first * self.num_streams + w) // self.grad_accum_steps)
-            drawn = []  # [W] (source, sample) in draw order
-            for k in range(k0, k0 + W):
+            drawn = []  # [M] (source, sample) in draw order
+            for k in range(k0, k0 + M):
                 s = chooser.choose(k, weights)
                 drawn.append((s, next(iters[s])))
             lengths = np.array([len(x["input_ids"]) for _, x in drawn])
             groups = self._cut(lengths, np.argsort(lengths, kind="stable"))  # [n] lists of indices into drawn
-            order = np.random.default_rng([self.seed, self.rank, w, k0 // W, W, _LEN_TAG]).permutation(len(groups))
+            order = np.random.default_rng([self.seed, self.rank, w, k0 // M, M, _LEN_TAG]).permutation(len(groups))
             for j in range(st.window_batches, len(groups)):
                 group = groups[order[j]]
                 for i in group:
@@ -825,7 +825,7 @@ class ShardStream(IterableDataset):
                 st.batches += 1
                 st.window_batches = j + 1
                 if st.window_batches == len(groups):  # the window is out: the state names the next one's start
-                    st.draws, st.window_batches, st.window_taken = k0 + W, 0, list(st.taken)
+                    st.draws, st.window_batches, st.window_taken = k0 + M, 0, list(st.taken)
                 batch = collate([drawn[i][1] for i in group], self.pad_id)
                 batch.stream, batch.state = w, st.as_dict()
                 yield batch
