@@ -94,7 +94,7 @@ def main(argv=None):
     p.add_argument("--input", type=Path, default=None,
                    help=f"RNAcentral-style FASTA (default {RNACENTRAL}, else the shipped Rfam sample)")
     args = p.parse_args(argv)
-    windows = args.windows or (1 if args.quick else 3)
+    windows = args.windows if args.windows is not None else (1 if args.quick else 3)
     if windows < 1:
         p.error(f"--windows {windows}: must be >= 1")
     fasta = args.input or (RNACENTRAL if RNACENTRAL.is_file() else SAMPLE)
