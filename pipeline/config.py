@@ -28,6 +28,27 @@ def _check(cond: bool, name: str, msg: str):
         raise ConfigError(f"{name}: {msg}")
 
 
+def length_window_problem(length_window: int, *, pack: bool, max_tokens: int | None, micro_batch_size: int,
+                          context_length: int | None = None) -> str | None:
+    """Why ``length_window`` does not fit the batching (None if it does): the loader (ShardStream) and RunConfig
+    share this rule; callers prefix the field name."""
+    if length_window < 0:
+        return f"must be >= 0 (0 = off), got {length_window}"
+    if not length_window:
+        return None
+    if pack:
+        return ("cannot be combined with data.pack: packed rows are already full (set data.length_window: 0 or "
+                "data.pack: false)")
+    if not max_tokens and length_window % micro_batch_size:
+        return (f"{length_window} is not a multiple of train.micro_batch_size {micro_batch_size}: every window would "
+                "end with a short microbatch")
+    fewest = max_tokens // context_length if max_tokens and context_length else 2
+    if max_tokens and length_window < fewest:
+        return (f"{length_window} < {fewest}, the rows of one full microbatch of train.max_tokens_per_microbatch "
+                f"{max_tokens}" + (f" at data.context_length {context_length}" if context_length else ""))
+    return None
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------------------------
@@ -122,6 +143,12 @@ class DataConfig:
     # shard set with one domain or class per shard still gives mixed batches. 1 = one shard after another (the order
     # of checkpoints from before this key). Must not change on resume.
     mix_shards: int = 4
+    # Length-aware batching: each loader stream sorts every window of this many consecutive samples by length (after
+    # cropping) and cuts it into microbatches (train.max_tokens_per_microbatch if set, else micro_batch_size rows;
+    # then a multiple of it), emitted in a seeded random order: microbatches of similar lengths, almost no padding.
+    # Holds this many samples per stream in memory; resume stays exact. 0 = off (draw order). Not with pack. Must
+    # not change on resume.
+    length_window: int = 0
     # Check each shard's sha256 against the manifest the first time a rank opens it (a corrupt or swapped shard
     # fails with one error line instead of training on wrong data). Sources without a manifest are not checked.
     verify: bool = True
@@ -132,6 +159,7 @@ class DataConfig:
         _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
         _check(self.shuffle_buffer >= 0, "data.shuffle_buffer", f"must be >= 0, got {self.shuffle_buffer}")
         _check(self.mix_shards >= 1, "data.mix_shards", f"must be >= 1, got {self.mix_shards}")
+        _check(self.length_window >= 0, "data.length_window", f"must be >= 0 (0 = off), got {self.length_window}")
         names = [s.name for s in self.sources]
         dup = sorted({n for n in names if names.count(n) > 1})
         _check(not dup, "data.sources", f"duplicate source name {dup[0]!r}" if dup else "")
@@ -303,6 +331,10 @@ class RunConfig:
         budget = self.train.max_tokens_per_microbatch
         _check(budget is None or budget >= self.data.context_length, "train.max_tokens_per_microbatch",
                f"{budget} < data.context_length {self.data.context_length}: a cropped sequence would not fit")
+        why = length_window_problem(self.data.length_window, pack=self.data.pack, max_tokens=budget,
+                                    micro_batch_size=self.train.micro_batch_size,
+                                    context_length=self.data.context_length)
+        _check(why is None, "data.length_window", why or "")
 
     def check_world_size(self, world_size: int):
         """Batch arithmetic: global = micro x accumulation x world size."""

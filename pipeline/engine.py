@@ -283,7 +283,8 @@ class Trainer:
                       transform=self.family.make_transform(cfg), pad_id=self.family.pad_id,
                       grad_accum_steps=cfg.train.grad_accum_steps, max_tokens=cfg.train.max_tokens_per_microbatch,
                       pack=d.pack, row_length=d.context_length, shuffle_buffer=d.shuffle_buffer,
-                      mix_shards=d.mix_shards, vocab_size=cfg.model.vocab_size, verify=d.verify)
+                      mix_shards=d.mix_shards, vocab_size=cfg.model.vocab_size, verify=d.verify,
+                      length_window=d.length_window)
         if not d.sources:
             return ShardStream(d.train_shards, **kwargs)
         sources = []
@@ -503,6 +504,8 @@ class Trainer:
                 a, b = ({k: v for k, v in (x or {}).items() if k != "verify"} for x in (a, b))
             if key == "data" and "mix_shards" not in a:  # checkpoints from before the key read one shard at a time
                 a["mix_shards"] = 1
+            if key == "data" and "length_window" not in a:  # ... and batched in draw order
+                a["length_window"] = 0
             if a != b:
                 if self.allow_config_change:
                     if os.environ.get("RANK", "0") == "0":
@@ -631,6 +634,7 @@ class Trainer:
         status, self.stopped_by, self.last_saved = "FAILED", "train.max_steps", None
         streak, streak_start = 0, None  # consecutive non-finite steps and the first of them
         start_step, t_start, self.last_loss = self.step, time.perf_counter(), float("nan")
+        interval = [0, 0]  # tokens computed, real tokens since the last logged step (padding_ratio)
         try:
             while self.step < cfg.train.max_steps:
                 if self._budget_spent():
@@ -654,6 +658,9 @@ class Trainer:
                 streak = streak + 1 if rec["nonfinite"] else 0
                 streak_start = (streak_start or self.step) if streak else None
                 dt = time.perf_counter() - t0
+                interval = [interval[0] + rec["tokens_computed"], interval[1] + rec["tokens"]]
+                # padded / real tokens over the steps since the last logged one: the logged interval at a log step
+                rec["padding_ratio"] = interval[0] / interval[1] if interval[1] else float("nan")
                 rec.update(step=self.step, time=time.time(), lr=lr, step_time=dt, tokens_per_s=rec["tokens"] / dt,
                            tflops_per_device=rec.get("flops", 0.0) / self.world / dt / 1e12)
                 if peak:
@@ -684,6 +691,7 @@ class Trainer:
                           f"{cfg.train.max_nonfinite_steps})", flush=True)
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
                     self.tracker.log_metrics({k: v for k, v in rec.items() if k != "step"}, self.step)
+                    interval = [0, 0]
                     if self.rank == 0:
                         print(f"step {self.step}/{cfg.train.max_steps} | loss {rec['loss']:.4f} | lr {lr:.3e} | "
                               f"grad_norm {rec['grad_norm']:.3f} | tok/s {rec['tokens_per_s']:.0f} | "
@@ -761,8 +769,10 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     plans = [family.plan(b, cfg, step=step, micro=i, rank=rank) for i, b in enumerate(micro)]
+    # tokens computed: rows x padded length of every microbatch [B, L], real tokens included (padding_ratio)
     counts = torch.tensor([sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro),
-                           sum(len(b.sample_ids) for b in micro)], dtype=torch.float64, device=device)
+                           sum(len(b.sample_ids) for b in micro), sum(b.input_ids.numel() for b in micro)],
+                          dtype=torch.float64, device=device)
     dist.all_reduce(counts)
     n_global, tokens_global, samples_global = int(counts[0]), int(counts[1]), int(counts[2])
     sync_keys = sorted(plans[0].sync_max) if plans else []
@@ -772,7 +782,7 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
         for p, row in zip(plans, sync.tolist()):
             p.sync_max = dict(zip(sync_keys, row))
     rec = {"supervised_tokens": n_global, "tokens": tokens_global, "samples": samples_global,
-           "skipped": int(n_global == 0)}
+           "tokens_computed": int(counts[3]), "skipped": int(n_global == 0)}
     if n_global == 0:  # an update needs a positive token count (A.2); skip it rather than divide by zero
         rec.update(loss=float("nan"), grad_norm=0.0)  # the trainer sets each step's lr itself: nothing to advance
         return rec

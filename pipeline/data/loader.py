@@ -43,13 +43,31 @@ families' transforms end a document with <eos>; ``pack_separator`` appends one m
 one would not fit in ``row_length``; a document longer than a row keeps its start. The row carries ``document_ids``
 and ``position_ids`` (restarting at 0 per document) so attention and positions can keep documents apart.
 
+Length windows. With ``length_window`` M (not with ``pack``: packed rows are full already) a stream's draws are cut
+into consecutive windows of M (window i: draws i*M .. i*M + M - 1, each picking its source as above). The window's M
+samples, after the transform (so crops count), are sorted by len(input_ids), stably, and cut in that order into
+microbatches by the rules above (token budget, else groups of ``micro_batch_size``; M must then be a multiple of it);
+the window's batches are then emitted in a random order seeded (seed, rank, stream, i, M, tag), so a step does not
+walk from short to long sequences. A microbatch thus holds sequences of about one length and padding nearly vanishes
+(bench/padding.py), while every sample of a window is still emitted exactly once, whole, with the content it has
+without windows. Mixture weights: every draw of a window uses the weights of the optimizer step of the window's
+first microbatch (the samples are drawn before any of the window's batches exists), so a schedule moves in steps of
+one window; ``seen()`` still counts exactly the samples and tokens of the emitted batches. Memory: M transformed
+samples per stream.
+
 Position. Per stream the state is a handful of integers: draws made, microbatches emitted, samples and tokens taken
 from each source, and the source of a drawn-but-held sample (-1 if none). A source's sample stream resumes from its
 count alone (the manifest counts jump over whole epochs and shards without opening them), and the held sample is
-re-read from its source's position. Each Batch carries its stream's state after it; the loader in the main process
-keeps the state of the last batch it handed out per stream plus N, the microbatches consumed. torch's DataLoader
-takes batches from its workers in strict rotation, so batch j came from stream j mod W; a resumed loader rotates the
-streams so that the next batch comes from stream N mod W. State size: W x (3 + 2 x sources) integers per rank.
+re-read from its source's position. With length windows, ``draws`` is the position of the current window's start,
+``window_taken`` the samples drawn from each source before it and ``window_batches`` how many of its batches were
+emitted: a resumed stream draws the window again from those counts (a sample is a pure function of its position),
+sorts and permutes it the same way and skips the emitted batches; once a window's last batch is out, the state names
+the next window's start (without windows ``window_taken`` equals ``taken`` and ``window_batches`` is 0). Each Batch
+carries its stream's state after it; the loader in the main process keeps the state of the last batch it handed out
+per stream plus N, the microbatches consumed. torch's DataLoader takes batches from its workers in strict rotation,
+so batch j came from stream j mod W; a resumed loader rotates the streams so that the next batch comes from stream
+N mod W. State size: W x (4 + 3 x sources) integers per rank. States of version 1 (before length windows) load as
+length_window 0; ``length_window`` must not change on resume.
 
 Checks while reading. Every shard passes the tar-member check all shard readers share (shards.member_problem: no
 ``..`` or absolute names, no links), its sample count is the manifest's, with ``vocab_size`` every token id is below
@@ -76,14 +94,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from pipeline.config import length_window_problem
 from pipeline.data.mixture import MixtureSchedule, SourceChooser
 from pipeline.data.shards import ShardError, check_offsets, end_problem, load_manifest, member_problem
 from pipeline.objectives.masking import IGNORE_INDEX
 
 # (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}
 SampleTransform = Callable[[np.ndarray, np.random.Generator], dict]
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: length windows (window_taken, window_batches per stream; length_window)
 _MIX_TAG = 0x6D6978  # "mix": last seed entry of a group's interleaving, apart from every other seed key
+_LEN_TAG = 0x6C656E  # "len": last seed entry of a length window's batch order
 
 
 @dataclass
@@ -644,10 +664,14 @@ class StreamState:
     pending: int = -1  # source of the drawn sample that did not fit the last batch; -1 = none
     taken: list = field(default_factory=list)  # [S] samples placed, per source
     tokens: list = field(default_factory=list)  # [S] tokens (len(input_ids)) placed, per source
+    # length windows: [S] samples drawn per source before the current window, and the window's batches emitted
+    window_taken: list = field(default_factory=list)
+    window_batches: int = 0
 
     def as_dict(self) -> dict:
         return {"draws": self.draws, "batches": self.batches, "pending": self.pending, "taken": list(self.taken),
-                "tokens": list(self.tokens)}
+                "tokens": list(self.tokens), "window_taken": list(self.window_taken),
+                "window_batches": self.window_batches}
 
 
 class ShardStream(IterableDataset):
@@ -656,7 +680,8 @@ class ShardStream(IterableDataset):
     ``mixture`` (required for several sources) gives the weights per optimizer step; ``grad_accum_steps`` maps
     microbatches to steps. ``max_tokens`` turns on token-budget batching, ``pack`` packing into rows of
     ``row_length`` (optionally with ``pack_separator`` after each document), ``shuffle_buffer`` the cross-shard
-    window shuffle; ``mix_shards`` K interleaves the samples of K shards at a time in every stream (1: one shard
+    window shuffle, ``length_window`` length-sorted batching within windows of that many draws (module docstring,
+    "Length windows"); ``mix_shards`` K interleaves the samples of K shards at a time in every stream (1: one shard
     after the other, the order before shard mixing existed; holds about K shards per source and stream in memory).
     ``vocab_size`` (the model's) makes a token id at or above it a ShardError naming the shard and sample;
     ``verify`` checks each shard's sha256 against its manifest on its first read by a stream (sources given as
@@ -672,7 +697,7 @@ class ShardStream(IterableDataset):
                  batches_consumed: int = 0, mixture: MixtureSchedule | None = None, grad_accum_steps: int = 1,
                  max_tokens: int | None = None, pack: bool = False, pack_separator: int | None = None,
                  row_length: int | None = None, shuffle_buffer: int = 0, cluster_sampling: bool | None = None,
-                 mix_shards: int = 4, vocab_size: int | None = None, verify: bool = True):
+                 mix_shards: int = 4, vocab_size: int | None = None, verify: bool = True, length_window: int = 0):
         self.rank, self.world_size = rank, world_size
         self.num_streams, self.shuffle_buffer = max(1, num_workers), shuffle_buffer
         if mix_shards < 1:
@@ -683,6 +708,11 @@ class ShardStream(IterableDataset):
         self.max_tokens, self.pack, self.pack_separator, self.row_length = max_tokens, pack, pack_separator, row_length
         if pack and (row_length is None or row_length < 2):
             raise ValueError(f"data.context_length: packing needs a row length >= 2, got {row_length}")
+        why = length_window_problem(length_window, pack=pack, max_tokens=max_tokens,
+                                    micro_batch_size=micro_batch_size)
+        if why:
+            raise ValueError(f"data.length_window: {why}")
+        self.length_window = length_window
         single = not isinstance(shards, list)
         sources = [Source(Path(str(shards)).name, shards)] if single else shards
         if not sources:
@@ -715,8 +745,10 @@ class ShardStream(IterableDataset):
     def _fresh_state(self) -> dict:
         S = len(self.sources)
         return {"version": STATE_VERSION, "rank": self.rank, "world_size": self.world_size, "sources": self.names,
-                "shuffle_buffer": self.shuffle_buffer, "mix_shards": self.mix_shards, "batches_consumed": 0,
-                "streams": [StreamState(taken=[0] * S, tokens=[0] * S).as_dict() for _ in range(self.num_streams)]}
+                "shuffle_buffer": self.shuffle_buffer, "mix_shards": self.mix_shards,
+                "length_window": self.length_window, "batches_consumed": 0,
+                "streams": [StreamState(taken=[0] * S, tokens=[0] * S, window_taken=[0] * S).as_dict()
+                            for _ in range(self.num_streams)]}
 
     def state_dict(self) -> dict:
         """The position iteration starts from (the loader's :meth:`StreamLoader.state_dict` is the live one)."""
@@ -726,28 +758,37 @@ class ShardStream(IterableDataset):
         """Accepts a full state, or ``{"batches_consumed": N}`` alone for a single-source fixed-size loader."""
         if set(state) == {"batches_consumed"}:
             state = self._legacy_state(int(state["batches_consumed"]))
-        # states written before the shuffle buffer / shard mixing existed read their shards one after the other
-        state = {"shuffle_buffer": 0, "mix_shards": 1, **state}
+        # states written before the shuffle buffer / shard mixing / length windows existed read their shards one
+        # after the other and batch in draw order
+        state = {"shuffle_buffer": 0, "mix_shards": 1, "length_window": 0, **state}
+        if int(state.get("version", 1)) > STATE_VERSION:
+            raise ValueError(f"loader state: version {state['version']} is newer than this loader's {STATE_VERSION}")
+        tunables = ("shuffle_buffer", "mix_shards", "length_window")
         for key, ours in (("sources", self.names), ("world_size", self.world_size), ("rank", self.rank),
-                          ("shuffle_buffer", self.shuffle_buffer), ("mix_shards", self.mix_shards)):
+                          *((k, getattr(self, k)) for k in tunables)):
             if state.get(key) != ours:
                 hint = (f" (data.{key} must not change on resume; set data.{key}={state.get(key)!r} to continue "
-                        "this run)" if key in ("shuffle_buffer", "mix_shards") else "")
+                        "this run)" if key in tunables else "")
                 raise ValueError(f"loader state: {key} {state.get(key)!r} differs from this loader's {ours!r}{hint}")
         if len(state["streams"]) != self.num_streams:
             raise ValueError(f"loader state: {len(state['streams'])} streams, this loader has {self.num_streams} "
                              "(data.num_workers must not change on resume)")
-        self.state = copy.deepcopy(state)
+        state = copy.deepcopy(state)
+        for st in state["streams"]:  # version 1: no windows, so the window starts where the stream stands
+            st.setdefault("window_taken", list(st["taken"]))
+            st.setdefault("window_batches", 0)
+        state["version"] = STATE_VERSION
+        self.state = state
 
     def _legacy_state(self, n: int) -> dict:
-        if len(self.sources) > 1 or self.max_tokens or self.pack:
+        if len(self.sources) > 1 or self.max_tokens or self.pack or self.length_window:
             raise ValueError("loader state: a batches_consumed count alone only resumes a single-source loader with "
-                             "fixed-size batches")
+                             "fixed-size batches in draw order (no length windows)")
         st = self._fresh_state()
         W, mb = self.num_streams, self.micro_batch_size
         for w in range(W):
             b = max(0, -(-(n - w) // W))  # ceil((n - w) / W) batches taken from stream w
-            st["streams"][w].update(draws=b * mb, batches=b, taken=[b * mb])
+            st["streams"][w].update(draws=b * mb, batches=b, taken=[b * mb], window_taken=[b * mb])
         st["batches_consumed"] = n
         return st
 
@@ -761,6 +802,12 @@ class ShardStream(IterableDataset):
         return batches if info is None else _reporting(batches)
 
     def _batches(self, w: int, st: StreamState) -> Iterator[Batch]:
+        if self.length_window:
+            return self._window_batches(w, st)
+        return self._draw_order_batches(w, st)
+
+    def _draw_order_batches(self, w: int, st: StreamState) -> Iterator[Batch]:
+        """Microbatches filled in draw order (no length windows)."""
         chooser = SourceChooser(self.seed, self.rank, w)
         iters: dict[int, Iterator[dict]] = {}
         held: list = []  # [(source, sample)] at most one: drawn, not placed yet
@@ -820,8 +867,57 @@ class ShardStream(IterableDataset):
                     samples.append(place())
                 batch = collate(samples, self.pad_id)
             st.batches += 1
+            st.window_taken = list(st.taken)  # no windows: "the window" starts where the stream stands
             batch.stream, batch.state = w, st.as_dict()
             yield batch
+
+    def _window_batches(self, w: int, st: StreamState) -> Iterator[Batch]:
+        """Microbatches of length-sorted windows of ``length_window`` draws (module docstring, "Length windows").
+
+        ``st`` names a window's start (draws, window_taken, the batches before it = batches - window_batches) and
+        how many of its batches are out; the window is drawn again from there and those batches are skipped.
+        """
+        M, S = self.length_window, len(self.sources)
+        chooser = SourceChooser(self.seed, self.rank, w)
+        iters = [self.sources[s].samples(w, st.window_taken[s]) for s in range(S)]  # lazy: nothing read yet
+        while True:
+            k0 = st.draws
+            first = st.batches - st.window_batches  # this stream's microbatches before the window
+            weights = self.mixture.weights((first * self.num_streams + w) // self.grad_accum_steps)
+            drawn = []  # [M] (source, sample) in draw order
+            for k in range(k0, k0 + M):
+                s = chooser.choose(k, weights)
+                drawn.append((s, next(iters[s])))
+            lengths = np.array([len(x["input_ids"]) for _, x in drawn])
+            groups = self._cut(lengths, np.argsort(lengths, kind="stable"))  # [n] lists of indices into drawn
+            order = np.random.default_rng([self.seed, self.rank, w, k0 // M, M, _LEN_TAG]).permutation(len(groups))
+            for j in range(st.window_batches, len(groups)):
+                group = groups[order[j]]
+                for i in group:
+                    s = drawn[i][0]
+                    st.taken[s] += 1
+                    st.tokens[s] += int(lengths[i])
+                st.batches += 1
+                st.window_batches = j + 1
+                if st.window_batches == len(groups):  # the window is out: the state names the next one's start
+                    st.draws, st.window_batches, st.window_taken = k0 + M, 0, list(st.taken)
+                batch = collate([drawn[i][1] for i in group], self.pad_id)
+                batch.stream, batch.state = w, st.as_dict()
+                yield batch
+
+    def _cut(self, lengths: np.ndarray, order: np.ndarray) -> list[list[int]]:
+        """``order`` (indices by ascending length) cut into microbatches: with a token budget a sample joins unless
+        (rows + 1) x its length (the longest so far: ascending) would exceed it, else groups of micro_batch_size."""
+        if not self.max_tokens:
+            mb = self.micro_batch_size
+            return [order[a:a + mb].tolist() for a in range(0, len(order), mb)]
+        groups, cur = [], []
+        for i in order.tolist():
+            if cur and (len(cur) + 1) * int(lengths[i]) > self.max_tokens:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        return groups + [cur]
 
 
 @dataclass

@@ -44,8 +44,14 @@ def test_zero_stage_trains_tracks_and_checkpoints(sample_shards, tmp_path, stage
 
 
 def test_sigkill_and_resume_reproduces_uninterrupted_run(sample_shards, tmp_path):
+    """With length-aware batching (windows of 20 draws, 512-token microbatches of 2-6 Rfam sequences at context
+    128): the checkpoint it resumes from lies inside a window, which the resumed loader draws again and continues.
+    Resume in draw order (data.length_window 0): tests/reliability/test_faults.py and the loader tests."""
+    import json
+
     steps = 14
-    common = ["train.grad_accum_steps=2", "checkpoint.every_steps=4", "train.log_samples=true"]
+    common = ["train.grad_accum_steps=2", "checkpoint.every_steps=4", "train.log_samples=true",
+              "data.context_length=128", "data.length_window=20", "train.max_tokens_per_microbatch=512"]
     ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
     ref = run_pretrain(2, "ds_configs/zero2.json", overrides(sample_shards, ref_dir, steps, *common))
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -53,7 +59,10 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(sample_shards, tmp_path
     # Start the same run, SIGKILL every process of it once it has logged step 10 (last checkpoint: step 8).
     launch_and_kill(deepspeed_cmd(2, "ds_configs/zero2.json", overrides(sample_shards, kill_dir, steps, *common)),
                     kill_dir / "metrics.jsonl", at_step=10)
-    assert (kill_dir / "checkpoints" / "latest").read_text() in ("step00000008", "step00000012")
+    latest = (kill_dir / "checkpoints" / "latest").read_text()
+    assert latest in ("step00000008", "step00000012")
+    loader = json.loads((kill_dir / "checkpoints" / latest / "client_state.json").read_text())["loader"]
+    assert any(st["window_batches"] > 0 for rank in loader for st in rank["streams"])  # mid-window
 
     resumed = run_pretrain(2, "ds_configs/zero2.json", overrides(sample_shards, kill_dir, steps, *common))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -63,6 +72,8 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(sample_shards, tmp_path
     assert [m["step"] for m in got_m] == list(range(1, steps + 1))
     assert [m["loss"] for m in got_m] == [m["loss"] for m in ref_m]  # bit-identical
     assert [m["grad_norm"] for m in got_m] == [m["grad_norm"] for m in ref_m]
+    assert [m["padding_ratio"] for m in got_m] == [m["padding_ratio"] for m in ref_m]
+    assert all(m["tokens"] <= m["tokens_computed"] <= 2 * 2 * 512 for m in got_m)  # 2 ranks x 2 microbatches
     for rank in (0, 1):
         ref_s = read_jsonl(ref_dir / f"samples-rank{rank}.jsonl")
         got_s = read_jsonl(kill_dir / f"samples-rank{rank}.jsonl")
