@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .fasta import FastaError, Record, iter_fasta_text, open_input
+from .fasta import GZIP_ERRORS, FastaError, Record, iter_fasta_text, open_input
 
 CHUNK = 1 << 22  # decompressed bytes read at a time; a record longer than this makes its chunk longer
 _enc = json.encoder.encode_basestring_ascii  # what json.dumps uses for str (ensure_ascii=True), in C
@@ -71,7 +71,10 @@ def chunks(path: Path, size: int = CHUNK) -> Iterator[tuple[bytes, int]]:
     line, carry = 1, b""
     with open_input(path) as f:
         while True:
-            block = f.read(size)
+            try:
+                block = f.read(size)
+            except GZIP_ERRORS as e:
+                raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
             buf = carry + block if carry else block
             if not block:
                 if buf:

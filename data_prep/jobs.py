@@ -402,11 +402,13 @@ class WorkDir:
         return done
 
     def record(self, info, split: str = "") -> None:
-        """Called once the shard is renamed into place; fsync'd so a crash never lists a shard that is not there."""
+        """Called once the shard is renamed into place. Flushed, not fsync'd: a killed process loses nothing (the page
+        cache keeps it), and after a power loss a line that outlived its shard's data fails the sha256 check of
+        ``_verify``, which regenerates from that shard. (An fsync per shard cost ~5 ms each: it made ext4 commit the
+        shard's data too, 20% of a run at 2000-record shards.)"""
         doc = ({"split": split} if split else {}) | asdict(info)
         self._progress.write(json.dumps(doc) + "\n")
         self._progress.flush()
-        os.fsync(self._progress.fileno())
         if _SHARD_DELAY:
             time.sleep(_SHARD_DELAY)
 
@@ -850,8 +852,9 @@ def _batch(chunk, path: Path, inp: dict, one, splits: dict, stats: dict, filtere
     bounds = chunk.bounds
     tokens_all = np.frombuffer(chunk.tokens, np.uint8)
     lower_cum = None
-    # soft-masked residues, counted per kept record (isupper: no lowercase, and at least one cased byte)
-    if not chunk.seq.isupper() and _LOWER[np.frombuffer(chunk.seq, np.uint8)].any():
+    # soft-masked residues, counted per kept record (no byte >= 'a': no lowercase; one SIMD pass, unlike isupper)
+    seq_bytes = np.frombuffer(chunk.seq, np.uint8)
+    if len(seq_bytes) and int(seq_bytes.max()) >= ord("a") and _LOWER[seq_bytes].any():
         lower_cum = np.zeros(len(chunk.seq) + 1, np.int64)
         np.cumsum(_LOWER[np.frombuffer(chunk.seq, np.uint8)], out=lower_cum[1:])
     src = _enc(source_name)
