@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipeline.data.tokenizer import SEP_ID, SPM_NAME, VOCAB, NucleotideTokenizer
-from pipeline.run_dir import write_atomic
 
 from . import Source
 from .fasta import FastaError, input_position
@@ -1134,6 +1133,7 @@ def _split_doc(manifests: dict, settings: Settings, source: str) -> dict:
 
 
 def _write_json(path: Path, doc: dict) -> None:
+    from pipeline.run_dir import write_atomic  # here: it imports pipeline.config and yaml (~30 ms a run)
     write_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
