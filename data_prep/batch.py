@@ -67,14 +67,20 @@ def starts_with_header(path: Path) -> bool:
 
 
 def chunks(path: Path, size: int = CHUNK) -> Iterator[tuple[bytes, int]]:
-    """(text, line number of its first line): the input cut before lines that start with '>'."""
+    """(text, line number of its first line): the input cut before lines that start with '>'. The next block is
+    read (decompressed: ISA-L leaves the GIL) in a thread while the caller works on this one."""
+    from concurrent.futures import ThreadPoolExecutor
+
     line, carry = 1, b""
-    with open_input(path) as f:
+    with open_input(path) as f, ThreadPoolExecutor(1, "data_prep-read") as ahead:
+        pending = ahead.submit(f.read, size)
         while True:
             try:
-                block = f.read(size)
+                block = pending.result()
             except GZIP_ERRORS as e:
                 raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
+            if block:
+                pending = ahead.submit(f.read, size)
             buf = carry + block if carry else block
             if not block:
                 if buf:
