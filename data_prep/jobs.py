@@ -906,7 +906,8 @@ def _batch(chunk, path: Path, inp: dict, one, splits: dict, stats: dict, filtere
             ip["kept"] += len(kept)
             ip["residues"] += int(klen.sum())
             js_kept = kept.tolist()
-            keys = list(map("{:012d}".format, chunk.index[kept].tolist()))
+            # the keys f"{i:012d}", formatted by one %-operation (half the time of one format call per key)
+            keys = (("%012d\n" * len(kept)) % tuple(chunk.index[kept].tolist())).split("\n")[:-1]
             ids, tails = chunk.ids, chunk.tails
             # json.dumps({"id", "source", "length", ...}) of the per-record path, as text: id and tail are encoded
             # with json's own string encoder (batch.py), the tail being the meta after "length"
