@@ -1587,6 +1587,9 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
         for p in procs:
             p.join()
     except BaseException:
+        for f in feeds:
+            if f is not None:
+                f.queue.cancel_join_thread()  # chunks left unsent must not block this process's exit
         for p in procs:
             if p.is_alive():
                 p.terminate()

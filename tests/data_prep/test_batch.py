@@ -136,8 +136,10 @@ def test_fed_workers_equal_one_process(tmp_path, monkeypatch, capsys, extra):
     monkeypatch.setattr("data_prep.batch.CHUNK", 3000)
     quirks = tmp_path / "quirks.fa.gz"
     quirks.write_bytes(gzip.compress(QUIRKS))
-    args = ["fasta", "--alphabet", "rna", "--input", RFAM, quirks, RFAM.with_suffix(""), "--max-filtered-fraction",
-            1, *extra]
+    bom = tmp_path / "bom.fa"  # a UTF-8 byte-order mark: read by every worker itself, record by record
+    bom.write_bytes(b"\xef\xbb\xbf" + QUIRKS.replace(b">r", b">b"))
+    args = ["fasta", "--alphabet", "rna", "--input", RFAM, quirks, bom, RFAM.with_suffix(""),
+            "--max-filtered-fraction", 1, *extra]
     (tmp_path / RFAM.with_suffix("").name).write_bytes(gzip.decompress(RFAM.read_bytes()))
     args[args.index(RFAM.with_suffix(""))] = tmp_path / RFAM.with_suffix("").name  # a plain-text input as well
     assert main([*map(str, args), "--output", str(tmp_path / "w"), "--workers", "3"]) == 0
