@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .fasta import FastaError, Record, iter_fasta_text, open_input
+from .fasta import GZIP_ERRORS, FastaError, Record, iter_fasta_text, open_input
 
 CHUNK = 1 << 22  # decompressed bytes read at a time; a record longer than this makes its chunk longer
 _enc = json.encoder.encode_basestring_ascii  # what json.dumps uses for str (ensure_ascii=True), in C
@@ -67,11 +67,20 @@ def starts_with_header(path: Path) -> bool:
 
 
 def chunks(path: Path, size: int = CHUNK) -> Iterator[tuple[bytes, int]]:
-    """(text, line number of its first line): the input cut before lines that start with '>'."""
+    """(text, line number of its first line): the input cut before lines that start with '>'. The next block is
+    read (decompressed: ISA-L leaves the GIL) in a thread while the caller works on this one."""
+    from concurrent.futures import ThreadPoolExecutor
+
     line, carry = 1, b""
-    with open_input(path) as f:
+    with open_input(path) as f, ThreadPoolExecutor(1, "data_prep-read") as ahead:
+        pending = ahead.submit(f.read, size)
         while True:
-            block = f.read(size)
+            try:
+                block = pending.result()
+            except GZIP_ERRORS as e:
+                raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
+            if block:
+                pending = ahead.submit(f.read, size)
             buf = carry + block if carry else block
             if not block:
                 if buf:
@@ -83,7 +92,7 @@ def chunks(path: Path, size: int = CHUNK) -> Iterator[tuple[bytes, int]]:
                 continue
             text, carry = buf[:cut + 1], buf[cut + 1:]
             yield text, line
-            line += text.count(b"\n")
+            line += int(np.count_nonzero(np.frombuffer(text, np.uint8) == 10))  # text.count(b"\n"), SIMD
 
 
 # UniRef headers of the two shapes the shared data holds (parse_uniref_header reads any): the full header
@@ -130,16 +139,25 @@ class Reader:
 
     def __init__(self, path: Path, tokens: bytes, invalid_positions: Callable | None, uniref: bool,
                  to_record: Callable[[Record], Record] = lambda r: r, first_index: int = 0,
-                 jobs: tuple[int, int] = (1, 0)):
+                 jobs: tuple[int, int] = (1, 0), texts=None):
         self.path, self.uniref, self.to_record = path, uniref, to_record
         self.invalid_positions = invalid_positions
         self._tokens = tokens
         self.index = first_index  # global index of the next record (over all inputs)
+        self.start = first_index  # global index of the first record of the chunk last yielded
+        # (text, first line, index of its first record within the input) of whole records of the input, cut by the
+        # --workers parent (jobs.Feed); once they are read, their ``end`` is the input's record count. Default:
+        # every chunk of chunks(path).
+        self.base, self.texts = first_index, texts
         self.jobs = jobs  # (N, I): only records whose global index % N == I are parsed past their header line
 
     def __iter__(self) -> Iterator[Chunk | list]:
         """A Chunk per chunk of the input, or the list of its Records when the chunk is read record by record."""
-        for text, first_line in chunks(self.path):
+        texts = self.texts if self.texts is not None else ((t, n, None) for t, n in chunks(self.path, CHUNK))
+        for text, first_line, first_index in texts:
+            if first_index is not None:
+                self.index = self.base + first_index
+            self.start = self.index
             if b"\r" in text:
                 if text.count(b"\r") != text.count(b"\r\n"):  # a CR that is not a CRLF line end
                     records = [self.to_record(r) for r in iter_fasta_text(self.path, text, first_line,
@@ -149,6 +167,8 @@ class Reader:
                     continue
                 text = text.replace(b"\r\n", b"\n")  # iter_fasta strips line ends: the same records
             yield self._parse(text, first_line)
+        if self.texts is not None:
+            self.index = self.base + self.texts.end
 
     def _parse(self, text: bytes, first_line: int) -> Chunk:
         pieces = text.split(b"\n>")  # record texts without their '>'; text starts with '>'

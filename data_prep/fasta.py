@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import BinaryIO, Callable, Iterator, NamedTuple
 
 import numpy as np
+from isal import igzip
+from isal.igzip_lib import IsalError
 
 GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -26,6 +28,9 @@ UNSUPPORTED_MAGIC = {b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd"
 class FastaError(ValueError):
     """Malformed input; the message starts with ``path:line[:column]``."""
 
+
+# What a damaged gzip stream raises while it is read (zlib's errors for gzip.open elsewhere, ISA-L's for igzip).
+GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error, IsalError)
 
 # path -> the open input's on-disk byte position (compressed bytes for gzip): what progress bars measure.
 _POSITIONS: dict[str, Callable[[], int]] = {}
@@ -58,7 +63,8 @@ class Record(NamedTuple):
 
 
 def open_input(path: str | Path) -> BinaryIO:
-    """Binary stream of the file's content, gunzipped if it starts with the gzip magic bytes."""
+    """Binary stream of the file's content, gunzipped if it starts with the gzip magic bytes (by ISA-L's igzip,
+    the same stream as gzip.open at about twice its speed)."""
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(6)
@@ -66,7 +72,7 @@ def open_input(path: str | Path) -> BinaryIO:
         if head.startswith(magic):
             raise FastaError(f"{path}: {kind}-compressed input is not supported (only gzip); decompress it first")
     if head.startswith(GZIP_MAGIC):
-        gz = gzip.open(path, "rb")
+        gz = igzip.open(path, "rb")
         _POSITIONS[str(path)] = gz.fileobj.tell  # the compressed file underneath
         f = io.BufferedReader(gz, buffer_size=1 << 20)
     else:
@@ -76,7 +82,7 @@ def open_input(path: str | Path) -> BinaryIO:
     # container), reported as such rather than as a bad first character or a missing header.
     try:
         block = f.peek(1 << 16)[:1 << 16]
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+    except GZIP_ERRORS as e:
         f.close()
         raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
     if b"\x00" in block:
@@ -108,7 +114,7 @@ def iter_fasta(path: str | Path, invalid_positions: Callable[[bytes], np.ndarray
     try:
         with open_input(path) as f:
             yield from _records(path, enumerate(f, 1), invalid_positions, on_invalid)
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+    except GZIP_ERRORS as e:
         raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
 
 

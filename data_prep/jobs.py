@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipeline.data.tokenizer import SEP_ID, SPM_NAME, VOCAB, NucleotideTokenizer
-from pipeline.run_dir import write_atomic
 
 from . import Source
 from .fasta import FastaError, input_position
@@ -402,11 +401,13 @@ class WorkDir:
         return done
 
     def record(self, info, split: str = "") -> None:
-        """Called once the shard is renamed into place; fsync'd so a crash never lists a shard that is not there."""
+        """Called once the shard is renamed into place. Flushed, not fsync'd: a killed process loses nothing (the page
+        cache keeps it), and after a power loss a line that outlived its shard's data fails the sha256 check of
+        ``_verify``, which regenerates from that shard. (An fsync per shard cost ~5 ms each: it made ext4 commit the
+        shard's data too, 20% of a run at 2000-record shards.)"""
         doc = ({"split": split} if split else {}) | asdict(info)
         self._progress.write(json.dumps(doc) + "\n")
         self._progress.flush()
-        os.fsync(self._progress.fileno())
         if _SHARD_DELAY:
             time.sleep(_SHARD_DELAY)
 
@@ -647,6 +648,7 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
     mode, interval = progress
     next_update = 0.0
     fast = _batch_reader(source, encoder, settings, ctx)
+    own = (s.num_jobs, s.job_index)  # (N, I): the job owns the records whose global index % N == I
 
     def one(rec, i: int, path: Path, inp: dict) -> None:
         """Record ``i`` (global index) of ``path`` on the per-record path."""
@@ -664,7 +666,7 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
                 seq, replaced = encoder.replace(seq, s.replace_invalid)
             digest = hashlib.sha1(seq).digest()
         owner = int.from_bytes(digest[:8], "little") if digest is not None else i
-        if owner % s.num_jobs != s.job_index:
+        if owner % own[0] != own[1]:
             return
         if seq is None:
             seq = normalise(rec.seq)
@@ -739,10 +741,16 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
                 inp = {k: {"path": str(path), "records": 0, "kept": 0, "residues": 0} for k in splits}
                 done_before = sum(sizes[:n_input])
                 any_record = False
+                own = (s.num_jobs, s.job_index)
                 if fast is not None and fast.takes(path):
                     # --strict: another job's invalid record is an error here too, so every record is parsed
-                    jobs = (1, 0) if s.strict else (s.num_jobs, s.job_index)
-                    for chunk in fast.read(path, index, jobs):
+                    jobs = (1, 0) if s.strict else own
+                    if _FEED is not None:  # a --workers process: the parent's chunks, every record of them ours
+                        own = jobs = (1, 0)
+                    start = index
+                    reader = fast.read(path, index, jobs)
+                    for chunk in reader:
+                        index = reader.start  # the chunk's first global index (fed chunks skip the others')
                         if isinstance(chunk, list):  # read record by record
                             for rec in chunk:
                                 i, index = index, index + 1
@@ -750,11 +758,11 @@ def _build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, 
                         else:
                             # not "read += _batch(...)": one() counts the records it reads into read meanwhile
                             fast_read = _batch(chunk, path, inp, one, splits, stats, filtered, damage, s,
-                                               fast, source.name)
+                                               fast, source.name, own)
                             read += fast_read
-                            index += chunk.total
-                        any_record = any_record or bool(chunk) or bool(getattr(chunk, "total", 0))
                         progress_update(path, done_before)
+                    index = reader.index  # after the input's last record (fed: as the parent counted them)
+                    any_record = index > start
                 else:
                     for rec in source.reader(path, ctx):
                         any_record = True
@@ -824,7 +832,8 @@ class _BatchReader:
 
     def read(self, path: Path, first_index: int, jobs: tuple[int, int]):
         from .batch import Reader
-        return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs)
+        return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs,
+                      None if _FEED is None else _FEED.texts(path))
 
 
 def _batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx) -> _BatchReader | None:
@@ -840,7 +849,7 @@ def _batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx) -> 
 
 
 def _batch(chunk, path: Path, inp: dict, one, splits: dict, stats: dict, filtered: dict,
-           damage: DamageCheck, s: Settings, reader: _BatchReader, source_name: str) -> int:
+           damage: DamageCheck, s: Settings, reader: _BatchReader, source_name: str, own: tuple) -> int:
     """Write the records of one batch chunk (global indices chunk.index) as the per-record path would: the same
     samples, keys, meta, filter counts and rows, statistics and split; records the chunk hands over (``slow``) go
     through ``one`` in their place in the order. Returns the records of this job read here (the rest: ``one``)."""
@@ -850,8 +859,9 @@ def _batch(chunk, path: Path, inp: dict, one, splits: dict, stats: dict, filtere
     bounds = chunk.bounds
     tokens_all = np.frombuffer(chunk.tokens, np.uint8)
     lower_cum = None
-    # soft-masked residues, counted per kept record (isupper: no lowercase, and at least one cased byte)
-    if not chunk.seq.isupper() and _LOWER[np.frombuffer(chunk.seq, np.uint8)].any():
+    # soft-masked residues, counted per kept record (no byte >= 'a': no lowercase; one SIMD pass, unlike isupper)
+    seq_bytes = np.frombuffer(chunk.seq, np.uint8)
+    if len(seq_bytes) and int(seq_bytes.max()) >= ord("a") and _LOWER[seq_bytes].any():
         lower_cum = np.zeros(len(chunk.seq) + 1, np.int64)
         np.cumsum(_LOWER[np.frombuffer(chunk.seq, np.uint8)], out=lower_cum[1:])
     src = _enc(source_name)
@@ -860,8 +870,8 @@ def _batch(chunk, path: Path, inp: dict, one, splits: dict, stats: dict, filtere
 
     def run(lo: int, hi: int) -> int:
         js = np.arange(lo, hi)
-        if s.num_jobs > 1:  # the Reader left out the other jobs' records unless --strict
-            js = js[chunk.index[js] % s.num_jobs == s.job_index]
+        if own[0] > 1:  # the Reader left out the other jobs' records unless --strict
+            js = js[chunk.index[js] % own[0] == own[1]]
         if not len(js):
             return 0
         lengths = bounds[js + 1] - bounds[js]
@@ -896,7 +906,8 @@ def _batch(chunk, path: Path, inp: dict, one, splits: dict, stats: dict, filtere
             ip["kept"] += len(kept)
             ip["residues"] += int(klen.sum())
             js_kept = kept.tolist()
-            keys = list(map("{:012d}".format, chunk.index[kept].tolist()))
+            # the keys f"{i:012d}", formatted by one %-operation (half the time of one format call per key)
+            keys = (("%012d\n" * len(kept)) % tuple(chunk.index[kept].tolist())).split("\n")[:-1]
             ids, tails = chunk.ids, chunk.tails
             # json.dumps({"id", "source", "length", ...}) of the per-record path, as text: id and tail are encoded
             # with json's own string encoder (batch.py), the tail being the meta after "length"
@@ -1086,6 +1097,9 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
             return manifests, seen
         fingerprint = _fingerprint(source, encoder, inputs, settings, members)
     splits = SPLITS if settings.val_fraction is not None else ("",)
+    if _FEED is not None:  # a fed --workers job holds other records than job I of N: never resumed as one
+        from . import batch
+        fingerprint = {**fingerprint, "fed_chunk": batch.CHUNK}
     if settings.num_jobs == 1:
         return _run_single(source, encoder, output, overwrite, build, fingerprint, splits, settings)
     return _run_job(source, encoder, output, settings, overwrite, build, fingerprint, splits)
@@ -1120,6 +1134,7 @@ def _split_doc(manifests: dict, settings: Settings, source: str) -> dict:
 
 
 def _write_json(path: Path, doc: dict) -> None:
+    from pipeline.run_dir import write_atomic  # here: it imports pipeline.config and yaml (~30 ms a run)
     write_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
@@ -1381,32 +1396,140 @@ def _merge_dir(output: Path):
 
 
 # ---------------------------------------------------------------------------------------------------- --workers N
-def _worker(queue, index: int, kwargs: dict) -> None:
-    """Job ``index`` of a --workers run, in a forked process: its exit status and first error line to the parent."""
+_FEED = None  # in a --workers process that the parent feeds: its Feed (set in the forked child only)
+FEED_DEPTH = 2  # chunks queued per worker: bounds the parent's lead (memory: workers x depth x CHUNK)
+
+
+class _Aborted(Exception):
+    """The --workers parent stopped feeding (another worker's error, or its own while reading)."""
+
+
+class Feed:
+    """What the --workers parent sends one worker: for each input the batch reader takes, that worker's chunks of
+    whole records (chunk c of all inputs goes to worker c % N) as ("chunk", path, c, text, first line, index of its
+    first record within the input, compressed bytes read so far), then ("end", path, records of the input, chunks
+    cut so far) to every worker; ("abort",) stops it. ``rank``: where an error of this worker falls in the input
+    order (the chunk being handled; between chunks after an input's end), so that the parent reports the error a
+    single process would have met first."""
+
+    def __init__(self, queue, failed):
+        self.queue, self.failed, self.rank = queue, failed, -1.0  # failed: an Event every worker sets on an error
+
+    def texts(self, path: Path) -> "_FedInput":
+        return _FedInput(self, str(path))
+
+
+class _FedInput:
+    def __init__(self, feed: Feed, path: str):
+        self.feed, self.path, self.end = feed, path, None
+
+    def __iter__(self):
+        from .fasta import _POSITIONS
+        while True:
+            msg = self.feed.queue.get()
+            if msg[0] == "abort":
+                raise _Aborted()
+            if msg[1] != self.path:  # cannot happen: parent and workers walk the same inputs
+                raise RuntimeError(f"--workers: fed {msg[1]} while reading {self.path}")
+            if msg[0] == "end":
+                self.end, self.feed.rank = msg[2], msg[3] - 0.5
+                return
+            _, _, number, text, line, first, position = msg
+            self.feed.rank = float(number)
+            _POSITIONS[self.path] = lambda: position  # the progress bar's bytes: what the parent has read
+            yield text, line, first
+
+
+def _fed(source: Source, settings: Settings, kwargs: dict) -> bool:
+    """Whether a --workers run is fed by the parent: the jobs would take the batch reader (_batch_reader)."""
+    from .sources import iter_fasta_source, iter_uniref
+    return (source.reader in (iter_fasta_source, iter_uniref) and source.tokenizer in ("nucleotide", "protein")
+            and not settings.dedup and settings.window is None and kwargs.get("members") is None
+            and kwargs.get("clusters") is None)
+
+
+def _headers(text: bytes) -> int:
+    """Lines of ``text`` that start with '>' (text.count(b"\\n>") + 1 for a text that starts with '>', in a third of
+    its time: '>' is rare, so the bytes before the few of them are checked)."""
+    a = np.frombuffer(text, np.uint8)
+    at = np.flatnonzero(a == 62)
+    return int(np.count_nonzero(a[at[at > 0] - 1] == 10)) + int(text[:1] == b">")
+
+
+def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
+    """The parent's side of a fed --workers run: every input the batch reader takes is decompressed here, once, and
+    cut into chunks of whole records (batch.chunks) dealt round-robin to the workers. Raises _Aborted when a worker
+    has failed (``failed`` set, or it died; its report says why)."""
+    import queue as queue_mod
+
+    from . import batch
+
+    def put(q, msg):
+        while True:
+            try:
+                q.put(msg, timeout=0.05)
+                return
+            except queue_mod.Full:
+                if failed.is_set() or any(p.exitcode not in (None, 0) for p in procs):
+                    raise _Aborted() from None
+
+    n, number = len(feeds), 0
+    for path in inputs:
+        if not batch.starts_with_header(path):
+            continue  # read by every worker itself, record by record (jobs of N)
+        key, first = str(path), 0
+        for text, line in batch.chunks(path, batch.CHUNK):
+            put(feeds[number % n], ("chunk", key, number, text, line, first, input_position(path)))
+            first += _headers(text)
+            number += 1
+        for q in feeds:
+            put(q, ("end", key, first, number))
+
+
+def _worker(queue, index: int, kwargs: dict, feed: Feed | None = None) -> None:
+    """Job ``index`` of a --workers run, in a forked process: its exit status, first error line and the error's rank
+    (Feed.rank; -1 unfed) to the parent."""
     import signal
+    global _FEED
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    _FEED = feed
+
+    def rank():
+        if feed is not None:
+            feed.failed.set()  # the parent stops feeding
+            return feed.rank
+        return -1.0
     try:
         run(**kwargs)
     except (PrepError, FastaError, OSError, ValueError) as e:
-        queue.put((index, 1, str(e)))
+        queue.put((index, 1, str(e), rank()))
+        return
+    except _Aborted:
+        queue.put((index, 3, "stopped by the parent", float("inf")))
         return
     except KeyboardInterrupt:
-        queue.put((index, 130, "interrupted"))
+        queue.put((index, 130, "interrupted", rank()))
         return
     except BaseException as e:  # noqa: BLE001 -- reported by the parent, which owns the output
-        queue.put((index, 2, f"{type(e).__name__}: {e}"))
+        queue.put((index, 2, f"{type(e).__name__}: {e}", rank()))
         return
-    queue.put((index, 0, ""))
+    queue.put((index, 0, "", 0.0))
 
 
 def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list[Path], output: Path,
                 settings: Settings = Settings(), overwrite: bool = False, **kwargs) -> Result:
-    """One data_prep run on ``workers`` processes of this machine: job k of N = workers (exactly the records,
-    shards, filter counts and lists of ``--num-jobs N --job-index k``, every option behaving as there) in forked
-    processes, written into ``DIR.workers-partial``, merged (``merge``) and renamed to ``DIR``: the output is the
-    merged shard directory of the N jobs (their shards ``SOURCE-jKKKK-*.tar`` and job manifests beside the merged
-    manifest.json). Each process reads every input (a gzip stream cannot be split) and tokenizes and writes its
-    own records; a bad input stops every job and leaves nothing; an interrupted run resumes each job's work."""
+    """One data_prep run on ``workers`` processes of this machine: N = workers jobs in forked processes, written
+    into ``DIR.workers-partial``, merged (``merge``) and renamed to ``DIR``: the output is the merged shard directory
+    of the N jobs (their shards ``SOURCE-jKKKK-*.tar`` and job manifests beside the merged manifest.json).
+
+    Fed (FASTA sources on the batch reader: no --dedup, --window, --uniref90-members, --clusters): this process
+    decompresses each input once and deals its chunks of whole records (batch.CHUNK bytes) round-robin to the
+    workers (bounded queues, ``Feed``), which parse, filter, tokenize and write them. The records (keys = global
+    record indices, tokens, meta), filter counts and statistics are those of a 1-process run; the merged manifest
+    lists job 0's shards (chunks 0, N, 2N, ...) then job 1's, and so on, so the sample order is fixed by N and
+    batch.CHUNK; filtered.tsv holds the same rows, grouped the same way. A bad input is reported as the error a
+    single process meets first. Otherwise each job k is exactly ``--num-jobs N --job-index k`` (every process reads
+    every input). A bad input stops every job and leaves nothing; an interrupted run resumes each job's work."""
     import multiprocessing
 
     if settings.num_jobs != 1:
@@ -1430,19 +1553,43 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
     ctx = multiprocessing.get_context("fork")
     queue = ctx.SimpleQueue()
     progress = kwargs.pop("progress", ("auto", 60.0))
+    fed = _fed(source, settings, kwargs)
+    stop = ctx.Event()
+    feeds = [Feed(ctx.Queue(FEED_DEPTH), stop) for _ in range(workers)] if fed else [None] * workers
     procs = []
     for k in range(workers):
         job = dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging,
                    settings=replace(settings, num_jobs=workers, job_index=k), overwrite=True,
                    progress=progress if k == 0 else ("off", progress[1]))  # one progress bar: job 0's
-        procs.append(ctx.Process(target=_worker, args=(queue, k, job), daemon=False))
+        procs.append(ctx.Process(target=_worker, args=(queue, k, job, feeds[k]), daemon=False))
+    reader_error = None  # (rank, message) of a bad input met by this process while feeding
     gc.freeze()  # the parent's objects out of the collector: a worker's collections do not copy their pages
     try:
         for p in procs:
             p.start()
+        if fed:
+            paths = [Path(p).resolve() for p in inputs]
+            paths = source.expand(paths) if source.expand is not None else paths
+            try:
+                if all(p.is_file() for p in paths):  # else the workers report it, before they read
+                    _feed_inputs(paths, [f.queue for f in feeds], procs, stop)
+            except (_Aborted, FastaError, OSError) as e:
+                if not isinstance(e, _Aborted):
+                    reader_error = str(e)
+                for f, p in zip(feeds, procs):
+                    f.queue.cancel_join_thread()  # a stopped worker may leave chunks unread
+                    while p.is_alive():
+                        try:
+                            f.queue.put(("abort",), timeout=0.05)
+                            break
+                        except Exception:  # noqa: BLE001 -- queue.Full: the worker is still busy
+                            continue
         for p in procs:
             p.join()
     except BaseException:
+        for f in feeds:
+            if f is not None:
+                f.queue.cancel_join_thread()  # chunks left unsent must not block this process's exit
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -1455,11 +1602,18 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
     while not queue.empty():
         reports.append(queue.get())
     reports.sort()
-    status = {k: (rc, msg) for k, rc, msg in reports}
-    failed = [(k, status.get(k, (p.exitcode or 1, f"worker {k} exited with status {p.exitcode}")))
+    status = {k: (rc, msg, rank) for k, rc, msg, rank in reports}
+    failed = [(k, status.get(k, (p.exitcode or 1, f"worker {k} exited with status {p.exitcode}", 0.0))[:2])
               for k, p in enumerate(procs) if status.get(k, (1, ""))[0] != 0]
+    if reader_error is not None:
+        failed.append((workers, (1, reader_error)))
     if failed:
-        bad = [(k, rc, msg) for k, (rc, msg) in failed if rc == 1]
+        # the error a single process meets first: the lowest rank (an error while reading ranks after the chunks
+        # already dealt)
+        ranks = {k: status[k][2] if k in status else 0.0 for k, _ in failed}
+        ranks[workers] = float("inf")
+        bad = sorted(((ranks[k], k), rc, msg) for k, (rc, msg) in failed if rc == 1)
+        bad = [(k, rc, msg) for (_, k), rc, msg in bad]
         if bad:  # bad input: a rerun would fail the same way, so nothing is kept
             shutil.rmtree(staging, ignore_errors=True)
             for p in reversed(made):
@@ -1470,7 +1624,7 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
             raise PrepError(bad[0][2])
         if any(rc == 130 for _, (rc, _) in failed):
             raise KeyboardInterrupt
-        k, (rc, msg) = failed[0]
+        k, (rc, msg) = min(failed, key=lambda f: f[1][0] == 3)  # not one the parent stopped, if any
         raise PrepError(f"worker {k} of {workers} failed: {msg}")
     result = merge(staging)
     if output.exists():

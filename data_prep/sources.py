@@ -10,18 +10,16 @@ it or (``--strict``) raise it.
 from __future__ import annotations
 
 import csv
-import gzip
 import io
 import json
 import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
-from .fasta import UTF8_BOM, FastaError, Record, iter_fasta, open_input
+from .fasta import GZIP_ERRORS, UTF8_BOM, FastaError, Record, iter_fasta, open_input
 
 
 @dataclass
@@ -46,7 +44,7 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
     try:
         with open_input(path) as f:
             yield from enumerate((raw[:-1] if raw.endswith(b"\n") else raw for raw in f), 1)
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+    except GZIP_ERRORS as e:
         raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
 
 
@@ -236,7 +234,7 @@ def csv_columns(path: Path) -> list[str]:
     try:
         with io.TextIOWrapper(open_input(path), encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
             header = next(csv.reader(f), None)
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+    except GZIP_ERRORS as e:
         raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
     except csv.Error as e:
         raise FastaError(f"{path}:1: not a CSV header ({e})") from None
@@ -306,7 +304,7 @@ def iter_csv_column(path: Path, ctx: Context) -> Iterator[Record]:
                                  "invalid_utf8", len(raw) + 1)
                     continue
                 yield Record(rid, "", raw, lineno, {"domain": domain}, nbytes=len(raw) + 1)
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+    except GZIP_ERRORS as e:
         raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
     except csv.Error as e:
         raise FastaError(f"{path}:{reader.line_num if reader is not None else 1}: malformed CSV ({e})") from None

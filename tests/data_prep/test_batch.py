@@ -34,12 +34,12 @@ UNIREF = (b">UniRef50_A name one n=3 Tax=Homo sapiens TaxID=9606 RepID=A_HUMAN\n
           b">UniRef50_E\nMKTAY1AKQRQISF\n>UniRef50_F k=v n=2 Tax=a TaxID=2 RepID=F\nMKTAYIAKQRQ\n")
 
 
-def content(d: Path, clusters: bool = False) -> list:
+def content(d: Path, clusters: bool = False, name: str = "manifest*.json") -> list:
     """(records, manifest without shard list and format, filtered lists) of a shard directory (or its splits)."""
     dirs = [d] if list(d.glob("manifest*.json")) else [d / "train", d / "val"]
     out = []
     for x in dirs:
-        m = json.loads(sorted(x.glob("manifest*.json"))[0].read_text())
+        m = json.loads(sorted(x.glob(name))[0].read_text())
         read = read_clusters if clusters else read_shard
         recs = [(k, [t.tolist() for t in v] if clusters else v.tolist(), meta)
                 for s in m["shards"] for k, v, meta in read(x / s["path"], s["samples"])]
@@ -117,8 +117,74 @@ def test_clusters_equal_per_record_shards(tmp_path, monkeypatch):
     both(tmp_path, monkeypatch, ["uniref", "--input", UR90, "--clusters", UR_TSV, "--shard-size", 40], clusters=True)
 
 
-def test_workers_equal_num_jobs_and_merge(tmp_path, capsys):
-    args = ["rnacentral", "--input", RFAM, "--shard-size", 300, "--val-fraction", 0.2]
+def unordered(d: Path) -> list:
+    """content() with the records and filtered.tsv rows sorted: a fed --workers run holds a 1-process run's records
+    and rows, grouped by worker."""
+    out = []
+    for recs, m, lists in content(d, name="manifest.json"):
+        rows = sorted(line for f in lists[-1:] for line in f.splitlines()[1:])  # filtered.tsv (sorted last)
+        m["stats"].pop("filtered_list", None)
+        out.append((sorted(recs, key=lambda r: r[0]), m, rows))
+    return out
+
+
+@pytest.mark.parametrize("extra", [["--shard-size", 300, "--val-fraction", 0.2],
+                                   ["--min-length", 60, "--max-length", 200, "--shard-size", 97]])
+def test_fed_workers_equal_one_process(tmp_path, monkeypatch, capsys, extra):
+    """--workers 3 on the batch reader: the parent cuts small chunks (many per input, dealt round-robin), the
+    workers write them; records, counts and rows equal a 1-process run's, the shard list is job by job."""
+    monkeypatch.setattr("data_prep.batch.CHUNK", 3000)
+    quirks = tmp_path / "quirks.fa.gz"
+    quirks.write_bytes(gzip.compress(QUIRKS))
+    bom = tmp_path / "bom.fa"  # a UTF-8 byte-order mark: read by every worker itself, record by record
+    bom.write_bytes(b"\xef\xbb\xbf" + QUIRKS.replace(b">r", b">b"))
+    args = ["fasta", "--alphabet", "rna", "--input", RFAM, quirks, bom, RFAM.with_suffix(""),
+            "--max-filtered-fraction", 1, *extra]
+    (tmp_path / RFAM.with_suffix("").name).write_bytes(gzip.decompress(RFAM.read_bytes()))
+    args[args.index(RFAM.with_suffix(""))] = tmp_path / RFAM.with_suffix("").name  # a plain-text input as well
+    assert main([*map(str, args), "--output", str(tmp_path / "w"), "--workers", "3"]) == 0
+    assert "(3 workers)" in capsys.readouterr().out
+    assert main([*map(str, args), "--output", str(tmp_path / "one")]) == 0
+    assert unordered(tmp_path / "w") == unordered(tmp_path / "one")
+    # deterministic: a second run writes the same shards in the same order
+    assert main([*map(str, args), "--output", str(tmp_path / "w2"), "--workers", "3"]) == 0
+    assert content(tmp_path / "w2", name="manifest.json") == content(tmp_path / "w", name="manifest.json")
+    d = tmp_path / "w" / ("train" if "--val-fraction" in extra else "")
+    assert len({json.loads(p.read_text())["shards"][0]["path"].split("-")[1]
+                for p in d.glob("manifest-job*.json")}) == 3  # every worker wrote shards
+    assert not list(tmp_path.glob("*.workers-partial"))
+
+
+@pytest.mark.parametrize("bad", [b">r2 x\nACGTXACGT\n", b">  \nACGT\n"])
+def test_fed_workers_report_the_first_error(tmp_path, monkeypatch, capsys, bad):
+    """Errors in several chunks: the one a single process meets first (--strict bad character, header without id)."""
+    monkeypatch.setattr("data_prep.batch.CHUNK", 200)
+    good = b"".join(b">g%d\nACGTACGTACGTACGTACGT\n" % i for i in range(60))
+    fa = tmp_path / "e.fa"
+    fa.write_bytes(good + bad.replace(b"r2", b"first") + good + bad.replace(b"r2", b"second") + good)
+    errs = []
+    for w in ("1", "2", "3"):
+        assert main(["rnacentral", "--input", str(fa), "--output", str(tmp_path / "o"), "--strict",
+                     "--workers", w]) == 1
+        errs.append(capsys.readouterr().err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["e.fa"]
+    assert errs[0].count("\n") == 1 and errs[1] == errs[0] == errs[2], errs
+    assert "first" in errs[0] or ":121:" in errs[0]
+
+
+def test_truncated_gzip_in_a_fed_run_is_one_error(tmp_path, capsys):
+    raw = gzip.compress(b"".join(b">g%d\n%s\n" % (i, b"ACGU" * 300) for i in range(20000)))
+    gz = tmp_path / "t.fa.gz"
+    gz.write_bytes(raw[:len(raw) // 2])
+    assert main(["rnacentral", "--input", str(gz), "--output", str(tmp_path / "o"), "--workers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{gz}: corrupt or truncated gzip data" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.fa.gz"]
+
+
+def test_unfed_workers_equal_num_jobs_and_merge(tmp_path, capsys):
+    """--dedup takes the per-record path: --workers N is exactly jobs 0..N-1 of N and merge."""
+    args = ["rnacentral", "--input", RFAM, "--shard-size", 300, "--val-fraction", 0.2, "--dedup"]
     assert main([*map(str, args), "--output", str(tmp_path / "w"), "--workers", "2"]) == 0
     assert "(2 workers)" in capsys.readouterr().out
     for i in range(2):
