@@ -39,13 +39,14 @@ BENCHES = [
     ("engine", "bench/engine.py", ("P4", "scaling")),
 ]
 
-# ID -> (comparison, bound). P3w2 is P3 with two data_prep workers: the same floor applies.
+# ID -> (comparison, bound). P3w2 is data_prep with two workers against one gzip -dc: 0.5 of gzip's rate per worker
+# is 1.0 in all. P2 has no target: its floor is a vectorized read of whole blocks, so it measures the loader's
+# per-sample work (framing, masking, collate), which P6 and the training step put in proportion.
 TARGETS = {
     "P1": ("<=", 1.10),
     "P1.waste": ("==", 0.0),
-    "P2": (">=", 0.8),
     "P3": (">=", 0.5),
-    "P3w2": (">=", 0.5),
+    "P3w2": (">=", 1.0),
     "P4": ("<=", 1.15),
     "P6": ("<=", 1.05),
 }
