@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -109,6 +110,8 @@ _UNIREF = re.compile(rf"(?:(?:([^=\x00]*?)\s+)?n={_NUM}\s+Tax={_VAL}\s+TaxID={_N
                      rf"|TaxID={_NUM}\s+RepID=\s*([^=\x00]*)"
                      rf"|ClusterName={_VAL}\s+TaxID={_NUM}\s+RepID=\s*([^=\x00]*)|([^\x00]*))\x00")
 
+_SHORT = re.compile(rf"(?<![^\x00])TaxID={_NUM}\s+RepID=\s*([ !#-<>-\[\]-~]*)\x00")
+
 
 def uniref_tails(descs: list[str]) -> list[str | None]:
     """Per description (stripped, as the FASTA reader leaves it): the JSON text of parse_uniref_header's fields
@@ -116,6 +119,12 @@ def uniref_tails(descs: list[str]) -> list[str | None]:
     joined = "\x00".join(descs)
     if joined.count("\x00") != len(descs) - 1:  # a NUL inside a description: all by parse_uniref_header
         return [None] * len(descs)
+    # the common case, a chunk of BioNeMo headers ("TaxID=<id> RepID=<id>", the template's second shape) whose
+    # RepIDs are printable ASCII without '"' or '\\' (encoded as they are): all tails by one findall, its matches
+    # anchored at the start of a description (so n of them cover the n descriptions whole), and one %-operation
+    short = _SHORT.findall(joined + "\x00")
+    if len(short) == len(descs):
+        return ((',"taxid":%s,"repid":"%s"}\n' * len(short)) % tuple(chain.from_iterable(short))).split("\n")[:-1]
     out = []
     for name, n, tax, taxid, repid, staxid, srepid, cname, ctaxid, crepid, other in _UNIREF.findall(joined + "\x00"):
         if n:
@@ -171,37 +180,51 @@ class Reader:
             self.index = self.base + self.texts.end
 
     def _parse(self, text: bytes, first_line: int) -> Chunk:
-        pieces = text.split(b"\n>")  # record texts without their '>'; text starts with '>'
-        pieces[0] = pieces[0][1:]
-        total = len(pieces)
-        sizes = np.fromiter(map(len, pieces), np.int64, total)
-        header_starts = np.zeros(total, np.int64)
-        np.cumsum(sizes[:-1] + 2, out=header_starts[1:])
+        # records located with numpy over the whole chunk (text starts with '>'): header j is the line from its
+        # '>' at header_starts[j] to the newline at ends[j], its sequence the text from ends[j] + 1 to the next
+        # record's '>' with line breaks removed (what text.split(b"\n>") + partition(b"\n") per record gave)
+        size = len(text)
+        arr = np.frombuffer(text, np.uint8)
+        nl = np.flatnonzero(arr == 10)
+        after = nl + 1
+        if len(after) and after[-1] == size:
+            after = after[:-1]
+        header_starts = np.concatenate(([0], after[arr[after] == 62])).astype(np.int64)
+        total = len(header_starts)
+        at = np.searchsorted(nl, header_starts)  # the first newline at or after each '>'
+        ends = np.append(nl, size)[at]  # each header line's end (size: the last line without a newline)
         index = np.arange(self.index, self.index + total)
         self.index += total
+        nexts = np.append(header_starts[1:], size)  # where each record's text ends
         N, I = self.jobs
         if N > 1:  # another job's records cost their header check only
             first = (I - int(index[0])) % N
-            for j in range(total):
+            firsts = arr[np.minimum(header_starts + 1, size - 1)]
+            for j in np.flatnonzero(~((firsts >= 0x21) & (firsts <= 0x7E)) | (header_starts + 1 >= size)).tolist():
                 # a header without a record id is an error in every job (iter_fasta raises it), checked exactly
                 # unless the header's first byte is printable ASCII (then it holds an id)
-                if j % N != first and not 0x21 <= (pieces[j][:1] or b"\n")[0] <= 0x7E:
-                    head = pieces[j].partition(b"\n")[0].decode("utf-8", "backslashreplace")
+                if j % N != first:
+                    head = text[int(header_starts[j]) + 1:int(ends[j])].decode("utf-8", "backslashreplace")
                     if not head.split(None, 1):
                         line = first_line + text.count(b"\n", 0, int(header_starts[j]))
                         raise FastaError(f"{self.path}:{line}: header has no record id")
-            pieces, header_starts, index = pieces[first::N], header_starts[first::N], index[first::N]
-        n = len(pieces)
+            header_starts, index, at = header_starts[first::N], index[first::N], at[first::N]
+            ends, nexts = ends[first::N], nexts[first::N]
+        n = len(header_starts)
         if n == 0:  # every record of the chunk is another job's
             return Chunk([], b"", b"", np.zeros(1, np.int64), [], {}, {}, text, first_line, header_starts, index,
                          total)
-        parts = [p.partition(b"\n") for p in pieces]
-        seqs = [p[2].replace(b"\n", b"") for p in parts]
-        heads = b"\n".join([p[0] for p in parts]).decode("utf-8", "backslashreplace").split("\n")
-        seq = b"".join(seqs)
+        hs, he, se = header_starts.tolist(), ends.tolist(), nexts.tolist()
+        heads = b"\n".join([text[a + 1:b] for a, b in zip(hs, he)]).decode("utf-8", "backslashreplace").split("\n")
+        seq = b"".join([text[b + 1:c] for b, c in zip(he, se)]).replace(b"\n", b"")
+        # sequence length: its text's bytes less its newlines (those from the header's end to the record's end)
+        breaks = np.searchsorted(nl, nexts) - at - (ends < size)
+        lengths = np.maximum(nexts - ends - 1, 0) - breaks
         tokens = seq.translate(self._tokens)  # one pass: validation and tokenization
         bounds = np.zeros(n + 1, np.int64)
-        np.cumsum(np.fromiter(map(len, seqs), np.int64, n), out=bounds[1:])
+        np.cumsum(lengths, out=bounds[1:])
+        if bounds[-1] != len(seq):  # cannot happen: the lengths add up to the joined sequences
+            raise FastaError(f"{self.path}:{first_line}: batch parse found {bounds[-1]} residues, joined {len(seq)}")
         slow: dict[int, Record] = {}
         bad_seq = None
         if b"\xff" in tokens:  # some record holds a byte outside the alphabet (or a blank)

@@ -865,6 +865,7 @@ def _batch(chunk, path: Path, inp: dict, one, splits: dict, stats: dict, filtere
         lower_cum = np.zeros(len(chunk.seq) + 1, np.int64)
         np.cumsum(_LOWER[np.frombuffer(chunk.seq, np.uint8)], out=lower_cum[1:])
     src = _enc(source_name)
+    meta_format = '{"id":%s,"source":' + src.replace("%", "%%") + ',"length":%d%s\n'
     short, long = f"shorter_than_{s.min_length}", f"longer_than_{s.max_length}"
     read = 0
 
@@ -911,8 +912,15 @@ def _batch(chunk, path: Path, inp: dict, one, splits: dict, stats: dict, filtere
             ids, tails = chunk.ids, chunk.tails
             # json.dumps({"id", "source", "length", ...}) of the per-record path, as text: id and tail are encoded
             # with json's own string encoder (batch.py), the tail being the meta after "length"
-            metas = [f'{{"id":{_enc(ids[j])},"source":{src},"length":{m}{tails[j]}' for j, m in zip(js_kept,
-                                                                                               klen.tolist())]
+            # all of them by one %-operation over a repeated format (no JSON text holds a raw newline)
+            k0, k1 = js_kept[0], js_kept[-1] + 1
+            if k1 - k0 == len(js_kept):  # the kept records are adjacent (the rule)
+                kid, ktail = ids[k0:k1], tails[k0:k1]
+            else:
+                kid, ktail = [ids[j] for j in js_kept], [tails[j] for j in js_kept]
+            flat = [None] * (3 * len(js_kept))
+            flat[0::3], flat[1::3], flat[2::3] = map(_enc, kid), klen.tolist(), ktail
+            metas = ((meta_format * len(js_kept)) % tuple(flat)).split("\n")[:-1]
             if chunk.metas:
                 for k, j in enumerate(js_kept):
                     if tails[j] is None:
