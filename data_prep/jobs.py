@@ -1141,6 +1141,22 @@ def _split_doc(manifests: dict, settings: Settings, source: str) -> dict:
                            "records": sum(i["records"] for i in m.inputs)} for k, m in manifests.items()}}
 
 
+def _replace_dir(new: Path, output: Path) -> None:
+    """Move the finished directory ``new`` to ``output``; an existing output is set aside first and put back if the
+    move fails, so ``output`` is always either the old result or the new one, never a mix."""
+    if not output.exists():
+        os.rename(new, output)
+        return
+    old = output.with_name(f"{output.name}.old-{os.getpid()}")
+    os.rename(output, old)
+    try:
+        os.rename(new, output)
+    except BaseException:
+        os.rename(old, output)
+        raise
+    shutil.rmtree(old)
+
+
 def _write_json(path: Path, doc: dict) -> None:
     from pipeline.run_dir import write_atomic  # here: it imports pipeline.config and yaml (~30 ms a run)
     write_atomic(path, json.dumps(doc, indent=1) + "\n")
@@ -1173,17 +1189,7 @@ def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerpri
         if splits != ("",):
             _write_json(tmp / SPLIT_FILE, _split_doc(manifests, settings, source.name))
         work.finish()  # only now: a failed manifest write leaves the resumable work directory intact
-        if output.exists():
-            old = output.with_name(f"{output.name}.old-{os.getpid()}")
-            os.rename(output, old)
-            try:
-                os.rename(tmp, output)
-            except BaseException:
-                os.rename(old, output)
-                raise
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, output)
+        _replace_dir(tmp, output)
     except (PrepError, FastaError, ValueError):
         # Bad input: a rerun would fail the same way, so nothing is kept (not even finished shards).
         work.release()
@@ -1635,17 +1641,7 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
         k, (rc, msg) = min(failed, key=lambda f: f[1][0] == 3)  # not one the parent stopped, if any
         raise PrepError(f"worker {k} of {workers} failed: {msg}")
     result = merge(staging)
-    if output.exists():
-        old = output.with_name(f"{output.name}.old-{os.getpid()}")
-        os.rename(output, old)
-        try:
-            os.rename(staging, output)
-        except BaseException:
-            os.rename(old, output)
-            raise
-        shutil.rmtree(old)
-    else:
-        os.rename(staging, output)
+    _replace_dir(staging, output)
 
     def moved(path: Path) -> Path:
         return output / path.relative_to(staging)
