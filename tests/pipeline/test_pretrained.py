@@ -112,3 +112,24 @@ def test_text_export_loads_its_sentencepiece_model(tmp_path):
     ids = torch.tensor([sp.encode("the cat sat on a mat")])
     with torch.no_grad():
         assert torch.equal(model(ids), reference(ids))
+
+
+def test_protlingo_export_loads_with_the_esm2_alphabet(tmp_path):
+    """MoE and memory included: the routed experts and memory tables come back exactly (the logits equal)."""
+    from pipeline.config import load_config
+    from pipeline.data.protein_tokenizer import ProteinTokenizer
+
+    repo = Path(__file__).resolve().parents[2]
+    cfg = load_config(repo / "launchers/configs/protlingo_demo.yaml",
+                      ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "model.d_ff=64",
+                       "model.moe_layers=[1]", "model.moe_shared_hidden=32", "model.memory_layers=[0]",
+                       f"run_dir={tmp_path / 'run'}", f"data.train_shards={tmp_path / 'no_shards'}"])
+    export = write_export(tmp_path / "export", cfg, seed=5)
+    model, tok = load_pretrained(export)
+    assert isinstance(tok, ProteinTokenizer)
+    torch.manual_seed(5)
+    reference = get_family(cfg.family).build_model(cfg.model).eval()
+    ids = torch.from_numpy(tok.encode("MKTAYIAKQRQISFVKSHFSRQ", add_special=True)).long()[None]
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        assert torch.equal(model(ids, mask).logits, reference(ids, mask).logits)
