@@ -1141,6 +1141,16 @@ def _split_doc(manifests: dict, settings: Settings, source: str) -> dict:
                            "records": sum(i["records"] for i in m.inputs)} for k, m in manifests.items()}}
 
 
+def _check_output_replaceable(output: Path, overwrite: bool) -> None:
+    """--overwrite replaces the whole directory: refuse a non-empty one without it, and one data_prep did not write."""
+    nonempty = output.is_dir() and any(output.iterdir())
+    if nonempty and not overwrite:
+        raise PrepError(f"output directory {output} exists and is not empty (pass --overwrite to replace it)")
+    if nonempty and not _looks_like_output(output):
+        raise PrepError(f"output directory {output} holds no manifest.json; not replacing a directory that "
+                        "data_prep did not write")
+
+
 def _replace_dir(new: Path, output: Path) -> None:
     """Move the finished directory ``new`` to ``output``; an existing output is set aside first and put back if the
     move fails, so ``output`` is always either the old result or the new one, never a mix."""
@@ -1164,13 +1174,7 @@ def _write_json(path: Path, doc: dict) -> None:
 
 def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerprint: dict, splits: tuple = ("",),
                 settings: Settings = Settings()) -> Result:
-    nonempty = output.is_dir() and any(output.iterdir())
-    if nonempty and not overwrite:
-        raise PrepError(f"output directory {output} exists and is not empty (pass --overwrite to replace it)")
-    if nonempty and not _looks_like_output(output):
-        # --overwrite replaces the whole directory: refuse unless it is a previous data_prep output.
-        raise PrepError(f"output directory {output} holds no manifest.json; not replacing a directory that "
-                        "data_prep did not write")
+    _check_output_replaceable(output, overwrite)
     made = [p for p in reversed(output.parents) if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
     fresh = not output.with_name(f"{output.name}.partial").exists()
@@ -1552,12 +1556,7 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
     output = Path(output).resolve()
     if output.exists() and not output.is_dir():
         raise PrepError(f"output {output} exists and is not a directory")
-    nonempty = output.is_dir() and any(output.iterdir())
-    if nonempty and not overwrite:
-        raise PrepError(f"output directory {output} exists and is not empty (pass --overwrite to replace it)")
-    if nonempty and not _looks_like_output(output):
-        raise PrepError(f"output directory {output} holds no manifest.json; not replacing a directory that "
-                        "data_prep did not write")
+    _check_output_replaceable(output, overwrite)
     from dataclasses import replace
     import pipeline.data.shards  # noqa: F401,I001 -- imported once here, not in every worker
 
