@@ -116,7 +116,7 @@ def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: in
 
         def plain_step(i):
             micro = batches[i]
-            plans = [family.plan(b, cfg, step=i, micro=j, rank=0) for j, b in enumerate(micro)]
+            plans = [family.plan(b, cfg, step=i, stream=0, index=j) for j, b in enumerate(micro)]
             n = sum(b.num_supervised for b in micro)
             for b, p in zip(micro, plans):
                 out = family.loss(plain, b, cfg, p)
@@ -140,7 +140,7 @@ def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: in
                 t_engine.append(times[engine_step])
                 t_plain.append(times[plain_step])
                 cpu_ratios.append(cpu[engine_step] / cpu[plain_step])
-                k_max.append(max(family.plan(b, cfg, step=i, micro=j, rank=0).sync_max["k_max"]
+                k_max.append(max(family.plan(b, cfg, step=i, stream=0, index=j).sync_max["k_max"]
                                  for j, b in enumerate(batches[i])))
             print(f"P4 step {i + 1}/{total}{' (warm-up)' if i < warmup else ''}: engine "
                   f"{times[engine_step] * 1e3:.0f} ms, plain {times[plain_step] * 1e3:.0f} ms", flush=True)

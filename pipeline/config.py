@@ -130,7 +130,12 @@ class DataConfig:
     train_shards: str = "data/shards/rfam_demo"
     molecule: str = "rna"  # 'rna' | 'dna': which canonical bases random replacement draws from
     context_length: int = 128  # tokens including <cls> and <eos>; longer records are randomly cropped
-    num_workers: int = 0  # DataLoader worker processes per rank
+    num_workers: int = 0  # DataLoader worker processes per rank (may change on resume)
+    # The number of sample streams the data is dealt into, fixed for the whole run (the loader state keeps it):
+    # rank r of R reads streams r*S/R .. (r+1)*S/R - 1. A checkpoint continues on any number of ranks that divides it
+    # with the same data order and no sample repeated or skipped. None = ranks x max(1, num_workers) at the run's
+    # start; set it to a multiple of every world size the run may continue on (e.g. 8 for 1, 2, 4 or 8 ranks).
+    loader_streams: int | None = None
     masking: MaskingConfig = field(default_factory=MaskingConfig)
     sources: list[SourceConfig] = field(default_factory=list)  # a mixture; empty = train_shards alone
     schedule: list[MixtureStageConfig] = field(default_factory=list)  # empty = constant sources[].weight
@@ -157,6 +162,8 @@ class DataConfig:
         _check(self.molecule in ("rna", "dna"), "data.molecule", f"must be 'rna' or 'dna', got {self.molecule!r}")
         _check(self.context_length >= 8, "data.context_length", f"must be >= 8, got {self.context_length}")
         _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
+        _check(self.loader_streams is None or self.loader_streams >= 1, "data.loader_streams",
+               f"must be >= 1 (or null), got {self.loader_streams}")
         _check(self.shuffle_buffer >= 0, "data.shuffle_buffer", f"must be >= 0, got {self.shuffle_buffer}")
         _check(self.mix_shards >= 1, "data.mix_shards", f"must be >= 1, got {self.mix_shards}")
         _check(self.length_window >= 0, "data.length_window", f"must be >= 0 (0 = off), got {self.length_window}")

@@ -20,6 +20,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,7 +34,8 @@ from pipeline.checkpoint import (check_same_model, is_export, load_state_dict, l
 from pipeline.config import ConfigError, RunConfig, dump_yaml, load_yaml
 from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.data.compat import check_shards_fit
-from pipeline.data.loader import ShardStream, Source, is_url_pattern, make_loader, resolve_shards
+from pipeline.data.loader import (ShardStream, Source, StreamLayout, is_url_pattern, make_loader, reshard_states,
+                                  resolve_shards, saved_layout)
 from pipeline.families import get_family
 from pipeline.parallel import EP_KEY, check_parallelism, optimizer_groups, parallelize
 from pipeline.run_dir import (CHECKPOINT_FORMAT, COMPLETE, LATEST, RunDirLock, checkpoint_tags, is_complete,
@@ -249,7 +252,13 @@ class Trainer:
         # Expert parallelism and the MoE backend: EP size against experts, world size and ZeRO stage (ZeRO-3: none).
         self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
         self.moe_backend = check_parallelism(cfg, world_size, self.zero_stage, self.dtype)
-        n_streams = max(1, cfg.data.num_workers)
+        self.resume_tag = self._find_resume_tag()
+        saved = read_client_state(self.ckpt_dir / self.resume_tag) if self.resume_tag else None
+        self.reshard = False  # resuming on another world size or ZeRO stage (DeepSpeed's universal checkpoint)
+        if saved:  # before DeepSpeed starts: a resume that would change the data order is refused here
+            self._check_resume_config(saved["config"], self.ckpt_dir / self.resume_tag, saved.get("world_size"))
+            self.reshard = self._check_reshard(saved)
+        self.loader_layout, self.resumed_loader = self._loader_layout(saved)
         self.dataset_samples = 0  # one epoch: every sample of every source once (for train.max_epochs)
         for key, spec in self._shard_specs():
             # The shards' tokenizer (manifest) must be the one this family reads, with ids inside model.vocab_size.
@@ -257,16 +266,48 @@ class Trainer:
             shards = resolve_shards(spec)  # reads the manifest (or, for brace URLs, every tar once)
             n = len(shards)
             self.dataset_samples += sum(sh.samples for sh in shards)
-            if n < world_size * n_streams:
-                raise ConfigError(f"{key}: {spec} has {n} shards, fewer than {world_size} ranks x {n_streams} "
-                                  "loader streams")
-        self.resume_tag = self._find_resume_tag()
-        if self.resume_tag:  # before DeepSpeed starts: a resume that would change the data order is refused here
-            self._check_resume_config(read_client_state(self.ckpt_dir / self.resume_tag)["config"],
-                                      self.ckpt_dir / self.resume_tag)
+            if n < self.loader_layout.streams:
+                raise ConfigError(f"{key}: {spec} has {n} shards, fewer than the {self.loader_layout.streams} loader "
+                                  f"streams ({self.loader_layout.describe()})")
         # A run that has checkpoints of its own continues from them; init_from only seeds its first start.
         self.init_source = self._check_init_source() if cfg.train.init_from and not self.resume_tag else None
         self.init_from_record = str(self.init_source.resolve()) if self.init_source else None  # kept on resume
+
+    def _loader_layout(self, saved: dict | None) -> tuple[StreamLayout, list | None]:
+        """(the data's stream layout, the checkpoint's loader states dealt to this world size, or None).
+
+        A resumed run keeps its checkpoint's streams, whatever world size reads them now (reshard_states); a new
+        run deals the data into data.loader_streams streams (default ranks x max(1, workers))."""
+        d = self.cfg.data
+        states = (saved or {}).get("loader")
+        if not states:  # a new run, or a checkpoint from before loader states (same world size only)
+            return StreamLayout.fresh(self.world_size, 0, d.num_workers, d.loader_streams), None
+        try:
+            states = reshard_states(states, self.world_size, d.num_workers)
+        except ValueError as e:
+            raise ConfigError(f"checkpoint {self.ckpt_dir / self.resume_tag}: {e}") from None
+        layout = saved_layout(states[0])
+        return StreamLayout(layout["streams"], layout["seed_width"], self.world_size, 0), states
+
+    def _check_reshard(self, saved: dict) -> bool:
+        """Whether the checkpoint was written on another world size or ZeRO stage (and can continue here)."""
+        source = self.ckpt_dir / self.resume_tag
+        if saved.get("world_size") == self.world_size and saved.get("zero_stage", 0) == self.zero_stage:
+            return False
+        where = (f"{saved.get('world_size')} ranks under ZeRO stage {saved.get('zero_stage', 0)}, this run has "
+                 f"{self.world_size} under stage {self.zero_stage}")
+        if saved.get("zero_stage", 0) == 0 or self.zero_stage == 0:
+            raise ConfigError(f"checkpoint {source} was written by {where}; a checkpoint moves to another world size "
+                              "or stage through DeepSpeed's universal checkpoint, which needs ZeRO stage 1-3 on both "
+                              "sides (tools/convert_checkpoint.py exports the weights for any layout)")
+        if _expert_parallel_size(saved["config"]) > 1 or self.cfg.train.expert_parallel_size > 1:
+            raise ConfigError(f"checkpoint {source} was written by {where}; an expert-parallel run continues only on "
+                              "its own world size and stage (--init-from starts a new run from its weights, which "
+                              "export from any layout, with fresh optimizer moments)")
+        if not saved.get("loader"):
+            raise ConfigError(f"checkpoint {source} was written by {where} and holds no per-stream loader position "
+                              "(an older checkpoint); it continues only on its own world size")
+        return True
 
     def _shard_specs(self) -> list[tuple[str, str]]:
         """(config key, shard spec) of every source the loader reads."""
@@ -284,7 +325,8 @@ class Trainer:
                       grad_accum_steps=cfg.train.grad_accum_steps, max_tokens=cfg.train.max_tokens_per_microbatch,
                       pack=d.pack, row_length=d.context_length, shuffle_buffer=d.shuffle_buffer,
                       mix_shards=d.mix_shards, vocab_size=cfg.model.vocab_size, verify=d.verify,
-                      length_window=d.length_window)
+                      length_window=d.length_window, streams=self.loader_layout.streams,
+                      seed_width=self.loader_layout.seed_width)
         if not d.sources:
             return ShardStream(d.train_shards, **kwargs)
         sources = []
@@ -368,6 +410,7 @@ class Trainer:
         dist.barrier()  # rank 0 has cleared the last attempt's errors before any rank can record one
         if self.rank == 0 and self.resume_note:
             print(f"note: {self.resume_note}", flush=True)
+        self.universal_dir = None  # set when this attempt loads a universal checkpoint
         self.stop = StopRequest(self.cfg.train.max_hours)
         self.stop.install()
         self.started = time.time()
@@ -394,10 +437,12 @@ class Trainer:
         # Each group's peak lr; the trainer sets lr = peak * lr_factor before every step (no torch scheduler: the
         # factor may follow the words or samples consumed, which a step-counting scheduler cannot see).
         self.peak_lrs = [g["lr"] for g in optimizer.param_groups]
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                                 config=self.ds_config)
+        ds_config = self.ds_config
+        if self.reshard:  # this attempt loads DeepSpeed's universal checkpoint (_universal_checkpoint)
+            ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
-        self.step, self.batches_consumed, self.loader_states, run_id = 0, 0, None, None
+        self.step, self.batches_consumed, run_id = 0, 0, None
         self.cumulative = {}  # running totals over the whole run (all ranks): tokens, words, FLOPs, ...
         self.best = None  # (loss, step) of the lowest finite logged loss
         self.horizon = schedule_horizon(self.cfg, self.dataset_samples)
@@ -435,8 +480,8 @@ class Trainer:
                     self.tracker.log_artifact(Path(spec) / "manifest.json", "data" if single else f"data/{name}")
 
         self.dataset = self.build_dataset()
-        if self.loader_states is not None:  # the exact per-stream position of this rank
-            self.dataset.load_state_dict(self.loader_states[self.rank])
+        if self.resumed_loader is not None:  # the exact position of this rank's streams (dealt to this world size)
+            self.dataset.load_state_dict(self.resumed_loader[self.rank])
         elif self.batches_consumed:  # a checkpoint from before loader state_dicts: the count alone
             self.dataset.load_state_dict({"batches_consumed": self.batches_consumed})
         self.data = make_loader(self.dataset, self.cfg.data.num_workers)
@@ -472,36 +517,54 @@ class Trainer:
     def _load(self, tag: str) -> str | None:
         saved = read_client_state(self.ckpt_dir / tag)
         check_same_model(saved["config"], self.cfg, self.ckpt_dir / tag)
-        if saved["world_size"] != self.world:
-            raise ConfigError(f"checkpoint {self.ckpt_dir / tag} was written by {saved['world_size']} ranks, "
-                              f"this run has {self.world}; resume with the same number of ranks "
-                              "(tools/convert_checkpoint.py exports the weights for any world size)")
         saved_ep = _expert_parallel_size(saved["config"])
         if saved_ep != self.cfg.train.expert_parallel_size:
             raise ConfigError(f"{EP_KEY}: {self.cfg.train.expert_parallel_size} differs from {saved_ep} of checkpoint "
                               f"{self.ckpt_dir / tag}; resume with the same expert-parallel size (--init-from starts "
                               "a new run from its weights with any size)")
-        path, client = self.engine.load_checkpoint(str(self.ckpt_dir), tag=tag, load_lr_scheduler_states=False)
+        load_dir = self._universal_checkpoint(tag, saved) if self.reshard else self.ckpt_dir
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        path, client = self.engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=False)
         if path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {self.ckpt_dir / tag}")
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
+        if self.reshard:
+            # ZeRO-3's universal load gives every param group the first one's hyper-parameters (weight decay on the
+            # gains too) and every parameter one shared step tensor, which AdamW would then advance once per group
+            for group, h in zip(self.optimizer.param_groups, hyper):
+                group.update(h)
+            for state in getattr(self.optimizer, "optimizer", self.optimizer).state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
         self.step, self.batches_consumed = client["step"], client["batches_consumed"]
         self.cumulative = dict(client.get("cumulative", {}))
         self.best = tuple(client["best"]) if client.get("best") else None
         self.horizon = self._resumed_horizon(client, saved["config"])
-        self.loader_states = client.get("loader")  # [world] loader state_dicts, one per rank
         self.init_from_record = client.get("init_from")
         if self.rank == 0:
-            print(f"resumed from {self.ckpt_dir / tag} at step {self.step}", flush=True)
+            moved = (f" (written by {saved['world_size']} ranks under ZeRO stage {saved.get('zero_stage', 0)}, "
+                     f"continued on {self.world} under stage {self.zero_stage})" if self.reshard else "")
+            print(f"resumed from {self.ckpt_dir / tag} at step {self.step}{moved}", flush=True)
         return client.get("mlflow_run_id")
 
-    def _check_resume_config(self, saved: dict, source: Path):
+    def _check_resume_config(self, saved: dict, source: Path, saved_world: int | None = None):
         """A resumed run must see the data the uninterrupted run would have seen: same seed, batch arithmetic and
-        data spec (RESUME_INVARIANTS), unless --allow-config-change."""
+        data spec (RESUME_INVARIANTS), unless --allow-config-change. On another world size the global batch
+        (micro x accumulation x ranks) must stay, so grad_accum_steps scales inversely with the ranks."""
         ours = self.cfg.to_dict()
         for key in RESUME_INVARIANTS:
             a, b = _get_path(saved, key), _get_path(ours, key)
-            if key == "data":  # checking digests or not does not change what is read
-                a, b = ({k: v for k, v in (x or {}).items() if k != "verify"} for x in (a, b))
+            if key == "data":  # checking digests, or how many workers read the streams, does not change what is read
+                a, b = ({k: v for k, v in (x or {}).items() if k not in ("verify", "num_workers")} for x in (a, b))
+                a.setdefault("loader_streams", None)  # checkpoints from before the key dealt ranks x workers
+            if key == "train.grad_accum_steps" and saved_world and saved_world != self.world_size:
+                mb = _get_path(ours, "train.micro_batch_size")
+                a, b = a * saved_world, b * self.world_size  # microbatches per optimizer step, all ranks
+                if a != b and not self.allow_config_change:
+                    fit = f"set train.grad_accum_steps={a // self.world_size}" if a % self.world_size == 0 else (
+                        f"{a} microbatches per step do not divide among {self.world_size} ranks")
+                    raise ConfigError(f"train.grad_accum_steps: {b // self.world_size} x {self.world_size} ranks x "
+                                      f"micro {mb} is not the global batch of checkpoint {source} ({a} microbatches "
+                                      f"on {saved_world} ranks); {fit}")
             if key == "data" and "mix_shards" not in a:  # checkpoints from before the key read one shard at a time
                 a["mix_shards"] = 1
             if key == "data" and "length_window" not in a:  # ... and batched in draw order
@@ -517,6 +580,48 @@ class Trainer:
                 raise ConfigError(f"{detail} in checkpoint {source}; a resumed run must keep the seed, batch "
                                   "arithmetic and data spec of its checkpoint (--allow-config-change to continue "
                                   "anyway, --init-from to start a new run from it)")
+
+    def _universal_checkpoint(self, tag: str, saved: dict) -> Path:
+        """DeepSpeed's universal form of checkpoint ``tag`` (ds_to_universal: every parameter's fp32 weight and Adam
+        moments whole, loadable on any world size and ZeRO stage), made once by rank 0 under RUN/universal/ and
+        removed after this run's next checkpoint. Returns the directory that holds it as ``tag``."""
+        root = self.run_dir / "universal"
+        out, failed = root / tag, None
+        if self.rank == 0 and not (out / COMPLETE).is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = root / f".{tag}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"converting {self.ckpt_dir / tag} ({saved['world_size']} ranks, ZeRO stage "
+                  f"{saved.get('zero_stage')}) to a universal checkpoint in {out}", flush=True)
+            cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                   str(self.ckpt_dir / tag), "--output_folder", str(tmp), "--num_extract_workers", "1",
+                   "--num_merge_workers", "1", "--inject_missing_state"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                lines = (proc.stderr or proc.stdout).strip().splitlines() or ["no output"]
+                failed = (f"checkpoint {self.ckpt_dir / tag}: DeepSpeed's ds_to_universal failed "
+                          f"({lines[-1]}); it continues on {saved['world_size']} ranks under ZeRO stage "
+                          f"{saved.get('zero_stage')}")
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                # DeepSpeed's universal loader opens the model-state file (client state; the weights come from zero/)
+                # under the name of the loading run's stage: ZeRO-3 zero_pp_rank_0_mp_rank_00_model_states.pt, else
+                # mp_rank_00_model_states.pt. The conversion writes the source stage's; give it both names.
+                names = [tmp / "mp_rank_00_model_states.pt", tmp / "zero_pp_rank_0_mp_rank_00_model_states.pt"]
+                have = next((f for f in names if f.is_file()), None)
+                for f in names:
+                    if have is not None and not f.is_file():
+                        shutil.copy(have, f)
+                if self.zero_stage == 3:
+                    _add_stage3_optimizer_step(tmp / "zero")
+                mark_complete(tmp)
+                tmp.rename(out)
+        failed = broadcast_object(failed)
+        if failed:
+            raise ConfigError(failed)
+        self.universal_dir = out
+        return root
 
     def _resumed_horizon(self, client: dict, saved: dict) -> dict:
         """The checkpoint's schedule horizon; a changed optim.schedule_steps is the one way to re-schedule."""
@@ -580,6 +685,8 @@ class Trainer:
                 mark_complete(tag_dir)
                 write_atomic(self.ckpt_dir / LATEST, tag)
                 rotate(self.ckpt_dir, self.cfg.checkpoint.keep_last, tag)
+                if self.universal_dir is not None:  # this run's own checkpoint is the resume point now
+                    shutil.rmtree(self.universal_dir.parent, ignore_errors=True)
             except OSError as e:
                 failed = _describe_save_error(e, tag_dir)
         failed = broadcast_object(failed)
@@ -768,7 +875,9 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
     ``device``: an NCCL process group reduces only CUDA tensors.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    plans = [family.plan(b, cfg, step=step, micro=i, rank=rank) for i, b in enumerate(micro)]
+    # a microbatch's draws (depths, initial states) are seeded by its origin, not by the rank reading it: a run
+    # continued on another world size draws what the uninterrupted run would have
+    plans = [family.plan(b, cfg, step=step, stream=b.origin[0], index=b.origin[1]) for b in micro]
     # tokens computed: rows x padded length of every microbatch [B, L], real tokens included (padding_ratio)
     counts = torch.tensor([sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro),
                            sum(len(b.sample_ids) for b in micro), sum(b.input_ids.numel() for b in micro)],
@@ -820,6 +929,20 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
 def _expert_parallel_size(saved_config: dict) -> int:
     """train.expert_parallel_size of a saved run config (1 for checkpoints from before the key existed)."""
     return int(saved_config.get("train", {}).get("expert_parallel_size", 1))
+
+
+def _add_stage3_optimizer_step(zero_dir: Path):
+    """ZeRO-3's universal loader reads Adam's step count from zero/optimizer_state.pt's optimizer_state_dict, which
+    the conversion of a stage 1-2 checkpoint does not write (it keeps the count in every parameter's step.pt)."""
+    from pipeline.checkpoint import _load_ds_file
+
+    common = zero_dir / "optimizer_state.pt"
+    sd = _load_ds_file(common)
+    if "optimizer_state_dict" in sd:
+        return
+    step = _load_ds_file(next(zero_dir.glob("*/step.pt")))  # one count for all: every parameter steps together
+    sd["optimizer_state_dict"] = {"state": {0: {"step": step}}, "param_groups": sd.get("param_groups", [])}
+    torch.save(sd, common)
 
 
 def _all_gather_object(obj) -> list:

@@ -115,8 +115,10 @@ class Batch:
     sources: list | None = None  # source name per sample, aligned with sample_ids
     document_ids: torch.Tensor | None = None  # [B, L] int64 packed rows: document index in its row, -1 at padding
     position_ids: torch.Tensor | None = None  # [B, L] int64 packed rows: position within its document, 0 at padding
-    stream: int = 0  # loader stream that produced it
+    stream: int = 0  # this rank's loader stream that produced it
     state: dict | None = None  # that stream's position after this batch (see the module docstring)
+    # (global stream, its microbatch index): who made it, whatever rank reads the stream; seeds per-batch draws
+    origin: tuple[int, int] = (0, 0)
 
     @property
     def num_supervised(self) -> int:
@@ -125,7 +127,7 @@ class Batch:
     def to(self, device):
         opt = [t.to(device) if t is not None else None for t in (self.document_ids, self.position_ids)]
         return Batch(self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device),
-                     self.sample_ids, self.sources, *opt, self.stream, self.state)
+                     self.sample_ids, self.sources, *opt, self.stream, self.state, self.origin)
 
 
 class LazyRng:
@@ -500,6 +502,102 @@ def resolve_shards(spec: str) -> tuple[ShardRef, ...]:
     return tuple(refs)
 
 
+@dataclass(frozen=True)
+class StreamLayout:
+    """How a run's data is dealt into sample streams (module docstring, "Streams"), and this rank's share.
+
+    ``streams`` S is fixed for the run; rank r of R reads global streams r*S/R .. (r+1)*S/R - 1. Stream g is seeded
+    by the coordinates (g // seed_width, g % seed_width): seed_width is the streams per rank of the run's first
+    layout, so a stream's samples are those of (rank, stream) of that layout whatever rank reads it later.
+    """
+
+    streams: int
+    seed_width: int
+    world_size: int
+    rank: int
+
+    def __post_init__(self):
+        if self.streams < 1 or self.streams % self.world_size:
+            raise ValueError(f"data.loader_streams: the data is dealt into {self.streams} loader streams, which do "
+                             f"not divide among {self.world_size} ranks; run on a number of ranks that divides "
+                             f"{self.streams}")
+        if self.seed_width < 1 or self.streams % self.seed_width:
+            raise ValueError(f"loader state: seed width {self.seed_width} does not divide {self.streams} streams")
+
+    @classmethod
+    def fresh(cls, world_size: int, rank: int, num_workers: int, streams: int | None = None) -> "StreamLayout":
+        """A new run's layout: ``streams`` (data.loader_streams), default ranks x max(1, workers)."""
+        streams = streams or world_size * max(1, num_workers)
+        return cls(streams, max(1, streams // world_size), world_size, rank)
+
+    @property
+    def local(self) -> int:
+        """Streams of this rank."""
+        return self.streams // self.world_size
+
+    def global_stream(self, local: int) -> int:
+        return self.rank * self.local + local
+
+    def seed_coords(self, stream: int) -> tuple[int, int]:
+        return divmod(stream, self.seed_width)
+
+    def describe(self) -> str:
+        return f"{self.local} per rank x {self.world_size} ranks"
+
+    def as_dict(self) -> dict:
+        return {"streams": self.streams, "seed_width": self.seed_width}
+
+
+def saved_layout(state: dict) -> dict:
+    """A loader state's layout; states from before layouts were stored had ranks x streams-per-rank streams."""
+    return state.get("layout") or {"streams": int(state["world_size"]) * len(state["streams"]),
+                                   "seed_width": len(state["streams"])}
+
+
+def reshard_states(states: list[dict], world_size: int, num_workers: int) -> list[dict]:
+    """The loader states of a checkpoint written by ``len(states)`` ranks, one per rank of ``world_size`` ranks.
+
+    Every stream keeps its position and its samples; only which rank reads it changes (contiguous blocks of
+    S / world_size streams, in stream order), so the continued run neither repeats nor skips a sample. The ranks'
+    microbatch counts are rescaled (N x R / R': the same optimizer step), and each new rank's rotation over its
+    streams must continue where its streams stand: with every stream at the same count (no workers, or workers
+    dividing train.grad_accum_steps) it always does. A ValueError says what to change otherwise.
+    """
+    R = len(states)
+    states = sorted(states, key=lambda st: int(st["rank"]))
+    if [int(st["rank"]) for st in states] != list(range(R)) or any(int(st["world_size"]) != R for st in states):
+        raise ValueError(f"loader state: the checkpoint's {R} loader states are not one per rank")
+    layout = saved_layout(states[0])
+    S = int(layout["streams"])
+    counts = {int(st["batches_consumed"]) for st in states}
+    if len(counts) != 1:
+        raise ValueError(f"loader state: ranks consumed different numbers of microbatches {sorted(counts)}")
+    total = counts.pop() * R
+    if S % world_size or total % world_size:
+        raise ValueError(f"the checkpoint's data is dealt into {S} loader streams (data.loader_streams), which "
+                         f"cannot be divided among {world_size} ranks; continue on a number of ranks that divides "
+                         f"{S} (a run that should move between world sizes sets data.loader_streams to a multiple "
+                         "of each)")
+    streams = [st for state in states for st in state["streams"]]  # global stream order
+    L, N = S // world_size, total // world_size
+    if L % max(1, num_workers):
+        raise ValueError(f"data.num_workers: {num_workers} workers cannot share the {L} loader streams of each of "
+                         f"{world_size} ranks; use a number of workers that divides {L}")
+    out = []
+    for r in range(world_size):
+        mine = streams[r * L:(r + 1) * L]
+        for w, st in enumerate(mine):
+            want = max(0, -(-(N - w) // L))  # batches stream w has given once its rank has taken N in rotation
+            if int(st["batches"]) != want:
+                raise ValueError(f"loader state: stream {r * L + w} has given {st['batches']} microbatches where the "
+                                 f"rotation of {world_size} ranks expects {want}: the checkpoint's streams stand at "
+                                 "unequal positions (data.num_workers not dividing train.grad_accum_steps) and "
+                                 f"continue only on {R} ranks")
+        out.append({**copy.deepcopy(states[0]), "rank": r, "world_size": world_size, "batches_consumed": N,
+                    "layout": dict(layout), "streams": copy.deepcopy(mine)})
+    return out
+
+
 @dataclass
 class Source:
     """A named mixture source; ``transform`` overrides the loader's (e.g. another molecule's replacement pool)."""
@@ -518,7 +616,7 @@ class SourceStream:
     are not verified).
     """
 
-    def __init__(self, source: Source, key: tuple, *, rank: int, world_size: int, num_streams: int,
+    def __init__(self, source: Source, key: tuple, *, layout: "StreamLayout",
                  transform: SampleTransform, id_prefix: str, shuffle_buffer: int = 0,
                  cluster_sampling: bool | None = None, mix_shards: int = 1, vocab_size: int | None = None,
                  verify: bool = True):
@@ -535,17 +633,17 @@ class SourceStream:
         if cluster_sampling is False and self.clusters:
             raise ValueError(f"{self.spec}: holds UniRef50 clusters (manifest layout 'clusters'), which are only "
                              "read by drawing a member; cluster sampling (data.cluster_sampling) is off")
-        self.key, self.rank, self.world_size, self.num_streams = key, rank, world_size, num_streams
+        self.key, self.layout = key, layout
         self.transform, self.id_prefix = source.transform or transform, id_prefix
-        n_shards, needed = len(self.shards), world_size * num_streams
-        if n_shards < needed:
-            raise ShardError(f"{self.spec}: {n_shards} shards < {world_size} ranks x {num_streams} "
-                             f"loader streams; reshard with a smaller --shard-size or use fewer workers")
+        if len(self.shards) < layout.streams:
+            raise ShardError(f"{self.spec}: {len(self.shards)} shards < {layout.streams} loader streams "
+                             f"({layout.describe()}); reshard with a smaller --shard-size or use fewer streams")
         self.counts = np.array([s.samples for s in self.shards])
 
     def stream_shards(self, stream: int, epoch: int) -> np.ndarray:
+        """The shards global stream ``stream`` (of layout.streams) reads in ``epoch``."""
         perm = np.random.default_rng([*self.key, epoch]).permutation(len(self.counts))
-        return perm[self.rank * self.num_streams + stream::self.world_size * self.num_streams]
+        return perm[stream::self.layout.streams]
 
     def read(self, sid: int) -> list:
         """Shard ``sid``'s records, checked (counts, member names, token ids; the digest on its first read here)."""
@@ -558,13 +656,14 @@ class SourceStream:
         return records
 
     def samples(self, stream: int, skip: int) -> Iterator[dict]:
-        """Infinite sample stream of ``stream``, starting after its first ``skip`` samples."""
+        """Infinite sample stream of global stream ``stream``, starting after its first ``skip`` samples."""
         epoch = 0
         while True:
             shards = self.stream_shards(stream, epoch)
             total = int(self.counts[shards].sum())
             if total == 0:
-                raise ShardError(f"{self.spec}: stream {stream} of rank {self.rank} owns only empty shards")
+                raise ShardError(f"{self.spec}: loader stream {stream} of {self.layout.streams} owns only empty "
+                                 "shards")
             if skip >= total:  # jump a whole epoch by counts alone (each epoch deals this stream other shards)
                 skip -= total
                 epoch += 1
@@ -606,6 +705,7 @@ class SourceStream:
         the caller keeps their records (at most 2K shards read at a time) and drops the others.
         """
         K, n = max(1, self.mix_shards), len(shards)
+        coords = self.layout.seed_coords(stream)
         # ceil(n / K) groups of sizes differing by at most one; with K = 2 and n odd one group takes 3, never 1
         G = n if K == 1 else min(-(-n // K), max(1, n // 2))
         bounds = [g * n // G for g in range(G + 1)]  # group g: shard positions bounds[g] .. bounds[g + 1] - 1
@@ -621,7 +721,7 @@ class SourceStream:
                                     for sid, c in zip(sids, n)])
             label = np.repeat(np.arange(len(sids)), n)  # which of the group's shards each position reads
             if len(sids) > 1:
-                label = np.random.default_rng([*self.key, epoch, self.rank, stream, g, K, _MIX_TAG]).permutation(label)
+                label = np.random.default_rng([*self.key, epoch, *coords, g, K, _MIX_TAG]).permutation(label)
             # the i-th position reading shard s takes that shard's i-th sample: a stable sort by label lists the
             # positions in exactly the order of ``inner``
             at = np.empty(len(label), dtype=np.int64)
@@ -650,7 +750,7 @@ class SourceStream:
             return
         for w in range(start // N, -(-total // N)):
             window, live = span(w * N, min((w + 1) * N, total))
-            perm = np.random.default_rng([*self.key, epoch, self.rank, stream, w, N]).permutation(len(window))
+            perm = np.random.default_rng([*self.key, epoch, *coords, w, N]).permutation(len(window))
             yield [window[i] for i in perm[start - w * N if w == start // N else 0:]], live
 
 
@@ -697,9 +797,18 @@ class ShardStream(IterableDataset):
                  batches_consumed: int = 0, mixture: MixtureSchedule | None = None, grad_accum_steps: int = 1,
                  max_tokens: int | None = None, pack: bool = False, pack_separator: int | None = None,
                  row_length: int | None = None, shuffle_buffer: int = 0, cluster_sampling: bool | None = None,
-                 mix_shards: int = 4, vocab_size: int | None = None, verify: bool = True, length_window: int = 0):
+                 mix_shards: int = 4, vocab_size: int | None = None, verify: bool = True, length_window: int = 0,
+                 streams: int | None = None, seed_width: int | None = None):
         self.rank, self.world_size = rank, world_size
-        self.num_streams, self.shuffle_buffer = max(1, num_workers), shuffle_buffer
+        self.layout = (StreamLayout.fresh(world_size, rank, num_workers, streams) if seed_width is None else
+                       StreamLayout(streams, seed_width, world_size, rank))
+        # num_streams: this rank's streams; the iterating processes (its workers, or itself) share them
+        self.num_streams, self.shuffle_buffer = self.layout.local, shuffle_buffer
+        self.processes = max(1, num_workers)
+        if self.num_streams % self.processes:
+            raise ValueError(f"data.num_workers: {num_workers} workers cannot share this rank's {self.num_streams} "
+                             f"loader streams ({self.layout.describe()}); use a number that divides "
+                             f"{self.num_streams}")
         if mix_shards < 1:
             raise ValueError(f"data.mix_shards: must be >= 1, got {mix_shards}")
         self.mix_shards = mix_shards
@@ -722,8 +831,8 @@ class ShardStream(IterableDataset):
         if self.mixture.names != self.names:
             raise ValueError(f"data.schedule: weights are for sources {self.mixture.names}, loader has {self.names}")
         # The single-source key (seed,) and unprefixed ids keep streams identical to loaders before mixtures.
-        self.sources = [SourceStream(s, (seed,) if single else (seed, zlib.crc32(s.name.encode())), rank=rank,
-                                     world_size=world_size, num_streams=self.num_streams, transform=transform,
+        self.sources = [SourceStream(s, (seed,) if single else (seed, zlib.crc32(s.name.encode())),
+                                     layout=self.layout, transform=transform,
                                      id_prefix="" if single else f"{s.name}:", shuffle_buffer=shuffle_buffer,
                                      cluster_sampling=cluster_sampling, mix_shards=mix_shards,
                                      vocab_size=vocab_size, verify=verify)
@@ -734,19 +843,19 @@ class ShardStream(IterableDataset):
         if batches_consumed:
             self.load_state_dict({"batches_consumed": batches_consumed})
 
-    # -- single-source helpers kept for callers that inspect one source's streams
+    # -- single-source helpers kept for callers that inspect one source's streams (``stream``: this rank's)
     def stream_shards(self, stream: int, epoch: int) -> np.ndarray:
-        return self.sources[0].stream_shards(stream, epoch)
+        return self.sources[0].stream_shards(self.layout.global_stream(stream), epoch)
 
     def samples(self, stream: int, skip: int) -> Iterator[dict]:
-        return self.sources[0].samples(stream, skip)
+        return self.sources[0].samples(self.layout.global_stream(stream), skip)
 
     # -- state
     def _fresh_state(self) -> dict:
         S = len(self.sources)
         return {"version": STATE_VERSION, "rank": self.rank, "world_size": self.world_size, "sources": self.names,
                 "shuffle_buffer": self.shuffle_buffer, "mix_shards": self.mix_shards,
-                "length_window": self.length_window, "batches_consumed": 0,
+                "length_window": self.length_window, "batches_consumed": 0, "layout": self.layout.as_dict(),
                 "streams": [StreamState(taken=[0] * S, tokens=[0] * S, window_taken=[0] * S).as_dict()
                             for _ in range(self.num_streams)]}
 
@@ -770,10 +879,12 @@ class ShardStream(IterableDataset):
                 hint = (f" (data.{key} must not change on resume; set data.{key}={state.get(key)!r} to continue "
                         "this run)" if key in tunables else "")
                 raise ValueError(f"loader state: {key} {state.get(key)!r} differs from this loader's {ours!r}{hint}")
-        if len(state["streams"]) != self.num_streams:
-            raise ValueError(f"loader state: {len(state['streams'])} streams, this loader has {self.num_streams} "
-                             "(data.num_workers must not change on resume)")
+        if len(state["streams"]) != self.num_streams or saved_layout(state) != self.layout.as_dict():
+            raise ValueError(f"loader state: {len(state['streams'])} streams of layout {saved_layout(state)}, this "
+                             f"loader has {self.num_streams} of {self.layout.as_dict()} (reshard_states deals a "
+                             "checkpoint's streams to another world size)")
         state = copy.deepcopy(state)
+        state["layout"] = self.layout.as_dict()
         for st in state["streams"]:  # version 1: no windows, so the window starts where the stream stands
             st.setdefault("window_taken", list(st["taken"]))
             st.setdefault("window_batches", 0)
@@ -794,11 +905,14 @@ class ShardStream(IterableDataset):
 
     # -- iteration
     def __iter__(self) -> Iterator[Batch]:
+        # The rank's batch j (after N consumed) comes from its stream (N + j) mod L; torch's DataLoader takes batch j
+        # from worker j mod P, so worker p serves streams (N + p + i P) mod L in that order (P divides L).
         info = get_worker_info()
         physical = info.id if info is not None else 0
-        W = self.num_streams
-        stream = (physical + self.state["batches_consumed"]) % W
-        batches = self._batches(stream, StreamState(**copy.deepcopy(self.state["streams"][stream])))
+        L, P, N = self.num_streams, self.processes, self.state["batches_consumed"]
+        mine = [(N + physical + i * P) % L for i in range(L // P)]
+        streams = [self._batches(w, StreamState(**copy.deepcopy(self.state["streams"][w]))) for w in mine]
+        batches = streams[0] if len(streams) == 1 else _round_robin(streams)
         return batches if info is None else _reporting(batches)
 
     def _batches(self, w: int, st: StreamState) -> Iterator[Batch]:
@@ -807,8 +921,9 @@ class ShardStream(IterableDataset):
         return self._draw_order_batches(w, st)
 
     def _draw_order_batches(self, w: int, st: StreamState) -> Iterator[Batch]:
-        """Microbatches filled in draw order (no length windows)."""
-        chooser = SourceChooser(self.seed, self.rank, w)
+        """Microbatches of this rank's stream ``w``, filled in draw order (no length windows)."""
+        g = self.layout.global_stream(w)
+        chooser = SourceChooser(self.seed, *self.layout.seed_coords(g))
         iters: dict[int, Iterator[dict]] = {}
         held: list = []  # [(source, sample)] at most one: drawn, not placed yet
         weights = None
@@ -817,7 +932,7 @@ class ShardStream(IterableDataset):
             if not held:
                 s = st.pending if st.pending >= 0 else chooser.choose(st.draws, weights)
                 if s not in iters:  # a source's stream resumes from the count of samples already placed
-                    iters[s] = self.sources[s].samples(w, st.taken[s])
+                    iters[s] = self.sources[s].samples(g, st.taken[s])
                 held.append((s, next(iters[s])))
                 st.pending = s
             return held[0][1]
@@ -868,7 +983,7 @@ class ShardStream(IterableDataset):
                 batch = collate(samples, self.pad_id)
             st.batches += 1
             st.window_taken = list(st.taken)  # no windows: "the window" starts where the stream stands
-            batch.stream, batch.state = w, st.as_dict()
+            batch.stream, batch.state, batch.origin = w, st.as_dict(), (g, st.batches - 1)
             yield batch
 
     def _window_batches(self, w: int, st: StreamState) -> Iterator[Batch]:
@@ -878,8 +993,9 @@ class ShardStream(IterableDataset):
         how many of its batches are out; the window is drawn again from there and those batches are skipped.
         """
         M, S = self.length_window, len(self.sources)
-        chooser = SourceChooser(self.seed, self.rank, w)
-        iters = [self.sources[s].samples(w, st.window_taken[s]) for s in range(S)]  # lazy: nothing read yet
+        g = self.layout.global_stream(w)
+        chooser = SourceChooser(self.seed, *self.layout.seed_coords(g))
+        iters = [self.sources[s].samples(g, st.window_taken[s]) for s in range(S)]  # lazy: nothing read yet
         while True:
             k0 = st.draws
             first = st.batches - st.window_batches  # this stream's microbatches before the window
@@ -890,7 +1006,8 @@ class ShardStream(IterableDataset):
                 drawn.append((s, next(iters[s])))
             lengths = np.array([len(x["input_ids"]) for _, x in drawn])
             groups = self._cut(lengths, np.argsort(lengths, kind="stable"))  # [n] lists of indices into drawn
-            order = np.random.default_rng([self.seed, self.rank, w, k0 // M, M, _LEN_TAG]).permutation(len(groups))
+            order = np.random.default_rng([self.seed, *self.layout.seed_coords(g), k0 // M, M,
+                                           _LEN_TAG]).permutation(len(groups))
             for j in range(st.window_batches, len(groups)):
                 group = groups[order[j]]
                 for i in group:
@@ -902,7 +1019,7 @@ class ShardStream(IterableDataset):
                 if st.window_batches == len(groups):  # the window is out: the state names the next one's start
                     st.draws, st.window_batches, st.window_taken = k0 + M, 0, list(st.taken)
                 batch = collate([drawn[i][1] for i in group], self.pad_id)
-                batch.stream, batch.state = w, st.as_dict()
+                batch.stream, batch.state, batch.origin = w, st.as_dict(), (g, st.batches - 1)
                 yield batch
 
     def _cut(self, lengths: np.ndarray, order: np.ndarray) -> list[list[int]]:
@@ -934,6 +1051,13 @@ class WorkerError:
 
 
 _WORKER_ERRORS = (ShardError, FileNotFoundError)  # errors in the data, not in the code: their message is the report
+
+
+def _round_robin(streams: list[Iterator[Batch]]) -> Iterator[Batch]:
+    """One batch of each (infinite) stream in turn."""
+    while True:
+        for it in streams:
+            yield next(it)
 
 
 def _reporting(batches: Iterator[Batch]) -> Iterator:

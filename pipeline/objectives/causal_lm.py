@@ -42,7 +42,7 @@ class Plan:
     sync_max: dict = field(default_factory=dict)  # nothing to synchronize across ranks: the depth is fixed
 
 
-def plan(batch, cfg, *, step: int, micro: int, rank: int) -> Plan:
+def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
     return Plan()
 
 

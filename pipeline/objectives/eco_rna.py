@@ -84,9 +84,10 @@ class LossOutput:
     totals: dict = field(default_factory=dict)  # name -> number summed over micro and ranks (e.g. executed FLOPs)
 
 
-def step_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
-    """A generator owned by (seed, step, microbatch, rank): nothing random depends on global state or history."""
-    state = np.random.SeedSequence([seed, step, micro, rank]).generate_state(2, dtype=np.uint32)
+def step_generator(seed: int, step: int, stream: int, index: int) -> torch.Generator:
+    """A generator owned by (seed, step, microbatch) with the microbatch named by its origin, (loader stream, its
+    index in that stream): nothing random depends on global state, history, or which rank reads the stream."""
+    state = np.random.SeedSequence([seed, step, index, stream]).generate_state(2, dtype=np.uint32)
     return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
 
 
@@ -108,8 +109,8 @@ class Plan:
     sync_max: dict  # {"k_max": local max}; the engine replaces values by their maximum over all ranks
 
 
-def plan(batch, cfg, *, step: int, micro: int, rank: int) -> Plan:
-    gen = step_generator(cfg.seed, step, micro, rank)
+def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
+    gen = step_generator(cfg.seed, step, stream, index)
     depths = sample_depths(batch.input_ids.shape[0], cfg.objective, gen)
     s0 = initial_state(cfg.model, batch.attention_mask.cpu(), generator=gen)
     return Plan(depths, s0, {"k_max": int(depths.max()) if len(depths) else 1})

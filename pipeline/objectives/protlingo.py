@@ -36,7 +36,7 @@ class ProtLingoObjectiveConfig:
                 raise ConfigError(f"objective.{name}: must be >= 0, got {getattr(self, name)}")
 
 
-def plan(batch, cfg, *, step: int, micro: int, rank: int) -> Plan:
+def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
     return Plan()  # nothing to draw before the forward, nothing to synchronize across ranks
 
 

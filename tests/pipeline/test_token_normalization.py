@@ -24,8 +24,8 @@ def deepspeed_step(stage, shards, tmp_path, aux):
 
 
 def plans_for(batches, cfg):
-    """The plan each microbatch got in the worker: rank r, microbatch index i within the rank."""
-    return [plan(b, cfg, step=0, micro=j % 2, rank=j // 2) for j, b in enumerate(batches)]
+    """The plan each microbatch got in the worker: seeded by its origin (loader stream, index), whichever rank read it."""
+    return [plan(b, cfg, step=0, stream=b.origin[0], index=b.origin[1]) for b in batches]
 
 
 def sgd_update(model, loss):

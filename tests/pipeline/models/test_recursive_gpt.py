@@ -224,7 +224,7 @@ def test_causal_lm_transform_loss_and_backward(tmp_path):
     assert np.array_equal(long["labels"][:-1], long["input_ids"][1:])
     batch = collate([dict(s, sample_id="a"), dict(long, sample_id="b")], pad_id=0)
     model = get_family(cfg.family).build_model(cfg.model)
-    p = causal_lm.plan(batch, cfg, step=0, micro=0, rank=0)
+    p = causal_lm.plan(batch, cfg, step=0, stream=0, index=0)
     assert p.sync_max == {}
     out = causal_lm.loss(model, batch, cfg, p)
     assert out.num_tokens == 16 and "words" not in out.totals  # no tokenizer.model beside these "shards"

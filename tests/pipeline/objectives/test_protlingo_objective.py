@@ -52,7 +52,7 @@ def test_loss_is_mlm_sum_plus_token_weighted_moe_losses():
     labels = torch.full_like(ids, IGNORE_INDEX)
     labels[:, 3], labels[0, 5] = ids[:, 3], ids[0, 5]
     batch = Batch(ids, labels, mask, ["a", "b", "c"])
-    out = obj.loss(model, batch, cfg, obj.plan(batch, cfg, step=0, micro=0, rank=0))
+    out = obj.loss(model, batch, cfg, obj.plan(batch, cfg, step=0, stream=0, index=0))
     fwd = model(ids, mask)
     ce = torch.nn.functional.cross_entropy(fwd.logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX,
                                            reduction="sum")
