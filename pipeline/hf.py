@@ -98,7 +98,7 @@ class _Wrapped(PreTrainedModel):
         return torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
 
 
-def _mlm_loss(logits, labels):
+def _cross_entropy(logits, labels):
     if labels is None:
         return None
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
@@ -227,7 +227,7 @@ class EcoRNAForMaskedLM(EcoRNAPreTrainedModel):
             K = self.config.num_loops if num_loops is None else int(num_loops)
             mask = self._mask(input_ids, attention_mask)
             logits, hidden = self.net(input_ids, mask, K, self.initial_state(mask)).logits, None
-        loss = _mlm_loss(logits, labels)
+        loss = _cross_entropy(logits, labels)
         if return_dict is False:
             return tuple(t for t in (loss, logits, hidden) if t is not None)
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=hidden)
@@ -283,7 +283,7 @@ class _CausalLM(_Wrapped, GenerationMixin):
         logits = self.net(input_ids, None if attention_mask is None else attention_mask.bool(), depth)
         loss = None
         if labels is not None:
-            loss = _mlm_loss(logits[:, :-1], labels[:, 1:])
+            loss = _cross_entropy(logits[:, :-1], labels[:, 1:])
         if return_dict is False:
             return tuple(t for t in (loss, logits) if t is not None)
         return CausalLMOutput(loss=loss, logits=logits)
@@ -326,7 +326,7 @@ class ProtLingoForMaskedLM(_Wrapped):
         """input_ids, attention_mask: [B, L] (right-padded) -> MaskedLMOutput(loss, logits [B, L, V]); the MoE
         auxiliary losses are not part of ``loss`` (the masked-LM cross-entropy)."""
         logits = self.net(input_ids, self._mask(input_ids, attention_mask)).logits
-        loss = _mlm_loss(logits, labels)
+        loss = _cross_entropy(logits, labels)
         if return_dict is False:
             return tuple(t for t in (loss, logits) if t is not None)
         return MaskedLMOutput(loss=loss, logits=logits)

@@ -248,14 +248,14 @@ def main(argv=None) -> int:
         if out.exists() and (out.resolve() == source or out.resolve() in source.parents):
             raise ConfigError(f"{out}: --output holds the checkpoint being exported; --force would delete it")
         spm, tokenizer = find_tokenizer(cfg, args.spm, args.no_tokenizer)  # before any long work
-        from pipeline import hf
+        require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
+        from pipeline import hf  # imports transformers (seconds): after the checks that refuse at once
 
         try:
             hf_cfg = hf.hf_config(cfg)
         except ValueError:  # a family without Hugging Face classes (eco_rna_control): pipeline files only
             hf_cfg = None
         fmt = "esm" if cfg.family == "protlingo" and hf.is_dense_esm(cfg.model) else "pipeline"
-        require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
         weights_only = any(tag_dir.glob(EXPERT_FILES))  # MoE checkpoints: read with weights_only=True
         bar = progress(total=4, desc="convert", unit="step")  # re-totalled once the tensors are known
         bar.set_postfix_str("loading the checkpoint")
