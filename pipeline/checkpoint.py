@@ -55,6 +55,22 @@ def is_export(tag_dir: Path) -> bool:
     return (tag_dir / EXPORTED_WEIGHTS).is_file()
 
 
+def export_state_names(state: dict, export_dir: Path) -> dict[str, torch.Tensor]:
+    """An export's tensors under the pipeline's names: an ESM-format export (export.json "format": "esm", a dense
+    ProtLingo written as transformers' EsmForMaskedLM) is mapped back (protlingo.hf_to_protlingo, which drops the
+    contact head and the rotary buffer); pipeline-format exports are returned as they are."""
+    meta = export_dir / "export.json"
+    if not meta.is_file() or json.loads(meta.read_text()).get("format", "pipeline") != "esm":
+        return state
+    from pipeline.models.protlingo import hf_to_protlingo
+
+    n_layers = len({k.split(".")[3] for k in state if k.startswith("esm.encoder.layer.")})
+    try:
+        return hf_to_protlingo(state, n_layers)
+    except ValueError as e:
+        raise ConfigError(f"{export_dir / EXPORTED_WEIGHTS}: {e}") from None
+
+
 def read_client_state(tag_dir: Path) -> dict:
     """A DeepSpeed checkpoint's client_state.json (step, world size, MLflow run, ...); {} for an export, whose
     export.json holds the same provenance."""
@@ -88,10 +104,11 @@ def load_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         try:
-            return load_file(str(tag_dir / EXPORTED_WEIGHTS))
+            state = load_file(str(tag_dir / EXPORTED_WEIGHTS))
         except Exception as e:  # a truncated or foreign file (SafetensorError, OSError): one error naming it
             raise ConfigError(f"{tag_dir / EXPORTED_WEIGHTS}: cannot be read as safetensors "
                               f"({_first_line(e)})") from None
+        return export_state_names(state, tag_dir)
     if not torch.cuda.is_available():  # no device work here; spare the user DeepSpeed's "no GPU found" warning
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if any(tag_dir.glob(EXPERT_FILES)):

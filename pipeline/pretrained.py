@@ -1,7 +1,9 @@
 """Load an exported model for use outside training: ``load_pretrained(DIR) -> (model, tokenizer)``.
 
 An export is what ``tools/convert_checkpoint.py`` writes: ``model.safetensors`` + ``config.yaml`` (+ ``export.json``,
-and ``tokenizer.model`` for the text families). Only safetensors are read, so loading runs no code from the file: a
+``config.json`` for the transformers Auto classes, and ``tokenizer.model`` for the text families). A dense ProtLingo
+(an ESM2) is written under transformers' EsmForMaskedLM names, mapped back here; a ``--dtype bf16`` export loads as a
+bf16 model. Only safetensors are read, so loading runs no code from the file: a
 directory holding pickled weights (a DeepSpeed checkpoint, ``pytorch_model.bin``, ``*.pt``) is refused with the
 command that exports it. The weights must fit the config exactly; the first tensor that does not (missing, of another
 shape or dtype, or not in the model) is named in one ConfigError.
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.checkpoint import EXPORTED_WEIGHTS
+from pipeline.checkpoint import EXPORTED_WEIGHTS, export_state_names
 from pipeline.config import ConfigError, build_config, load_yaml
 from pipeline.families import get_family
 
@@ -47,6 +49,9 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu"):
         state = load_file(str(weights))
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"{weights}: cannot be read as safetensors ({str(e).splitlines()[0]})") from None
+    state = export_state_names(state, d)  # an ESM-format export (a dense ProtLingo) holds transformers' names
+    if state and all(v.dtype == torch.bfloat16 for v in state.values() if v.is_floating_point()):
+        model = model.to(torch.bfloat16)  # a --dtype bf16 export: the model in the dtype it was written in
     check_weights_fit(model, state, weights)
     model.load_state_dict(state, strict=True)
     return model.to(device).eval(), tokenizer_for(cfg, d)

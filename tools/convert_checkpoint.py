@@ -1,13 +1,31 @@
 #!/usr/bin/env python
-"""Export a DeepSpeed ZeRO (stage 1-3) checkpoint to a consolidated fp32 safetensors directory.
+"""Export a DeepSpeed ZeRO (stage 1-3) checkpoint to one directory that pipeline.load_pretrained and the
+transformers Auto classes load.
 
     python tools/convert_checkpoint.py --checkpoint runs/eco_rna_demo --output exports/demo --trust-checkpoint
+    python tools/convert_checkpoint.py --checkpoint runs/eco_rna_demo --tag step00001000 --output exports/demo \
+        --dtype bf16 --force --trust-checkpoint
 
-The output holds ``model.safetensors`` (the full fp32 state dict, independent of the world size and ZeRO stage that
-wrote it), ``config.yaml``, ``export.json`` (source, step, world size, MLflow run, tokenizer) and, for the text
-families (recursive_gpt, standard_gpt), ``tokenizer.model``: the sentencepiece model of the run's training shards
-(found beside them, DATA/tokenizer.model, and checked against their manifest.json's sha256), so BLiMP and LAMBADA run
-on the export after the shards are gone. launchers/evaluate.py and pipeline.checkpoint load it directly.
+--checkpoint is a run dir or its checkpoints/ dir (--tag picks the checkpoint: latest, the default, or a tag
+stepNNNNNNNN; an unknown tag is an error listing the tags there), or a tag dir itself.
+
+The output holds:
+  model.safetensors  the full state dict (independent of the world size, ZeRO stage and expert-parallel size that
+                     wrote it), fp32 or, with --dtype bf16, every floating tensor cast to bf16; the pipeline's names,
+                     except a ProtLingo without MoE and memory (an ESM2), written as transformers' EsmForMaskedLM
+  config.json        the Hugging Face config (pipeline/hf.py: EcoRNAConfig with num_loops = the trained mean depth,
+                     RecursiveGPTConfig / StandardGPTConfig, ProtLingoConfig, or transformers' EsmConfig), so that
+                     after ``import pipeline.hf`` AutoModelForMaskedLM / AutoModelForCausalLM load the directory
+  config.yaml        the run's config (pipeline.load_pretrained, launchers/evaluate.py, --init-from read it)
+  export.json        source, step, world size, MLflow run, tokenizer, format, dtype, task_depths
+  README.md          a model card: source run, step, MLflow run, data manifest sha256, the evaluation results found
+                     beside the checkpoint (eval-*.json), what was trusted, how to load it
+  tokenizer          text families: tokenizer.model, the sentencepiece model of the run's training shards (found
+                     beside them, DATA/tokenizer.model, and checked against their manifest.json's sha256), so BLiMP
+                     and LAMBADA run on the export after the shards are gone; ProtLingo / ESM2: vocab.txt and
+                     tokenizer_config.json (EsmTokenizer, AutoTokenizer); Eco-RNA: the nucleotide vocabulary in
+                     config.json ("tokenizer") and data.molecule in config.yaml
+
 ProtLingo MoE checkpoints of any expert-parallel size (``train.expert_parallel_size``: one DeepSpeed file per expert,
 which DeepSpeed's own zero_to_fp32.py cannot read) export to the single-process model's names, every routed expert
 under its global id, from the fp32 masters (pipeline.checkpoint.load_state_dict).
@@ -15,7 +33,9 @@ under its global id, from the fp32 masters (pipeline.checkpoint.load_state_dict)
 DeepSpeed checkpoints are pickles: DeepSpeed's loader (zero_to_fp32) unpickles them with weights_only=False, which
 runs any code they hold, so converting one needs --trust-checkpoint. Share exports, which load without executing code.
 The export is written to a temporary directory beside --output and renamed into place at the end: a failed conversion
-leaves nothing behind. Progress (with a time estimate) goes to stderr; stdout gets the one summary line.
+leaves nothing behind. An existing non-empty --output is refused unless --force; with --force the old directory is
+swapped out only after the new export is complete (never a half-written export at --output). Progress (per stage and
+per tensor, with a time estimate) goes to stderr; stdout gets the one summary line.
 """
 from __future__ import annotations
 
@@ -75,10 +95,124 @@ def find_tokenizer(cfg, spm: Path | None, skip: bool) -> tuple[Path | None, dict
                     "source": str(source)}
 
 
+def resolve_checkpoint(path: Path, tag: str) -> Path:
+    """The checkpoint --checkpoint and --tag name: ``path`` itself (--tag latest) or the tag dir ``tag`` of the run's
+    checkpoints/ dir. ConfigError listing the tags there for an unknown one."""
+    from pipeline.config import ConfigError
+    from pipeline.run_dir import checkpoint_tags
+
+    if tag == "latest":
+        return path
+    ckpts = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    tags = checkpoint_tags(ckpts)
+    if not tags and not (ckpts / "latest").is_file():
+        raise ConfigError(f"{path}: --tag {tag}: not a run dir or a checkpoints/ dir (a tag dir or an export takes "
+                          "no --tag)")
+    if tag not in tags:
+        raise ConfigError(f"{ckpts}: --tag {tag}: no such checkpoint (tags there: {', '.join(tags) or 'none'})")
+    return ckpts / tag
+
+
+def manifest_hashes(cfg) -> list[tuple[str, str, str | None]]:
+    """(source name, manifest path, sha256 or None when absent) of every training source of the run."""
+    from pipeline.data.shards import MANIFEST, sha256_file
+
+    specs = [(s.name, s.shards) for s in cfg.data.sources] or [("train", cfg.data.train_shards)]
+    out = []
+    for name, spec in specs:
+        manifest = Path(str(spec)) / MANIFEST
+        out.append((name, str(manifest), sha256_file(manifest) if manifest.is_file() else None))
+    return out
+
+
+def evaluation_results(tag_dir: Path) -> list[tuple[Path, dict]]:
+    """launchers/evaluate.py's JSON results beside the checkpoint: TAG_DIR/eval-TASK.json (its default --output),
+    and eval-*.json in the run dir."""
+    found = []
+    for d in (tag_dir, tag_dir.parent.parent):
+        for f in sorted(d.glob("eval-*.json")):
+            try:
+                result = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue  # a foreign or unreadable file: not a result
+            if isinstance(result, dict) and "table" in result and "columns" in result:
+                found.append((f, result))
+    return found
+
+
+def _cell(v) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, weights_only: bool,
+               tokenizer: dict | None) -> str:
+    """README.md of the export (module docstring)."""
+    step = meta.get("step", "unknown")
+    run, uri = meta.get("mlflow_run_id"), meta.get("mlflow_tracking_uri")
+    lines = [f"# {cfg.family} export of {tag_dir.parent.parent.name}, step {step}", "",
+             "## Source", "", f"- run: `{tag_dir.parent.parent}`", f"- checkpoint: `{tag_dir}` (step {step}, "
+             f"written by {meta.get('world_size', '?')} processes, ZeRO stage {meta.get('zero_stage', '?')})",
+             f"- MLflow run: `{run}` (tracking URI `{uri}`)" if run else "- MLflow run: none recorded",
+             f"- family: `{cfg.family}`; weights: `{fmt}` names, {dtype}"]
+    for name, path, digest in manifest_hashes(cfg):
+        lines.append(f"- data manifest ({name}): `{path}` sha256 `{digest}`" if digest else
+                     f"- data manifest ({name}): `{path}` not found at export time (no hash)")
+    if tokenizer and tokenizer.get("sha256"):
+        lines.append(f"- tokenizer: `{tokenizer.get('model')}` sha256 `{tokenizer['sha256']}`")
+    if cfg.family == "eco_rna" and hf_cfg is not None:
+        lines.append(f"- default depth (config.json num_loops): {hf_cfg.num_loops} core iterations (the trained mean "
+                     f"depth, rounded); initial state: the evaluation table, seed {hf_cfg.state_seed}")
+    lines += ["", "## Evaluation results found beside the checkpoint", ""]
+    results = evaluation_results(tag_dir)
+    if not results:
+        lines.append("none found (launchers/evaluate.py writes TAG_DIR/eval-TASK.json)")
+    for f, r in results:
+        cols = [str(c) for c in r["columns"]]
+        lines += [f"`{f.name}`: task {r.get('task', '?')}, data `{r.get('data', '?')}`, seed {r.get('seed', '?')}",
+                  "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in r["table"]]
+        lines.append("")
+    how = ("the optimizer shards and expert files with torch.load(weights_only=True), three DeepSpeed classes allowed "
+           "by name: nothing in them could run code" if weights_only else
+           "DeepSpeed's zero_to_fp32, which unpickles the shards with torch.load(weights_only=False): the converting "
+           "user vouched for the checkpoint with --trust-checkpoint")
+    lines += ["", "## What was trusted", "",
+              f"The DeepSpeed checkpoint was read by {how}. This export holds no pickle: model.safetensors (tensors "
+              "only) and JSON/YAML/text files; loading it, with either snippet below, executes no code from the "
+              "directory (no trust_remote_code: the model classes are this repository's pipeline/hf.py or "
+              "transformers' own).", "", "## How to load", "", "```python", "import pipeline",
+              "model, tokenizer = pipeline.load_pretrained(\"EXPORT_DIR\")  # pipeline module + its tokenizer", ""]
+    if fmt == "esm":
+        lines += ["from transformers import AutoTokenizer, EsmForMaskedLM  # a standard ESM-2 directory",
+                  "model = EsmForMaskedLM.from_pretrained(\"EXPORT_DIR\")",
+                  "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\")"]
+    elif cfg.family in ("recursive_gpt", "standard_gpt"):
+        lines += ["import pipeline.hf  # registers the classes with the Auto classes",
+                  "from transformers import AutoModelForCausalLM",
+                  "model = AutoModelForCausalLM.from_pretrained(\"EXPORT_DIR\")",
+                  "out = model.generate(input_ids, max_new_tokens=20, do_sample=False)  # ids from tokenizer.model"]
+    elif hf_cfg is not None:
+        lines += ["import pipeline.hf  # registers the classes with the Auto classes",
+                  "from transformers import AutoModelForMaskedLM",
+                  "model = AutoModelForMaskedLM.from_pretrained(\"EXPORT_DIR\")"]
+        if cfg.family == "eco_rna":
+            lines.append("out = model(input_ids, attention_mask, num_loops=8, output_hidden_states=True)")
+    else:
+        lines.append(f"# {cfg.family} has no Hugging Face classes: pipeline.load_pretrained only")
+    return "\n".join(lines + ["```", ""])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, or a tag dir")
-    p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--checkpoint", required=True, type=Path, help="run dir, its checkpoints/ dir, or a tag dir")
+    p.add_argument("--tag", default="latest", help="with a run dir or checkpoints/ dir: latest (default: what "
+                   "'latest' names, else the newest complete checkpoint) or a tag such as step00001000")
+    p.add_argument("--output", required=True, type=Path, help="the export directory (must not exist or be empty, "
+                   "unless --force)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the floating tensors written "
+                   "(default fp32, the ZeRO fp32 masters as they are)")
+    p.add_argument("--force", action="store_true", help="replace an existing --output: the new export is completed "
+                   "beside it first, then swapped in")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
     p.add_argument("--spm", type=Path, default=None, help="text families: the sentencepiece model to include "
                    "(default: tokenizer.model beside the run's training shards)")
@@ -90,58 +224,103 @@ def main(argv=None) -> int:
     from pipeline.eval.cli import locate_checkpoint, progress, require_trust
 
     out: Path = args.output
-    tmp = None
+    tmp = old = None
     bar = None
     try:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ConfigError(f"{out}: exists and is not empty")
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"{out}: --output: exists and is not a directory")
+        if out.exists() and any(out.iterdir()) and not args.force:
+            raise ConfigError(f"{out}: --output exists and is not empty; pass --force to replace it")
         if next((a for a in (out.parent, *out.parent.parents) if a.exists()), out.parent).is_file():
             raise ConfigError(f"{out.parent}: --output: a file is in the way of the export's directory")
         if args.spm is not None and not args.spm.is_file():
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
-        from pipeline.checkpoint import EXPORTED_WEIGHTS, is_export, load_trained_model
+        import torch
 
-        tag_dir, cfg, meta = locate_checkpoint(args.checkpoint)
+        from pipeline.checkpoint import EXPERT_FILES, EXPORTED_WEIGHTS, is_export, load_trained_model
+
+        if not args.checkpoint.exists():
+            raise FileNotFoundError(f"{args.checkpoint}: no such checkpoint directory")
+        tag_dir, cfg, meta = locate_checkpoint(resolve_checkpoint(args.checkpoint, args.tag))
         if is_export(tag_dir):
             raise ConfigError(f"{tag_dir}: already an export ({EXPORTED_WEIGHTS}); copy the directory instead")
+        source = tag_dir.resolve()
+        if out.exists() and (out.resolve() == source or out.resolve() in source.parents):
+            raise ConfigError(f"{out}: --output holds the checkpoint being exported; --force would delete it")
         spm, tokenizer = find_tokenizer(cfg, args.spm, args.no_tokenizer)  # before any long work
         require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
-        bar = progress(total=3, desc="convert", unit="step")
+        from pipeline import hf  # imports transformers (seconds): after the checks that refuse at once
+
+        try:
+            hf_cfg = hf.hf_config(cfg)
+        except ValueError:  # a family without Hugging Face classes (eco_rna_control): pipeline files only
+            hf_cfg = None
+        fmt = "esm" if cfg.family == "protlingo" and hf.is_dense_esm(cfg.model) else "pipeline"
+        weights_only = any(tag_dir.glob(EXPERT_FILES))  # MoE checkpoints: read with weights_only=True
+        bar = progress(total=4, desc="convert", unit="step")  # re-totalled once the tensors are known
         bar.set_postfix_str("loading the checkpoint")
         trained = load_trained_model(tag_dir)
         bar.update()
+        state = trained.model.state_dict()
+        bar.total = 3 + len(state)
+        bar.unit = "tensor"
+        bar.refresh()
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        for name in list(state):  # one tick per tensor: cast (floating ones) and contiguous, ready for safetensors
+            bar.set_postfix_str(f"{name}", refresh=False)
+            t = state[name]
+            state[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+            bar.update()
+        if fmt == "esm":
+            state = hf.esm_state_dict(state, cfg.model)  # transformers' EsmForMaskedLM names
         out.parent.mkdir(parents=True, exist_ok=True)  # e.g. exports/, as the training's summary suggests
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
         bar.set_postfix_str(f"writing {EXPORTED_WEIGHTS}")
         from safetensors.torch import save_file
 
-        state = {k: v.contiguous() for k, v in trained.model.state_dict().items()}
-        save_file(state, str(tmp / EXPORTED_WEIGHTS))
+        save_file(state, str(tmp / EXPORTED_WEIGHTS), metadata={"format": "pt"})  # "pt": what transformers expects
         bar.update()
-        bar.set_postfix_str("config, tokenizer, export.json")
+        bar.set_postfix_str("config, tokenizer, export.json, README.md")
         shutil.copy(tag_dir / "config.yaml", tmp / "config.yaml")
+        if hf_cfg is not None:
+            hf_cfg.dtype = "bfloat16" if args.dtype == "bf16" else "float32"
+            hf_cfg.save_pretrained(str(tmp))  # config.json
         if spm is not None:
             shutil.copy(spm, tmp / tokenizer["model"])
+        if cfg.family == "protlingo":  # the ESM-2 alphabet as EsmTokenizer reads it: vocab.txt, tokenizer_config
+            from transformers import EsmTokenizer
+
+            (tmp / "vocab.txt").write_text("\n".join(hf.esm_vocab()) + "\n")
+            EsmTokenizer(str(tmp / "vocab.txt")).save_pretrained(str(tmp))
         keep = {k: meta.get(k) for k in ("step", "world_size", "mlflow_run_id", "mlflow_tracking_uri")}
-        (tmp / "export.json").write_text(json.dumps({"source": str(tag_dir), **keep, "tokenizer": tokenizer},
-                                                    indent=1))
-        if out.exists():
-            out.rmdir()  # empty (checked above)
+        (tmp / "export.json").write_text(json.dumps(
+            {"source": str(tag_dir), **keep, "tokenizer": tokenizer, "format": fmt, "dtype": args.dtype,
+             "hf_model_type": hf_cfg.model_type if hf_cfg is not None else None,
+             "task_depths": dict(getattr(hf_cfg, "task_depths", None) or {})}, indent=1))
+        (tmp / "README.md").write_text(model_card(tag_dir=tag_dir, cfg=cfg, meta=meta, fmt=fmt, hf_cfg=hf_cfg,
+                                                  dtype=args.dtype, weights_only=weights_only, tokenizer=tokenizer))
+        if out.exists():  # empty, or (--force) the previous export: moved aside, then the new one renamed in
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            out.rename(old / out.name)
         tmp.rename(out)
         tmp = None
         bar.update()
     except (ValueError, OSError) as e:  # ConfigError, ShardError: ValueErrors; FileNotFoundError: an OSError
         if bar is not None:
             bar.close()
+        if old is not None and (old / out.name).exists() and not out.exists():
+            (old / out.name).rename(out)  # the swap failed half-way: the previous export goes back
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         if tmp is not None:  # a failed conversion leaves no partial export
             shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     bar.close()
-    n = sum(v.numel() for v in state.values())
+    n = sum(v.numel() for v in trained.model.state_dict().values())
     extra = f", {tokenizer['model']}" if spm is not None else ""
-    print(f"exported {tag_dir} -> {out} ({n:,} parameters{extra})")
+    print(f"exported {tag_dir} -> {out} ({n:,} parameters, {args.dtype}, {fmt} names{extra})")
     return 0
 
 

@@ -55,3 +55,20 @@ def test_an_export_needs_no_flag_and_is_refused_as_input(tmp_path):
     assert "warning" not in proc.stderr and (tmp_path / "e.json").is_file()
     again = run(CONVERT, "--checkpoint", export, "--output", tmp_path / "copy")
     assert again.returncode == 2 and "already an export" in again.stderr and not (tmp_path / "copy").exists()
+
+
+def test_existing_output_is_refused_without_force_and_tags_are_listed(tmp_path):
+    """Both checked before anything is read: one line each, the existing export untouched."""
+    run_dir = tmp_path / "run"
+    write_deepspeed_like(run_dir, tiny_config(tmp_path), step=3)
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier export")
+    proc = run(CONVERT, "--checkpoint", run_dir, "--output", out, "--trust-checkpoint")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: {out}: --output exists and is not empty; pass --force to replace it"]
+    assert (out / "model.safetensors").read_bytes() == b"an earlier export"
+    proc = run(CONVERT, "--checkpoint", run_dir, "--tag", "step00000009", "--output", tmp_path / "new")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: {run_dir / 'checkpoints'}: --tag step00000009: no such checkpoint (tags there: step00000003)"]
+    assert not (tmp_path / "new").exists()
