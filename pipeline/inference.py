@@ -122,14 +122,18 @@ def training_depth(cfg) -> int:
     return min(k, int(obj.k_cap)) if obj.k_cap is not None else k
 
 
+def check_family(cfg, source: str):
+    if cfg.family not in MASKED_LM_FAMILIES:
+        raise ValueError(f"{source}: inference supports the masked LMs ({', '.join(MASKED_LM_FAMILIES)}); "
+                         f"{cfg.family} is not one")
+
+
 class Inference:
     """A loaded masked LM and what inference needs around it (module docstring)."""
 
     def __init__(self, model, tokenizer, cfg, export_meta: dict | None = None,
                  config: InferenceConfig | None = None, source: str = "model"):
-        if cfg.family not in MASKED_LM_FAMILIES:
-            raise ValueError(f"{source}: inference supports the masked LMs ({', '.join(MASKED_LM_FAMILIES)}); "
-                             f"{cfg.family} is not one")
+        check_family(cfg, source)
         self.config = config or InferenceConfig()
         self.model = model.to(self.config.device).eval()
         self.tokenizer, self.cfg, self.source = tokenizer, cfg, source
@@ -158,10 +162,13 @@ class Inference:
 
         cfg_inf = InferenceConfig(**config)
         d = Path(path)
-        model, tokenizer = load_pretrained(d, device=cfg_inf.device)
+        cfg = build_config(load_yaml(d / "config.yaml")) if (d / "config.yaml").is_file() else None
+        if cfg is not None:  # before loading the weights and the tokenizer
+            check_family(cfg, str(d))
+        model, tokenizer = load_pretrained(d, device=cfg_inf.device)  # refuses what is not an export
         meta_path = d / "export.json"
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-        return cls(model, tokenizer, build_config(load_yaml(d / "config.yaml")), meta, cfg_inf, source=str(d))
+        return cls(model, tokenizer, cfg, meta, cfg_inf, source=str(d))
 
     # ---- depth ------------------------------------------------------------------------------------------------
     def default_depth(self, task: str) -> int | None:
