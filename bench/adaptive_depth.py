@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         a = reconstruction_adaptive(model, cfg, samples, tol, args.max_depth, args.batch_size, args.seed)
         rel = a["loss"] / fixed["loss"] - 1
         ok |= abs(rel) <= args.within and a["row_iterations"] < args.fixed * n
-        print(f"{'tol=' + format(tol, 'g'):>16} | {a['loss']:8.4f} | {rel:+8.2%} | {a['accuracy']:8.4f} | "
+        print(f"{'tol=' + format(tol, 'g'):>16} | {a['loss']:8.4f} | {rel:+8.3%} | {a['accuracy']:8.4f} | "
               f"{a['row_iterations'] / n:6.2f} | {min(a['depths']):>3}-{max(a['depths']):<3} | "
               f"{a['row_iterations']:13d}")
     print(f"within {args.within:.0%} of fixed K={args.fixed} with fewer core applications: {'yes' if ok else 'no'}")
