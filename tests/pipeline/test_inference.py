@@ -32,13 +32,13 @@ def inf(export):
     return Inference.from_pretrained(export)
 
 
-def reference_logits(inf, seq: str, k: int) -> torch.Tensor:
-    """The evaluators' forward: <cls> seq <eos> alone, the seed-0 state table, ``logits_at_depths`` -> [n, V]."""
-    ids = torch.from_numpy(NucleotideTokenizer("rna").encode(seq, add_special=True)).long()[None]
-    mask = torch.ones_like(ids, dtype=torch.bool)
+def reference_logits(inf, ids, k: int) -> torch.Tensor:
+    """The evaluators' forward: framed ids [n] alone, the seed-0 state table, ``logits_at_depths`` -> [n, V]."""
+    tokens = torch.as_tensor(ids).long()[None]
+    mask = torch.ones_like(tokens, dtype=torch.bool)
     table = state_table(inf.cfg.model, inf.cfg.data.context_length, 0)
     with torch.no_grad():
-        return inf.model.logits_at_depths(ids, mask, [k], initial_state(inf.cfg.model, mask, table=table))[k][0]
+        return inf.model.logits_at_depths(tokens, mask, [k], initial_state(inf.cfg.model, mask, table=table))[k][0]
 
 
 def test_embed_batches_by_length_and_restores_the_order(inf):
@@ -65,12 +65,7 @@ def test_score_variants_is_the_rnagym_evaluators_score(inf):
     mutants = list(assay.mutants[:40])
 
     def forward(ids):  # launchers/evaluate.py run_rnagym's forward at depth 2
-        tokens = torch.from_numpy(ids).long()[None]
-        mask = torch.ones_like(tokens, dtype=torch.bool)
-        table = state_table(inf.cfg.model, inf.cfg.data.context_length, 0)
-        with torch.no_grad():
-            logits = inf.model.logits_at_depths(tokens, mask, [2], initial_state(inf.cfg.model, mask, table=table))
-        return torch.log_softmax(logits[2][0].float(), -1).numpy()
+        return torch.log_softmax(reference_logits(inf, ids, 2).float(), -1).numpy()
 
     want = rnagym.score_variants(assay, rnagym.wildtype_logprobs(assay.wt_ids(), forward,
                                                                  inf.cfg.data.context_length))[:40]
@@ -86,14 +81,9 @@ def test_predict_masked_top_k_is_the_softmax_at_the_mask(inf):
     out = inf.predict_masked([seq, "GGCUA"], depth=3, top_k=4)
     first, none = out.predictions
     assert [p.position for p in first] == [3, 9] and none == []
-    probs = torch.softmax(reference_logits(inf, seq.replace("<mask>", "N"), 3), -1)  # N only to get the length
     ids = NucleotideTokenizer("rna").encode(seq.replace("<mask>", "N"), add_special=True)
-    ids[[4, 10]] = NucleotideTokenizer.mask_id
-    ref = torch.softmax(inf.model.logits_at_depths(
-        torch.from_numpy(ids).long()[None], torch.ones(1, len(ids), dtype=torch.bool), [3],
-        initial_state(inf.cfg.model, torch.ones(1, len(ids), dtype=torch.bool),
-                      table=state_table(inf.cfg.model, inf.cfg.data.context_length, 0)))[3][0].detach(), -1)
-    assert not torch.equal(probs, ref)  # the <mask> token itself is what the model sees
+    ids[[4, 10]] = NucleotideTokenizer.mask_id  # framed positions of the two masks
+    ref = torch.softmax(reference_logits(inf, ids, 3), -1)  # [n, V]
     for p, at in zip(first, (4, 10)):
         residue = ref[at, 6:]  # residue tokens only (the specials are never predicted)
         top = residue.topk(4)
