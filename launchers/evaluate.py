@@ -143,26 +143,6 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
             "columns": ("K", "|spearman|", "AUC", "|MCC|")}
 
 
-def masked_lm_logits_fn(model):
-    """The ProteinGym ``logits_fn`` of a masked LM: ``model(input_ids, attention_mask).logits`` on the model's
-    device, back as fp32 on the CPU. Any family with that forward fits (ProtLingo, the fixed-depth control, HF
-    EsmForMaskedLM); the scorer checks that the logits cover the 33 ESM-2 tokens."""
-    import torch
-
-    device = next(model.parameters(), torch.empty(0)).device
-
-    @torch.no_grad()
-    def logits_fn(tokens, attention_mask):
-        out = model(tokens.to(device), attention_mask.to(device))
-        logits = getattr(out, "logits", None)
-        if logits is None:
-            raise ValueError(f"{type(model).__name__}(input_ids, attention_mask) returned {type(out).__name__} "
-                             "without .logits: --task proteingym needs a masked LM")
-        return logits.float().cpu()
-
-    return logits_fn
-
-
 def proteingym_model(trained):
     """The checkpoint's model, refused unless its vocabulary is ESM-2's 33 tokens (a nucleotide or text model would
     fail inside its embedding on protein ids, or score the wrong tokens), on the GPU when one is visible."""
@@ -196,7 +176,7 @@ def load_proteingym_assays(data: Path, reference: Path | None):
 
 def run_proteingym(model, data: Path, reference: Path | None, window: int, batch_size: int) -> dict:
     """Score the assays of ``data`` with ``model`` (a masked LM whose forward returns .logits)."""
-    from pipeline.eval.proteingym import METRICS, evaluate_assays
+    from pipeline.eval.proteingym import METRICS, evaluate_assays, masked_lm_logits_fn
 
     assays, skipped = load_proteingym_assays(data, reference)
     res = evaluate_assays(assays, masked_lm_logits_fn(model), window=window, batch_size=batch_size, progress=True)

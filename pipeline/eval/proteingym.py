@@ -360,6 +360,26 @@ def masked_marginals(wt: str, positions: Iterable[int], logits_fn: LogitsFn, *, 
     return {p: cache[(wt, window, p)] for p in spans}, spans
 
 
+def masked_lm_logits_fn(model):
+    """The ProteinGym ``logits_fn`` of a masked LM: ``model(input_ids, attention_mask).logits`` on the model's
+    device, back as fp32 on the CPU. Any family with that forward fits (ProtLingo, the fixed-depth control, HF
+    EsmForMaskedLM); the scorer checks that the logits cover the 33 ESM-2 tokens."""
+    import torch
+
+    device = next(model.parameters(), torch.empty(0)).device
+
+    @torch.no_grad()
+    def logits_fn(tokens, attention_mask):
+        out = model(tokens.to(device), attention_mask.to(device))
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            raise ValueError(f"{type(model).__name__}(input_ids, attention_mask) returned {type(out).__name__} "
+                             "without .logits: --task proteingym needs a masked LM")
+        return logits.float().cpu()
+
+    return logits_fn
+
+
 def score_mutants(subs_list: list[tuple[Substitution, ...]], logprobs: Mapping[int, np.ndarray]) -> np.ndarray:
     """``label_row``: sum over a mutant's substitutions of lp[p, mt] - lp[p, wt] (float64 [n])."""
     out = np.empty(len(subs_list), dtype=np.float64)

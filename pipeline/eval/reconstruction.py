@@ -31,6 +31,33 @@ def heldout_samples(sequences: list, transform, seed: int) -> list[dict]:
     return out
 
 
+def _batches(cfg, samples: list[dict], batch_size: int, seed: int, desc: str | None):
+    """(batch, s0 [B, L, d] from the seed-fixed table, supervised mask [B, L], labels [n_sup]) per batch."""
+    table = state_table(cfg.model, cfg.data.context_length, seed)
+    starts = range(0, len(samples), batch_size)
+    if desc is not None:
+        from pipeline.eval.cli import progress
+
+        starts = progress(starts, desc=desc, unit="batch")
+    for i in starts:
+        b = collate(samples[i:i + batch_size], pad_id=PAD_ID)
+        sup = b.labels != IGNORE_INDEX
+        yield b, initial_state(cfg.model, b.attention_mask, table=table), sup, b.labels[sup]
+
+
+def _add(acc: list, logits: torch.Tensor, labels: torch.Tensor):
+    """acc [CE sum, correct, supervised tokens] += those of logits [n_sup, V] against labels [n_sup]."""
+    logits = logits.float()
+    acc[0] += float(F.cross_entropy(logits, labels, reduction="sum"))
+    acc[1] += int((logits.argmax(-1) == labels).sum())
+    acc[2] += int(labels.numel())
+
+
+def _summary(acc: list) -> dict:
+    ce, correct, n = acc
+    return {"loss": ce / n, "accuracy": correct / n, "tokens": n}
+
+
 @torch.no_grad()
 def reconstruction_sweep(model, cfg, samples: list[dict], depths: list[int], batch_size: int = 32,
                          seed: int = 0, desc: str | None = None) -> dict[int, dict]:
@@ -39,22 +66,23 @@ def reconstruction_sweep(model, cfg, samples: list[dict], depths: list[int], bat
     Each batch runs one trajectory read out at every K (``model.logits_at_depths``): max(depths) core calls, not
     sum(depths). ``desc``: a progress bar over the batches on stderr.
     """
-    table = state_table(cfg.model, cfg.data.context_length, seed)
     sums = {k: [0.0, 0, 0] for k in depths}  # K -> [CE sum, correct, supervised tokens]
-    starts = range(0, len(samples), batch_size)
-    if desc is not None:
-        from pipeline.eval.cli import progress
-
-        starts = progress(starts, desc=desc, unit="batch")
-    for i in starts:
-        b = collate(samples[i:i + batch_size], pad_id=PAD_ID)
-        s0 = initial_state(cfg.model, b.attention_mask, table=table)
-        sup = b.labels != IGNORE_INDEX
-        labels = b.labels[sup]  # [n_sup]
+    for b, s0, sup, labels in _batches(cfg, samples, batch_size, seed, desc):
         for k, logits in model.logits_at_depths(b.input_ids, b.attention_mask, depths, s0).items():
-            logits = logits[sup].float()  # [n_sup, V]
-            acc = sums[k]
-            acc[0] += float(F.cross_entropy(logits, labels, reduction="sum"))
-            acc[1] += int((logits.argmax(-1) == labels).sum())
-            acc[2] += int(sup.sum())
-    return {k: {"loss": ce / n, "accuracy": correct / n, "tokens": n} for k, (ce, correct, n) in sums.items()}
+            _add(sums[k], logits[sup], labels)
+    return {k: _summary(acc) for k, acc in sums.items()}
+
+
+@torch.no_grad()
+def reconstruction_adaptive(model, cfg, samples: list[dict], tol: float, max_depth: int, batch_size: int = 32,
+                            seed: int = 0, desc: str | None = None) -> dict:
+    """:func:`reconstruction_sweep`'s loss and accuracy with every sequence at its adaptive depth
+    (``EcoRNA.adaptive``: until its relative displacement is < ``tol``, at most ``max_depth``), on the same crops,
+    masks and initial states; plus "depths" (per sample, in order) and "row_iterations" (core row-applications)."""
+    acc, depths, row_iterations = [0.0, 0, 0], [], 0
+    for b, s0, sup, labels in _batches(cfg, samples, batch_size, seed, desc):
+        out = model.adaptive(b.input_ids, b.attention_mask, s0, tol, max_depth)
+        _add(acc, out.logits[sup], labels)
+        depths += out.depths.tolist()
+        row_iterations += out.row_iterations
+    return {**_summary(acc), "depths": depths, "row_iterations": row_iterations}

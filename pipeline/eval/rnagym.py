@@ -146,7 +146,7 @@ class Assay:
     dms_id: str
     path: Path
     wt: str                      # wild type, upper-case U alphabet, length L
-    wt_source: str               # "reference" | "wt_row" | "reconstructed"
+    wt_source: str               # "reference" | "wt_row" | "reconstructed" | "given" (assay_from_mutants)
     mutants: tuple[str, ...]     # [N] mutant strings as normalised here ("" for the wild-type row)
     dms_score: np.ndarray        # [N] float64 measured fitness y
     line_numbers: np.ndarray     # [N] int64 file line of each kept variant (for messages)
@@ -216,6 +216,51 @@ def _reference_mismatch(ref: str, consensus: str, variants) -> str:
         if rev >= 0:
             why += f"; the reference occurs inside the assay wild type at 0-based offset {rev}"
     return why
+
+
+def _check_on_wild_type(wt: str, frm: str, p: int, to: str, where: str, source: str):
+    """ValueError unless substitution ``frm``(p+1)``to`` lies on ``wt`` and ``wt`` carries ``frm`` there."""
+    mut = f"{frm}{p + 1}{to}"
+    if p >= len(wt):
+        raise ValueError(f"{where}: mutation {mut} is past the end of the wild type (length {len(wt)})")
+    if wt[p] != frm:
+        raise ValueError(f"{where}: mutation {mut}: wild-type base at position {p + 1} is {wt[p]}, not {frm} "
+                         f"({source})")
+
+
+def _base_ids(sub_from: list, sub_to: list, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """The substitutions' from/to letters as int64 token ids [M]; ValueError for a letter outside the alphabet."""
+    ids_from = np.asarray([VOCAB.index(b) if b in VOCAB else -1 for b in sub_from], dtype=np.int64)
+    ids_to = np.asarray([VOCAB.index(b) if b in VOCAB else -1 for b in sub_to], dtype=np.int64)
+    if (ids_from < NUM_SPECIAL).any() or (ids_to < NUM_SPECIAL).any():
+        raise ValueError(f"{where}: a mutation uses a base outside the nucleotide/IUPAC alphabet")
+    return ids_from, ids_to
+
+
+def assay_from_mutants(wt: str, mutants: Iterable[str], dms_id: str = "variants") -> Assay:
+    """An :class:`Assay` of mutant strings on the wild type ``wt``, without measurements (``dms_score`` NaN), for
+    scoring outside a benchmark file (pipeline.inference): the same spelling (1-based, comma-joined, T read as U,
+    ``""`` the wild type itself) and the same checks as :func:`load_assay`'s rows."""
+    wt = _normalise(wt)
+    try:
+        _TOKENIZER.encode(wt)
+    except ValueError as e:
+        raise ValueError(f"{dms_id}: wild type: {e}") from None
+    mutants = [str(m).strip() for m in mutants]
+    sub_variant, sub_pos, sub_from, sub_to = [], [], [], []
+    for i, text in enumerate(mutants):
+        where = f"{dms_id}: mutant {i} ({text!r})"
+        for frm, p, to in (_parse_mutant(text, where) if text else []):
+            _check_on_wild_type(wt, frm, p, to, where, "the given wild type")
+            sub_variant.append(i)
+            sub_pos.append(p)
+            sub_from.append(frm)
+            sub_to.append(to)
+    ids_from, ids_to = _base_ids(sub_from, sub_to, dms_id)
+    return Assay(dms_id=dms_id, path=Path(dms_id), wt=wt, wt_source="given", mutants=tuple(mutants),
+                 dms_score=np.full(len(mutants), np.nan), line_numbers=np.arange(len(mutants), dtype=np.int64),
+                 sub_variant=np.asarray(sub_variant, dtype=np.int64), sub_pos=np.asarray(sub_pos, dtype=np.int64),
+                 sub_from=ids_from, sub_to=ids_to)
 
 
 def load_assay(path, sheet: Mapping[str, Mapping] | None = None, dms_id: str | None = None) -> Assay:
@@ -310,19 +355,14 @@ def load_assay(path, sheet: Mapping[str, Mapping] | None = None, dms_id: str | N
             raise ValueError(f"{where}: variant length {len(seq)} != wild-type length {len(wt)} "
                              f"(mutant {mutant!r}; only substitutions are supported)")
         for frm, p, to in subs:
-            mut = f"{frm}{p + 1}{to}"
-            if p >= len(wt):
-                raise ValueError(f"{where}: mutation {mut} is past the end of the wild type (length {len(wt)})")
-            if wt[p] != frm:
-                raise ValueError(f"{where}: mutation {mut}: wild-type base at position {p + 1} is {wt[p]}, "
-                                 f"not {frm} (wild type from {wt_source})")
+            _check_on_wild_type(wt, frm, p, to, where, f"wild type from {wt_source}")
             if seq[p] != to:
-                raise ValueError(f"{where}: mutation {mut}: variant sequence has {seq[p]} at position {p + 1}, "
-                                 f"not {to}")
+                raise ValueError(f"{where}: mutation {frm}{p + 1}{to}: variant sequence has {seq[p]} at position "
+                                 f"{p + 1}, not {to}")
             sub_variant.append(i)
             sub_pos.append(p)
-            sub_from.append(VOCAB.index(frm) if frm in VOCAB else -1)
-            sub_to.append(VOCAB.index(to) if to in VOCAB else -1)
+            sub_from.append(frm)
+            sub_to.append(to)
         diff = np.flatnonzero(np.frombuffer(seq.encode("ascii"), dtype=np.uint8) != wt_arr)
         unlisted = sorted(set(diff.tolist()) - {p for _, p, _ in subs})
         if unlisted:
@@ -333,10 +373,7 @@ def load_assay(path, sheet: Mapping[str, Mapping] | None = None, dms_id: str | N
     except ValueError as e:
         raise ValueError(f"{path}: wild type ({wt_source}): {e}") from None
     # Variants equal the wild type outside their listed positions, so checking the `to` bases covers them.
-    ids_from = np.asarray(sub_from, dtype=np.int64)
-    ids_to = np.asarray(sub_to, dtype=np.int64)
-    if (ids_from < NUM_SPECIAL).any() or (ids_to < NUM_SPECIAL).any():
-        raise ValueError(f"{path}: a mutation uses a base outside the nucleotide/IUPAC alphabet")
+    ids_from, ids_to = _base_ids(sub_from, sub_to, str(path))
 
     return Assay(dms_id=dms_id, path=path, wt=wt, wt_source=wt_source,
                  mutants=tuple(v[1] for v in variants),

@@ -134,6 +134,26 @@ def initial_state(cfg: EcoRNAConfig, attention_mask: torch.Tensor, generator: to
     return s0.to(attention_mask.device) * attention_mask[..., None].float()
 
 
+def relative_displacement(state, prev, valid, eps: float) -> torch.Tensor:
+    """r_i = ||s^K - s^(K-1)||^2_V / max(||s^(K-1)||^2_V, eps) over attention-valid positions V (Eq. 9) -> [B].
+
+    state, prev: [B, L, d]; valid: [B, L]. The training penalty (pipeline/objectives/eco_rna.py) and the adaptive
+    stopping rule (:meth:`EcoRNA.adaptive`) both use this one definition."""
+    v = valid[..., None].float()
+    num = ((state.float() - prev.float()) ** 2 * v).sum((1, 2))
+    den = (prev.float() ** 2 * v).sum((1, 2)).clamp(min=eps)
+    return num / den
+
+
+@dataclass
+class AdaptiveOutput:
+    logits: torch.Tensor  # [B, L, V] readout of each row's state at its own depth
+    hidden: torch.Tensor  # [B, L, d] the readout's representation N_o(C(W_o s)) before the tied head
+    depths: torch.Tensor  # [B] long: core applications each row received
+    displacement: torch.Tensor  # [B] fp32: r of each row's last iteration (Eq. 9)
+    row_iterations: int  # executed core row-applications, = sum_i depths_i
+
+
 @dataclass
 class EcoRNAOutput:
     logits: torch.Tensor  # [B, L, V] readout of each row's terminal state s^(K_i)
@@ -273,6 +293,46 @@ class EcoRNA(nn.Module):
             if t in wanted:
                 out[t] = self.embed(self.readout(s, rope, key_mask), as_head=True)
         return out
+
+    def adaptive(self, tokens: torch.Tensor, attention_mask: torch.Tensor, init_state: torch.Tensor, tol: float,
+                 max_depth: int, eps: float = 1e-6) -> AdaptiveOutput:
+        """Iterate every row until its relative displacement (Eq. 9, :func:`relative_displacement`) falls below
+        ``tol``, or ``max_depth`` core applications; each row is read out at its own depth.
+
+        tokens, attention_mask: [B, L]; init_state: [B, L, d]. Left-aligned: every row starts at iteration 1, and a
+        row whose r_k = ||s_k - s_{k-1}||^2 / ||s_{k-1}||^2 (over its real tokens) is < ``tol`` after iteration k
+        stops there with depth k. The active rows are kept as one compacted tensor (finished rows are dropped from
+        it as they finish), so the core runs on exactly sum_i depths_i rows, never on a finished one. tol = 0 never
+        stops early: every row gets max_depth iterations, as ``logits_at_depths(..., [max_depth], ...)``. Padded
+        layout only (``unpad`` is ignored: the outputs at real tokens are the same). For inference; it neither
+        needs nor disables autograd.
+        """
+        if int(max_depth) < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+        if not tol >= 0:
+            raise ValueError(f"tol must be >= 0, got {tol}")
+        B = tokens.shape[0]
+        e, rope, key_mask = self._prelude(tokens, attention_mask)
+        s = init_state.to(e.dtype)
+        final = torch.zeros_like(s)  # [B, L, d] each row's state at its stopping depth
+        depths = torch.zeros(B, dtype=torch.long, device=tokens.device)
+        last_r = torch.zeros(B, dtype=torch.float32, device=tokens.device)
+        rows = torch.arange(B, device=tokens.device)  # [n] original index of each active row
+        act_e, act_mask, row_iterations = e, key_mask, 0
+        for k in range(1, int(max_depth) + 1):
+            new = self.core(s, act_e, rope, act_mask)  # [n, L, d]: only the still-active rows
+            row_iterations += len(rows)
+            r = relative_displacement(new, s, act_mask, eps)  # [n]
+            done = r < tol if k < max_depth else torch.ones_like(r, dtype=torch.bool)
+            fin = rows[done]
+            final[fin], depths[fin], last_r[fin] = new[done], k, r[done]
+            keep = ~done
+            if not bool(keep.any()):
+                break
+            rows, s, act_e, act_mask = rows[keep], new[keep], act_e[keep], act_mask[keep]
+        hidden = self.readout(final, rope, key_mask)
+        return AdaptiveOutput(logits=self.embed(hidden, as_head=True), hidden=hidden, depths=depths,
+                              displacement=last_r, row_iterations=row_iterations)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths, init_state: torch.Tensor, *,
                 k_max: int | None = None, backward_window: int | None = None,

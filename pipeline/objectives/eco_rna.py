@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pipeline.config import ConfigError
 from pipeline.data.tokenizer import NucleotideTokenizer
-from pipeline.models.eco_rna import initial_state
+from pipeline.models.eco_rna import initial_state, relative_displacement  # noqa: F401 (re-exported)
 from pipeline.objectives.masking import IGNORE_INDEX, make_mlm_transform
 
 
@@ -128,14 +128,6 @@ def per_row_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
     """Summed token cross-entropy per row [B] and supervised count per row [B] (fp32)."""
     ce = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
     return ce.sum(1), (labels != IGNORE_INDEX).sum(1)
-
-
-def relative_displacement(state, prev, valid, eps: float) -> torch.Tensor:
-    """r_i = ||s^K - s^(K-1)||^2_V / max(||s^(K-1)||^2_V, eps) over attention-valid positions V (Eq. 9) -> [B]."""
-    v = valid[..., None].float()
-    num = ((state.float() - prev.float()) ** 2 * v).sum((1, 2))
-    den = (prev.float() ** 2 * v).sum((1, 2)).clamp(min=eps)
-    return num / den
 
 
 def recurrent_loss(model, batch, cfg, p: Plan) -> LossOutput:
