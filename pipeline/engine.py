@@ -687,6 +687,7 @@ class Trainer:
                 rotate(self.ckpt_dir, self.cfg.checkpoint.keep_last, tag)
                 if self.universal_dir is not None:  # this run's own checkpoint is the resume point now
                     shutil.rmtree(self.universal_dir.parent, ignore_errors=True)
+                    self.universal_dir = None
             except OSError as e:
                 failed = _describe_save_error(e, tag_dir)
         failed = broadcast_object(failed)

@@ -5,10 +5,15 @@ shard directory with manifest.json or brace-notation tar paths (``data/x/x-{0000
 manifest the per-shard sample and token counts are obtained by reading every tar once when the loader is built (one
 full read + decode of the source, per process; cached for the process) -- use a manifest for large sources.
 
-Streams. The shards of a source in epoch ``e`` are permuted with seed (key, e), key = (seed,) for the single-source
-loader and (seed, crc32(name)) for a mixture source; with R ranks and W streams per rank (one per DataLoader worker,
-or one without workers), stream w of rank r owns the shards at positions r*W + w, r*W + w + R*W, ... of that
-permutation. Inside a shard the samples are permuted with seed (key, e, shard). Shard mixing (``mix_shards`` K,
+Streams. The data is dealt into S sample streams fixed for the whole run (StreamLayout; ``data.loader_streams``,
+default R ranks x max(1, workers) at the run's start, kept in the loader state). Rank r reads the contiguous block
+of streams r*S/R .. (r+1)*S/R - 1, shared among its DataLoader workers (or read in turn by the rank itself), so a
+checkpoint continues on any number of ranks dividing S with every stream where it stood (reshard_states): each
+step then reads the samples of the uninterrupted run, with no sample repeated or skipped. The shards of a source in
+epoch ``e`` are permuted with seed (key, e), key = (seed,) for the single-source loader and (seed, crc32(name)) for
+a mixture source; stream g owns the shards at positions g, g + S, ... of that permutation. Every seed below that
+names a "rank, stream" uses the stream's coordinates (g // w0, g % w0), w0 the streams per rank of the run's first
+layout, so a stream's order does not depend on who reads it. Inside a shard the samples are permuted with seed (key, e, shard). Shard mixing (``mix_shards`` K,
 default 4): the stream's n shards of the epoch, in that order, form ceil(n / K) groups of consecutive shards (sizes
 differing by at most one; no group of one when K > 1), and a group's samples are a uniformly random interleaving of
 its shards' permuted samples, seeded (key, e, rank, stream, group, K, tag), so a corpus written one domain per shard
@@ -63,10 +68,11 @@ re-read from its source's position. With length windows, ``draws`` is the positi
 emitted: a resumed stream draws the window again from those counts (a sample is a pure function of its position),
 sorts and permutes it the same way and skips the emitted batches; once a window's last batch is out, the state names
 the next window's start (without windows ``window_taken`` equals ``taken`` and ``window_batches`` is 0). Each Batch
-carries its stream's state after it; the loader in the main process keeps the state of the last batch it handed out
-per stream plus N, the microbatches consumed. torch's DataLoader takes batches from its workers in strict rotation,
-so batch j came from stream j mod W; a resumed loader rotates the streams so that the next batch comes from stream
-N mod W. State size: W x (4 + 3 x sources) integers per rank. States of version 1 (before length windows) load as
+carries its stream's state after it and its origin (global stream, index in it); the loader in the main process
+keeps the state of the last batch it handed out per stream plus N, the microbatches consumed. A rank takes its L
+streams in rotation (batch j from stream j mod L); torch's DataLoader takes batches from its P workers in strict
+rotation, so worker p serves streams p, p + P, ... (P divides L); a resumed loader rotates the streams so that the
+next batch comes from stream N mod L. State size: L x (4 + 3 x sources) integers per rank. States of version 1 (before length windows) load as
 length_window 0; ``length_window`` must not change on resume.
 
 Checks while reading. Every shard passes the tar-member check all shard readers share (shards.member_problem: no
