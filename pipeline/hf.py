@@ -37,6 +37,7 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutput, Maske
 from pipeline.models import eco_rna as eco_rna_model
 from pipeline.models import protlingo as protlingo_model
 from pipeline.models import recursive_gpt as gpt_model
+from pipeline.objectives.eco_rna import trained_mean_depth
 
 IGNORE_INDEX = -100  # = pipeline.objectives.masking.IGNORE_INDEX and transformers' own label convention
 
@@ -105,27 +106,6 @@ def _cross_entropy(logits, labels):
 
 
 # ---- Eco-RNA ------------------------------------------------------------------------------------------------------
-def trained_mean_depth(objective) -> float:
-    """E[K] of the training depth law (pipeline.objectives.eco_rna.sample_depths): K = clamp(Poisson(e^tau), k_min,
-    k_cap), tau ~ N(log mu - sigma^2/2, sigma^2), by 64-point Gauss-Hermite quadrature over tau and the Poisson pmf
-    summed exactly; ``train_depth`` for the fixed law."""
-    import numpy as np
-
-    if objective.depth_law == "fixed":
-        return float(objective.train_depth)
-    nodes, weights = np.polynomial.hermite_e.hermegauss(64)  # probabilists' Hermite: weight exp(-x^2 / 2)
-    weights = weights / weights.sum()
-    lam = np.exp(math.log(objective.mu_k) - objective.sigma_k ** 2 / 2 + objective.sigma_k * nodes)
-    cap = objective.k_cap if objective.k_cap is not None else int(lam.max() + 20 * math.sqrt(lam.max()) + 50)
-    mean = 0.0
-    for lam_i, w in zip(lam, weights):
-        k = np.arange(cap)  # P(K~ = k) for k < cap; every K~ >= cap counts as cap
-        pmf = np.exp(k * math.log(lam_i) - lam_i - np.array([math.lgamma(j + 1) for j in k]))
-        clamped = np.maximum(k, objective.k_min)
-        mean += w * (float((pmf * clamped).sum()) + (1 - float(pmf.sum())) * cap)
-    return mean
-
-
 class EcoRNAConfig(_PipelineConfig):
     """pipeline.models.eco_rna.EcoRNAConfig's fields, plus:
 

@@ -114,12 +114,10 @@ class _Out:
 
 
 def training_depth(cfg) -> int:
-    """The training depth law's mean depth: ``train_depth`` (fixed law), else round(mu_k) within [k_min, k_cap]."""
-    obj = cfg.objective
-    if obj.depth_law == "fixed":
-        return int(obj.train_depth)
-    k = max(int(obj.k_min), int(round(obj.mu_k)))
-    return min(k, int(obj.k_cap)) if obj.k_cap is not None else k
+    """The training depth law's mean depth, rounded (the HF config's default ``num_loops`` too)."""
+    from pipeline.objectives.eco_rna import trained_mean_depth
+
+    return max(1, round(trained_mean_depth(cfg.objective)))
 
 
 def check_family(cfg, source: str):

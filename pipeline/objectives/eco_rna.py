@@ -109,6 +109,25 @@ class Plan:
     sync_max: dict  # {"k_max": local max}; the engine replaces values by their maximum over all ranks
 
 
+def trained_mean_depth(objective) -> float:
+    """E[K] of the training depth law (pipeline.objectives.eco_rna.sample_depths): K = clamp(Poisson(e^tau), k_min,
+    k_cap), tau ~ N(log mu - sigma^2/2, sigma^2), by 64-point Gauss-Hermite quadrature over tau and the Poisson pmf
+    summed exactly; ``train_depth`` for the fixed law."""
+    if objective.depth_law == "fixed":
+        return float(objective.train_depth)
+    nodes, weights = np.polynomial.hermite_e.hermegauss(64)  # probabilists' Hermite: weight exp(-x^2 / 2)
+    weights = weights / weights.sum()
+    lam = np.exp(math.log(objective.mu_k) - objective.sigma_k ** 2 / 2 + objective.sigma_k * nodes)
+    cap = objective.k_cap if objective.k_cap is not None else int(lam.max() + 20 * math.sqrt(lam.max()) + 50)
+    mean = 0.0
+    for lam_i, w in zip(lam, weights):
+        k = np.arange(cap)  # P(K~ = k) for k < cap; every K~ >= cap counts as cap
+        pmf = np.exp(k * math.log(lam_i) - lam_i - np.array([math.lgamma(j + 1) for j in k]))
+        clamped = np.maximum(k, objective.k_min)
+        mean += w * (float((pmf * clamped).sum()) + (1 - float(pmf.sum())) * cap)
+    return mean
+
+
 def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
     gen = step_generator(cfg.seed, step, stream, index)
     depths = sample_depths(batch.input_ids.shape[0], cfg.objective, gen)
