@@ -280,14 +280,19 @@ class Trainer:
         run deals the data into data.loader_streams streams (default ranks x max(1, workers))."""
         d = self.cfg.data
         states = (saved or {}).get("loader")
-        if not states:  # a new run, or a checkpoint from before loader states (same world size only)
-            return StreamLayout.fresh(self.world_size, 0, d.num_workers, d.loader_streams), None
         try:
-            states = reshard_states(states, self.world_size, d.num_workers)
+            if not states:  # a new run, or a checkpoint from before loader states (same world size only)
+                layout = StreamLayout.fresh(self.world_size, 0, d.num_workers, d.loader_streams)
+            else:
+                states = reshard_states(states, self.world_size, d.num_workers)
+                layout = StreamLayout(**saved_layout(states[0]), world_size=self.world_size, rank=0)
         except ValueError as e:
-            raise ConfigError(f"checkpoint {self.ckpt_dir / self.resume_tag}: {e}") from None
-        layout = saved_layout(states[0])
-        return StreamLayout(layout["streams"], layout["seed_width"], self.world_size, 0), states
+            where = f"checkpoint {self.ckpt_dir / self.resume_tag}: " if states else ""
+            raise ConfigError(f"{where}{e}") from None
+        if layout.local % max(1, d.num_workers):
+            raise ConfigError(f"data.num_workers: {d.num_workers} workers cannot share each rank's {layout.local} "
+                              f"loader streams ({layout.describe()}); use a number that divides {layout.local}")
+        return layout, states
 
     def _check_reshard(self, saved: dict) -> bool:
         """Whether the checkpoint was written on another world size or ZeRO stage (and can continue here)."""

@@ -46,6 +46,9 @@ YAML_CASES = [
     ("max-nonfinite-steps-zero", "train:\n  max_nonfinite_steps: 0\n", ["{f}", "train.max_nonfinite_steps"]),
     ("max-hours-negative", "train:\n  max_hours: -1\n", ["{f}", "train.max_hours"]),
     ("verify-not-bool", "data:\n  verify: maybe\n", ["{f}", "data.verify", "true/false"]),
+    ("loader-streams-zero", "data:\n  loader_streams: 0\n", ["{f}", "data.loader_streams", ">= 1"]),
+    ("workers-not-dividing-streams", "data:\n  loader_streams: 2\n  num_workers: 3\n",
+     ["data.num_workers", "3 workers", "divides 2"]),
 ]
 
 
