@@ -239,7 +239,8 @@ def test_export_loads_without_deepspeed_and_gives_the_same_numbers(trained_run, 
     proc = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), "--checkpoint", str(trained_run),
                            "--output", str(export), TRUST], cwd=REPO, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in export.iterdir()) == ["config.yaml", "export.json", "model.safetensors"]
+    assert sorted(p.name for p in export.iterdir()) == ["README.md", "config.json", "config.yaml", "export.json",
+                                                        "model.safetensors"]
     assert "convert: 100%" in proc.stderr and proc.stdout.startswith("exported ")  # progress on stderr only
     assert json.loads((export / "export.json").read_text())["tokenizer"]["name"] == "nucleotide"
     outs = []

@@ -68,9 +68,9 @@ def test_export_holds_the_tokenizer_and_blimp_runs_without_the_shards(text_run, 
     export = tmp_path / "export"
     proc = tool("tools/convert_checkpoint.py", "--checkpoint", run_dir, "--output", export, TRUST)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().endswith("parameters, tokenizer.model)")
-    assert sorted(p.name for p in export.iterdir()) == ["config.yaml", "export.json", "model.safetensors",
-                                                        "tokenizer.model"]
+    assert proc.stdout.strip().endswith("parameters, fp32, pipeline names, tokenizer.model)")
+    assert sorted(p.name for p in export.iterdir()) == ["README.md", "config.json", "config.yaml", "export.json",
+                                                        "model.safetensors", "tokenizer.model"]
     manifest = json.loads((shards / "manifest.json").read_text())["tokenizer"]
     meta = json.loads((export / "export.json").read_text())
     assert meta["tokenizer"]["sha256"] == manifest["sha256"] == sha256_file(export / "tokenizer.model")
