@@ -160,7 +160,32 @@ def _global_expert_name(name: str, ep_rank: int, num_local: int) -> str:
 
 
 def _zero12_fp32_masters(tag_dir: Path, model_states: dict) -> dict[str, torch.Tensor]:
-    """The fp32 master of every trainable parameter from the ZeRO-1/2 optimizer shards, expert ids global.
+    """The fp32 master of every trainable parameter from the ZeRO-1/2 optimizer shards, expert ids global."""
+    return _zero12_full_states(tag_dir, model_states, ("fp32",))["fp32"]
+
+
+def zero12_optimizer_state(tag_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
+    """({"fp32" | "exp_avg" | "exp_avg_sq": {name: full tensor}}, Adam's step count) of a ZeRO-1/2 checkpoint of any
+    world size and EP size, in the single-process model's names (experts under their global ids): what a run needs
+    to continue on another layout when DeepSpeed's universal checkpoint cannot carry it (expert parallelism)."""
+    tag_dir = Path(tag_dir)
+    model_states = _load_ds_file(tag_dir / "mp_rank_00_model_states.pt")
+    full = _zero12_full_states(tag_dir, model_states, ("fp32", "exp_avg", "exp_avg_sq"))
+    if not full["fp32"]:
+        raise ConfigError(f"{tag_dir}: no ZeRO-1/2 optimizer shards (a ZeRO-0 or ZeRO-3 checkpoint)")
+    steps = {float(st["step"]) for st in _load_ds_file(next(tag_dir.glob(_SHARDS)))["optimizer_state_dict"]
+             ["base_optimizer_state"]["state"].values()}
+    if len(steps) != 1:
+        raise ConfigError(f"{tag_dir}: optimizer groups at different step counts {sorted(steps)}")
+    return full, steps.pop()
+
+
+_SHARDS = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"
+
+
+def _zero12_full_states(tag_dir: Path, model_states: dict, keys: tuple) -> dict[str, dict[str, torch.Tensor]]:
+    """{key: {name: full tensor}} for ``keys`` among "fp32" (the masters) and the Adam moments of the ZeRO-1/2
+    optimizer shards; every one is a flat partition per optimizer group laid out alike.
 
     Shard r holds, per optimizer group, rank r's slice of the group; ``param_slice_mappings`` names each slice's
     parameter (local expert ids) and place in the partition. A data-parallel group is partitioned over all W ranks;
@@ -168,11 +193,10 @@ def _zero12_fp32_masters(tag_dir: Path, model_states: dict) -> dict[str, torch.T
     layout (``use_data_before_expert_parallel_`` false, the only one the pipeline creates) EP rank e is every rank
     r with r % ep == e, ep = W / P, in rank order, and holds global experts e * num_local .. (e + 1) * num_local - 1.
     """
-    shards = sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"),
-                    key=lambda f: int(_SHARD_RANK.search(f.name).group(1)))
+    shards = sorted(tag_dir.glob(_SHARDS), key=lambda f: int(_SHARD_RANK.search(f.name).group(1)))
     world = int(model_states["dp_world_size"])
     if not shards:
-        return {}
+        return {k: {} for k in keys}
     if len(shards) != world:
         raise ConfigError(f"{tag_dir}: {len(shards)} ZeRO optimizer shards, but the checkpoint was written by {world} "
                           "ranks (an incomplete checkpoint)")
@@ -187,7 +211,13 @@ def _zero12_fp32_masters(tag_dir: Path, model_states: dict) -> dict[str, torch.T
     meta = optim[0]["base_optimizer_state"]["param_groups"]
     shapes = model_states["param_shapes"]  # rank 0's names and shapes, one OrderedDict per optimizer group
     experts_per_layer = set(model_states.get("num_experts") or [])
-    out = {}
+
+    def flat(r: int, i: int, key: str) -> torch.Tensor:  # rank r's partition of group i
+        if key == "fp32":
+            return optim[r]["single_partition_of_fp32_groups"][i]
+        return optim[r]["base_optimizer_state"]["state"][i][key]
+
+    out = {k: {} for k in keys}
     for i, group_shapes in enumerate(shapes):
         P = counts[i] if isinstance(counts, list) else counts
         moe = bool(meta[i].get("moe"))
@@ -197,17 +227,18 @@ def _zero12_fp32_masters(tag_dir: Path, model_states: dict) -> dict[str, torch.T
                               f"{world}, experts per layer {sorted(experts_per_layer)})")
         num_local = next(iter(experts_per_layer)) // ep if moe else 0
         for e in range(ep):
-            pieces: dict[str, list] = {n: [] for n in group_shapes}
-            for r in range(e, world, ep):  # the ranks holding EP rank e's experts, in partition order
-                partition = optim[r]["single_partition_of_fp32_groups"][i]
-                for name, addr in optim[r]["param_slice_mappings"][i].items():
-                    pieces[name].append(partition.narrow(0, addr.start, addr.numel))
-            for name, shape in group_shapes.items():
-                full = torch.cat(pieces[name]) if pieces[name] else torch.empty(0)
-                if full.numel() != math.prod(shape):
-                    raise ConfigError(f"{tag_dir}: {name}: the optimizer shards hold {full.numel()} of its "
-                                      f"{math.prod(shape)} values")
-                out[_global_expert_name(name, e, num_local) if moe else name] = full.view(shape).clone()
+            for key in keys:
+                pieces: dict[str, list] = {n: [] for n in group_shapes}
+                for r in range(e, world, ep):  # the ranks holding EP rank e's experts, in partition order
+                    partition = flat(r, i, key)
+                    for name, addr in optim[r]["param_slice_mappings"][i].items():
+                        pieces[name].append(partition.narrow(0, addr.start, addr.numel))
+                for name, shape in group_shapes.items():
+                    full = torch.cat(pieces[name]) if pieces[name] else torch.empty(0)
+                    if full.numel() != math.prod(shape):
+                        raise ConfigError(f"{tag_dir}: {name}: the optimizer shards hold {full.numel()} of its "
+                                          f"{math.prod(shape)} values")
+                    out[key][_global_expert_name(name, e, num_local) if moe else name] = full.view(shape).clone()
     return out
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.checkpoint import (check_same_model, is_export, load_state_dict, load_weights_into, read_client_state,
-                                 resolve_tag_dir)
+                                 resolve_tag_dir, zero12_optimizer_state)
 from pipeline.config import ConfigError, RunConfig, dump_yaml, load_yaml
 from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.data.compat import check_shards_fit
@@ -254,7 +254,9 @@ class Trainer:
         self.moe_backend = check_parallelism(cfg, world_size, self.zero_stage, self.dtype)
         self.resume_tag = self._find_resume_tag()
         saved = read_client_state(self.ckpt_dir / self.resume_tag) if self.resume_tag else None
-        self.reshard = False  # resuming on another world size or ZeRO stage (DeepSpeed's universal checkpoint)
+        # resuming on another world size, ZeRO stage or EP size: None, "universal" (DeepSpeed's universal
+        # checkpoint) or "consolidated" (expert parallelism: the project's full-tensor path, _load_consolidated)
+        self.reshard = None
         if saved:  # before DeepSpeed starts: a resume that would change the data order is refused here
             self._check_resume_config(saved["config"], self.ckpt_dir / self.resume_tag, saved.get("world_size"))
             self.reshard = self._check_reshard(saved)
@@ -294,25 +296,29 @@ class Trainer:
                               f"loader streams ({layout.describe()}); use a number that divides {layout.local}")
         return layout, states
 
-    def _check_reshard(self, saved: dict) -> bool:
-        """Whether the checkpoint was written on another world size or ZeRO stage (and can continue here)."""
+    def _check_reshard(self, saved: dict) -> str | None:
+        """How the checkpoint continues here: None (its own layout), "universal" (another world size or ZeRO stage),
+        "consolidated" (expert parallelism on either side with another world size, stage or EP size)."""
         source = self.ckpt_dir / self.resume_tag
-        if saved.get("world_size") == self.world_size and saved.get("zero_stage", 0) == self.zero_stage:
-            return False
-        where = (f"{saved.get('world_size')} ranks under ZeRO stage {saved.get('zero_stage', 0)}, this run has "
-                 f"{self.world_size} under stage {self.zero_stage}")
-        if saved.get("zero_stage", 0) == 0 or self.zero_stage == 0:
-            raise ConfigError(f"checkpoint {source} was written by {where}; a checkpoint moves to another world size "
-                              "or stage through DeepSpeed's universal checkpoint, which needs ZeRO stage 1-3 on both "
-                              "sides (tools/convert_checkpoint.py exports the weights for any layout)")
-        if _expert_parallel_size(saved["config"]) > 1 or self.cfg.train.expert_parallel_size > 1:
-            raise ConfigError(f"checkpoint {source} was written by {where}; an expert-parallel run continues only on "
-                              "its own world size and stage (--init-from starts a new run from its weights, which "
-                              "export from any layout, with fresh optimizer moments)")
+        saved_stage, saved_ep = saved.get("zero_stage", 0), _expert_parallel_size(saved["config"])
+        ep = self.cfg.train.expert_parallel_size
+        if saved.get("world_size") == self.world_size and saved_stage == self.zero_stage and saved_ep == ep:
+            return None
+        where = (f"{saved.get('world_size')} ranks under ZeRO stage {saved_stage} with EP {saved_ep}, this run has "
+                 f"{self.world_size} under stage {self.zero_stage} with EP {ep}")
+        if saved_stage == 0 or self.zero_stage == 0:
+            raise ConfigError(f"checkpoint {source} was written by {where}; a checkpoint moves to another layout with "
+                              "its ZeRO optimizer shards, which need ZeRO stage 1-3 on both sides "
+                              "(tools/convert_checkpoint.py exports the weights for any layout)")
         if not saved.get("loader"):
             raise ConfigError(f"checkpoint {source} was written by {where} and holds no per-stream loader position "
-                              "(an older checkpoint); it continues only on its own world size")
-        return True
+                              "(an older checkpoint); it continues only on its own layout")
+        if saved_ep == 1 and ep == 1:
+            return "universal"
+        if saved_stage == 3:  # EP runs on stage 1-2; a ZeRO-3 source has no expert-parallel form to read
+            raise ConfigError(f"checkpoint {source} was written by {where}; a ZeRO-3 checkpoint continues with "
+                              "expert parallelism only through --init-from (its weights, fresh optimizer moments)")
+        return "consolidated"
 
     def _shard_specs(self) -> list[tuple[str, str]]:
         """(config key, shard spec) of every source the loader reads."""
@@ -443,7 +449,7 @@ class Trainer:
         # factor may follow the words or samples consumed, which a step-counting scheduler cannot see).
         self.peak_lrs = [g["lr"] for g in optimizer.param_groups]
         ds_config = self.ds_config
-        if self.reshard:  # this attempt loads DeepSpeed's universal checkpoint (_universal_checkpoint)
+        if self.reshard == "universal":  # this attempt loads DeepSpeed's universal checkpoint
             ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
@@ -522,12 +528,64 @@ class Trainer:
     def _load(self, tag: str) -> str | None:
         saved = read_client_state(self.ckpt_dir / tag)
         check_same_model(saved["config"], self.cfg, self.ckpt_dir / tag)
-        saved_ep = _expert_parallel_size(saved["config"])
-        if saved_ep != self.cfg.train.expert_parallel_size:
-            raise ConfigError(f"{EP_KEY}: {self.cfg.train.expert_parallel_size} differs from {saved_ep} of checkpoint "
-                              f"{self.ckpt_dir / tag}; resume with the same expert-parallel size (--init-from starts "
-                              "a new run from its weights with any size)")
-        load_dir = self._universal_checkpoint(tag, saved) if self.reshard else self.ckpt_dir
+        if self.reshard == "consolidated":
+            client = self._load_consolidated(tag, saved)
+        else:
+            client = self._load_deepspeed(tag, saved)
+        self.step, self.batches_consumed = client["step"], client["batches_consumed"]
+        self.cumulative = dict(client.get("cumulative", {}))
+        self.best = tuple(client["best"]) if client.get("best") else None
+        self.horizon = self._resumed_horizon(client, saved["config"])
+        self.init_from_record = client.get("init_from")
+        if self.rank == 0:
+            saved_ep, ep = _expert_parallel_size(saved["config"]), self.cfg.train.expert_parallel_size
+            moved = (f" (written by {saved['world_size']} ranks under ZeRO stage {saved.get('zero_stage', 0)}"
+                     + (f" with EP {saved_ep}" if max(saved_ep, ep) > 1 else "")
+                     + f", continued on {self.world} under stage {self.zero_stage}"
+                     + (f" with EP {ep}" if max(saved_ep, ep) > 1 else "") + ")" if self.reshard else "")
+            print(f"resumed from {self.ckpt_dir / tag} at step {self.step}{moved}", flush=True)
+        return client.get("mlflow_run_id")
+
+    def _load_consolidated(self, tag: str, saved: dict) -> dict:
+        """Continue an expert-parallel checkpoint on another world size, ZeRO stage (1-2) or EP size: the full fp32
+        master and Adam moments of every parameter, read from the ZeRO-1/2 shards in the single-process names
+        (pipeline.checkpoint.zero12_optimizer_state: experts under their global ids), are set into this engine's
+        partitions with DeepSpeed's tensor-fragment API, each local expert from its global id. DeepSpeed's universal
+        checkpoint does not place this project's experts (it writes them under their local names)."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        from pipeline.checkpoint import _EXPERT_KEY
+
+        source = self.ckpt_dir / tag
+        full, step = zero12_optimizer_state(source)
+        # Adam's state exists only after a first step: make it (one flat tensor per partition, as AdamW's own would
+        # be) and link the parameters' fragments to it, as ZeRO-1/2 does after its first step.
+        zero = self.optimizer
+        for flat in zero.single_partition_of_fp32_groups:
+            zero.optimizer.state[flat].update(step=torch.tensor(float(step)), exp_avg=torch.zeros_like(flat),
+                                              exp_avg_sq=torch.zeros_like(flat))
+        zero._lazy_init_hp_params_optimizer_state()
+        module = self.engine.module
+        owners = {name: m for name, m in module.named_modules() if hasattr(m, "global_expert_ids")}
+        for name, param in module.named_parameters():
+            key = name
+            m = _EXPERT_KEY.match(name)
+            owner = owners.get(m.group(1).split(".deepspeed_moe.")[0]) if m else None
+            if owner is not None:  # EP: ...deepspeed_experts.<local>.w -> ...deepspeed_experts.<global>.w
+                key = f"{m.group(1)}{owner.global_expert_ids()[int(m.group(2))]}{m.group(3)}"
+            if key not in full["fp32"]:
+                raise ConfigError(f"{source}: parameter {key} is not in the checkpoint's optimizer shards")
+            with torch.no_grad():
+                param.copy_(full["fp32"][key].to(param.dtype))  # the forward's weights (ZeRO-1/2: whole per rank)
+            safe_set_full_fp32_param(param, full["fp32"][key])
+            for moment in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(param, full[moment][key], moment)
+        self.engine.global_steps = int(saved["step"])
+        return saved
+
+    def _load_deepspeed(self, tag: str, saved: dict) -> dict:
+        """DeepSpeed's own load: the checkpoint as written, or its universal form on another world size or stage."""
+        load_dir = self._universal_checkpoint(tag, saved) if self.reshard == "universal" else self.ckpt_dir
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         path, client = self.engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=False)
         if path is None:
@@ -540,16 +598,7 @@ class Trainer:
             for state in getattr(self.optimizer, "optimizer", self.optimizer).state.values():
                 if torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].clone()
-        self.step, self.batches_consumed = client["step"], client["batches_consumed"]
-        self.cumulative = dict(client.get("cumulative", {}))
-        self.best = tuple(client["best"]) if client.get("best") else None
-        self.horizon = self._resumed_horizon(client, saved["config"])
-        self.init_from_record = client.get("init_from")
-        if self.rank == 0:
-            moved = (f" (written by {saved['world_size']} ranks under ZeRO stage {saved.get('zero_stage', 0)}, "
-                     f"continued on {self.world} under stage {self.zero_stage})" if self.reshard else "")
-            print(f"resumed from {self.ckpt_dir / tag} at step {self.step}{moved}", flush=True)
-        return client.get("mlflow_run_id")
+        return client
 
     def _check_resume_config(self, saved: dict, source: Path, saved_world: int | None = None):
         """A resumed run must see the data the uninterrupted run would have seen: same seed, batch arithmetic and

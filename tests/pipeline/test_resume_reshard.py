@@ -1,23 +1,31 @@
-"""A checkpoint continues on another world size or ZeRO stage (DeepSpeed's universal checkpoint + the loader's fixed
-streams): the first step's loss is the uninterrupted run's, and every step reads the uninterrupted run's samples."""
+"""A checkpoint continues on another world size, ZeRO stage or EP size (DeepSpeed's universal checkpoint, or the
+consolidated path for expert parallelism, + the loader's fixed streams): the first step's loss is the uninterrupted
+run's, later steps follow it, and every step reads the uninterrupted run's samples."""
 import shutil
+import sys
 from collections import Counter
 
 import pytest
 
-from conftest import TINY, read_jsonl, run_pretrain
+from conftest import REPO, TINY, read_jsonl, run_pretrain
+
+sys.path.insert(0, str(REPO / "tests" / "pipeline" / "parallel"))
+from test_expert_parallel import protein_shards, protlingo_yaml  # noqa: E402,F401  (fixtures)
 
 pytestmark = pytest.mark.slow
 STEPS, AT = 6, 3
 
 
-def overrides(shards, run_dir, ga, *more):
-    return [f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={STEPS}", *TINY,
-            f"train.grad_accum_steps={ga}", f"checkpoint.every_steps={AT}", "train.log_samples=true", *more]
+def overrides(shards, run_dir, ga, *more, config=None):
+    return [f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={STEPS}",
+            *(TINY if config is None else []), f"train.grad_accum_steps={ga}", f"checkpoint.every_steps={AT}",
+            "train.log_samples=true", *more]
 
 
-def train(nproc, stage, shards, run_dir, ga, *more):
-    proc = run_pretrain(nproc, f"ds_configs/zero{stage}.json", overrides(shards, run_dir, ga, *more))
+def train(nproc, stage, shards, run_dir, ga, *more, config=None):
+    """A real launch; ``config``: a run config YAML (default: the Eco-RNA demo at TINY size)."""
+    proc = run_pretrain(nproc, f"ds_configs/zero{stage}.json", overrides(shards, run_dir, ga, *more, config=config),
+                        extra=["--config", str(config)] if config else [])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -72,3 +80,17 @@ def test_one_rank_checkpoint_continues_on_two_ranks(sample_shards, tmp_path):
     run = rewind(ref, tmp_path / "two_ranks")
     out = train(2, 2, sample_shards, run, 2, "data.loader_streams=2")
     check_continues(ref, run, out, "written by 1 ranks under ZeRO stage 2, continued on 2 under stage 2")
+
+
+def test_expert_parallel_checkpoint_continues_without_ep_on_one_rank_and_under_zero1(protein_shards, protlingo_yaml,
+                                                                                     tmp_path):
+    ref = tmp_path / "ref"
+    train(2, 2, protein_shards, ref, 2, "train.expert_parallel_size=2", config=protlingo_yaml)
+    run = rewind(ref, tmp_path / "one_rank")
+    out = train(1, 2, protein_shards, run, 4, config=protlingo_yaml)
+    check_continues(ref, run, out, "written by 2 ranks under ZeRO stage 2 with EP 2, continued on 1 under stage 2 "
+                                   "with EP 1")
+    run = rewind(ref, tmp_path / "zero1")
+    out = train(2, 1, protein_shards, run, 2, "train.expert_parallel_size=2", config=protlingo_yaml)
+    check_continues(ref, run, out, "written by 2 ranks under ZeRO stage 2 with EP 2, continued on 2 under stage 1 "
+                                   "with EP 2")
