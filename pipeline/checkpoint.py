@@ -161,7 +161,7 @@ def _global_expert_name(name: str, ep_rank: int, num_local: int) -> str:
 
 def _zero12_fp32_masters(tag_dir: Path, model_states: dict) -> dict[str, torch.Tensor]:
     """The fp32 master of every trainable parameter from the ZeRO-1/2 optimizer shards, expert ids global."""
-    return _zero12_full_states(tag_dir, model_states, ("fp32",))["fp32"]
+    return _zero12_full_states(tag_dir, model_states, ("fp32",))[0]["fp32"]
 
 
 def zero12_optimizer_state(tag_dir: Path) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
@@ -170,11 +170,9 @@ def zero12_optimizer_state(tag_dir: Path) -> tuple[dict[str, dict[str, torch.Ten
     to continue on another layout when DeepSpeed's universal checkpoint cannot carry it (expert parallelism)."""
     tag_dir = Path(tag_dir)
     model_states = _load_ds_file(tag_dir / "mp_rank_00_model_states.pt")
-    full = _zero12_full_states(tag_dir, model_states, ("fp32", "exp_avg", "exp_avg_sq"))
+    full, steps = _zero12_full_states(tag_dir, model_states, ("fp32", "exp_avg", "exp_avg_sq"))
     if not full["fp32"]:
         raise ConfigError(f"{tag_dir}: no ZeRO-1/2 optimizer shards (a ZeRO-0 or ZeRO-3 checkpoint)")
-    steps = {float(st["step"]) for st in _load_ds_file(next(tag_dir.glob(_SHARDS)))["optimizer_state_dict"]
-             ["base_optimizer_state"]["state"].values()}
     if len(steps) != 1:
         raise ConfigError(f"{tag_dir}: optimizer groups at different step counts {sorted(steps)}")
     return full, steps.pop()
@@ -183,9 +181,9 @@ def zero12_optimizer_state(tag_dir: Path) -> tuple[dict[str, dict[str, torch.Ten
 _SHARDS = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"
 
 
-def _zero12_full_states(tag_dir: Path, model_states: dict, keys: tuple) -> dict[str, dict[str, torch.Tensor]]:
-    """{key: {name: full tensor}} for ``keys`` among "fp32" (the masters) and the Adam moments of the ZeRO-1/2
-    optimizer shards; every one is a flat partition per optimizer group laid out alike.
+def _zero12_full_states(tag_dir: Path, model_states: dict, keys: tuple) -> tuple[dict[str, dict], set[float]]:
+    """({key: {name: full tensor}} for ``keys`` among "fp32" (the masters) and the Adam moments of the ZeRO-1/2
+    optimizer shards, every one a flat partition per optimizer group laid out alike; the groups' Adam step counts).
 
     Shard r holds, per optimizer group, rank r's slice of the group; ``param_slice_mappings`` names each slice's
     parameter (local expert ids) and place in the partition. A data-parallel group is partitioned over all W ranks;
@@ -196,7 +194,7 @@ def _zero12_full_states(tag_dir: Path, model_states: dict, keys: tuple) -> dict[
     shards = sorted(tag_dir.glob(_SHARDS), key=lambda f: int(_SHARD_RANK.search(f.name).group(1)))
     world = int(model_states["dp_world_size"])
     if not shards:
-        return {k: {} for k in keys}
+        return {k: {} for k in keys}, set()
     if len(shards) != world:
         raise ConfigError(f"{tag_dir}: {len(shards)} ZeRO optimizer shards, but the checkpoint was written by {world} "
                           "ranks (an incomplete checkpoint)")
@@ -239,7 +237,8 @@ def _zero12_full_states(tag_dir: Path, model_states: dict, keys: tuple) -> dict[
                         raise ConfigError(f"{tag_dir}: {name}: the optimizer shards hold {full.numel()} of its "
                                           f"{math.prod(shape)} values")
                     out[key][_global_expert_name(name, e, num_local) if moe else name] = full.view(shape).clone()
-    return out
+    steps = {float(st["step"]) for st in optim[0]["base_optimizer_state"]["state"].values() if "step" in st}
+    return out, steps
 
 
 def _moe_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:

@@ -503,7 +503,7 @@ class Trainer:
         DeepSpeed restores the source's param-group hyper-parameters (its lr, betas, weight decay) along with the
         moments, and its step counters: put this run's back, so the first step's lr is this run's schedule at 0.
         """
-        ours = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        ours = _group_hypers(self.optimizer)
         path, _ = self.engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
                                               load_lr_scheduler_states=False)
         if path is None:
@@ -586,7 +586,7 @@ class Trainer:
     def _load_deepspeed(self, tag: str, saved: dict) -> dict:
         """DeepSpeed's own load: the checkpoint as written, or its universal form on another world size or stage."""
         load_dir = self._universal_checkpoint(tag, saved) if self.reshard == "universal" else self.ckpt_dir
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        hyper = _group_hypers(self.optimizer)
         path, client = self.engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
@@ -984,6 +984,11 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
 def _expert_parallel_size(saved_config: dict) -> int:
     """train.expert_parallel_size of a saved run config (1 for checkpoints from before the key existed)."""
     return int(saved_config.get("train", {}).get("expert_parallel_size", 1))
+
+
+def _group_hypers(optimizer) -> list[dict]:
+    """Each param group's hyper-parameters (all but its params), to put back after a load overwrote them."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 def _add_stage3_optimizer_step(zero_dir: Path):
