@@ -13,6 +13,7 @@ gathering sees every use of every parameter.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,11 @@ class EcoRNAConfig:
     alpha_min: float = 0.1
     alpha_max: float = 0.9
     a_cap: float = 4.0
+    # Initial injection scale delta = softplus(b) and retention alpha of every channel (Eq. 3). null alpha_init: a = 0,
+    # alpha = 0.394 at delta 1. (alpha 0.85, delta 0.3 starts with the state dominating the update; on the CPU demo
+    # training grows B until the injection dominates again: docs/benchmarks.md, issue 14.)
+    delta_init: float = 1.0
+    alpha_init: float | None = None
     init_std: float = 0.02
     attn_backend: str = "auto"
     # true: blocks run on the packed real tokens [T, d] (varlen attention; flash-attn's kernel when attn_backend
@@ -65,6 +71,14 @@ class EcoRNAConfig:
         if not 0 < self.alpha_min < self.alpha_max < 1:
             raise ValueError(f"model.alpha_min: need 0 < alpha_min < alpha_max < 1, "
                              f"got {self.alpha_min}, {self.alpha_max}")
+        if not self.delta_init > 0:
+            raise ValueError(f"model.delta_init: must be > 0, got {self.delta_init}")
+        if self.alpha_init is not None and not self.alpha_min < self.alpha_init < self.alpha_max:
+            raise ValueError(f"model.alpha_init: must lie strictly between alpha_min {self.alpha_min} and alpha_max "
+                             f"{self.alpha_max}, got {self.alpha_init}")
+        if self.alpha_init is not None and self.inject_a_init() >= self.a_cap:
+            raise ValueError(f"model.alpha_init: {self.alpha_init} needs a = {self.inject_a_init():.3g} above a_cap "
+                             f"{self.a_cap}")
         if not self.sigma_init >= 0:
             raise ValueError(f"model.sigma_init: must be >= 0, got {self.sigma_init}")
         for name in ("norm_eps", "rope_theta", "init_std"):  # written "not > 0" so that nan fails too
@@ -76,6 +90,13 @@ class EcoRNAConfig:
             raise ValueError(f"model.attn_backend: must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
         if not (isinstance(self.unpad, bool) or self.unpad == "auto"):
             raise ValueError(f"model.unpad: must be true, false or 'auto', got {self.unpad!r}")
+
+    def inject_a_init(self) -> float:
+        """a with alpha(a, delta_init) = alpha_init (Eq. 3 solved for a); 0 when alpha_init is null."""
+        if self.alpha_init is None:
+            return 0.0
+        frac = (self.alpha_init - self.alpha_min) / (self.alpha_max - self.alpha_min)
+        return math.log(-math.log(frac) / self.delta_init)
 
     # ---- accounting known before the model is built -----------------------------------------------------------
     @property
@@ -183,8 +204,9 @@ class InputInjection(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.B = nn.Linear(d, d, bias=False)
-        self.a = nn.Parameter(torch.zeros(d))
-        self.b = nn.Parameter(torch.full((d,), 0.5413248546129181))  # softplus(b) = 1: full-scale injection
+        self.a = nn.Parameter(torch.full((d,), cfg.inject_a_init()))
+        # softplus(b) = delta_init (1: full-scale injection); b = log(e^delta - 1) = delta + log(1 - e^-delta)
+        self.b = nn.Parameter(torch.full((d,), cfg.delta_init + math.log(-math.expm1(-cfg.delta_init))))
         self.alpha_min, self.alpha_max, self.a_cap = cfg.alpha_min, cfg.alpha_max, cfg.a_cap
 
     def coefficients(self):

@@ -160,6 +160,28 @@ def coefficients_by_hand(a, b, cfg):
     return alpha, delta
 
 
+@pytest.mark.parametrize("alpha_init,delta_init", [(None, 1.0), (0.85, 0.3), (0.2, 2.0)])
+def test_injection_starts_at_the_configured_retention_and_scale(alpha_init, delta_init):
+    """model.alpha_init / delta_init set Eq. 3's alpha and delta of every channel at initialization (null: a = 0)."""
+    cfg = small_cfg(alpha_init=alpha_init, delta_init=delta_init)
+    inj = EcoRNA(cfg).core.inject
+    alpha, delta = coefficients_by_hand(inj.a.detach(), inj.b.detach(), cfg)
+    expected_alpha = alpha_init if alpha_init is not None else 0.1 + 0.8 * math.exp(-delta_init)
+    torch.testing.assert_close(alpha, torch.full_like(alpha, expected_alpha))
+    torch.testing.assert_close(delta, torch.full_like(delta, delta_init))
+    if alpha_init is None:
+        assert torch.all(inj.a == 0)
+
+
+@pytest.mark.parametrize("kw,field", [({"alpha_init": 0.95}, "model.alpha_init"),
+                                      ({"alpha_init": 0.1}, "model.alpha_init"),
+                                      ({"delta_init": 0.0}, "model.delta_init"),
+                                      ({"alpha_init": 0.1001, "a_cap": 0.5}, "model.alpha_init")])
+def test_injection_init_rejects_values_eq3_cannot_reach(kw, field):
+    with pytest.raises(ValueError, match=field):
+        small_cfg(**kw)
+
+
 def core_by_hand(m, s, e, mask):
     """Eq. 4: s' = N_r(R(alpha * s + delta * B e)), channelwise alpha, delta broadcast over positions."""
     inj = m.core.inject
