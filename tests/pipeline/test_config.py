@@ -130,19 +130,19 @@ def test_eco_rna_identity_maps_are_not_decayed():
     assert len(decay["params"]) + len(no_decay["params"]) == len(names)
 
 
-@pytest.mark.parametrize("stage", ["a", "b"])
-def test_fixed_depth_control_matches_eco_rna_stage(stage):
+@pytest.mark.parametrize("stage,n_blocks", [("stage_a", 9), ("stage_b", 9), ("demo", 1)])
+def test_fixed_depth_control_matches_eco_rna_stage(stage, n_blocks):
     """A.6: the control matches the recurrent model's parameter count, block count, data and training schedule."""
-    eco = load_config(REPO / "launchers" / "configs" / f"eco_rna_stage_{stage}.yaml")
-    ctl = load_config(REPO / "launchers" / "configs" / f"eco_rna_control_stage_{stage}.yaml")
+    eco = load_config(REPO / "launchers" / "configs" / f"eco_rna_{stage}.yaml")
+    ctl = load_config(REPO / "launchers" / "configs" / f"eco_rna_control_{stage}.yaml")
     assert (eco.family, ctl.family) == ("eco_rna", "eco_rna_control")
     assert eco.data == ctl.data and eco.optim == ctl.optim and eco.checkpoint == ctl.checkpoint
     assert ctl.train.max_steps == eco.train.max_steps and ctl.train.micro_batch_size == eco.train.micro_batch_size
     blocks = lambda m: m.n_prelude + m.n_core + m.n_coda  # noqa: E731
-    assert blocks(eco.model) == blocks(ctl.model) == 9
+    assert blocks(eco.model) == blocks(ctl.model) == n_blocks
     assert abs(ctl.model.num_params() / eco.model.num_params() - 1) < 0.001
     assert ctl.objective.depth_law == "fixed" and ctl.objective.lambda_fp == ctl.objective.lambda_anchor == 0
-    if stage == "b":  # each starts from its own Stage A's final checkpoint
+    if stage == "stage_b":  # each starts from its own Stage A's final checkpoint
         assert eco.train.init_from.startswith("runs/eco_rna_stage_a/") and eco.train.init_from.endswith("step00300000")
         assert ctl.train.init_from.startswith("runs/eco_rna_control_stage_a/")
 
