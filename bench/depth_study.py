@@ -101,37 +101,21 @@ def train(name: str, config: Path, shards: Path, out: Path, steps: int | None, s
 
 
 def evaluate(run_dir: str, heldout: Path, depths: list[int], seeds: list[int]) -> dict[int, list[float]]:
-    """{K: [held-out loss per seed]} of a run's last checkpoint (or a checkpoint, or an export)."""
-    from launchers.evaluate import read_sequences
+    """{K: [held-out loss per seed]} of a run's last checkpoint (or a checkpoint, or an export): per seed,
+    ``launchers/evaluate.py --task reconstruction --seed S``'s sweep."""
+    from launchers.evaluate import run_reconstruction
     from pipeline.checkpoint import load_trained_model
-    from pipeline.eval.reconstruction import heldout_samples, reconstruction_sweep
-    from pipeline.families import get_family
 
     trained = load_trained_model(run_dir)
-    cfg = trained.cfg
-    seqs = read_sequences(heldout, cfg.data.molecule)
-    transform = get_family(cfg.family).make_transform(cfg)
-    losses: dict[int, list[float]] = {k: [] for k in depths}
-    for seed in seeds:
-        sweep = reconstruction_sweep(trained.model, cfg, heldout_samples(seqs, transform, seed), depths, seed=seed)
-        for k in depths:
-            losses[k].append(sweep[k]["loss"])
-    return losses
+    per_seed = [run_reconstruction(trained, heldout, depths, seed)["per_depth"] for seed in seeds]
+    return {k: [r[str(k)]["loss"] for r in per_seed] for k in depths}
 
 
 def parse_seeds(text: str) -> list[int]:
-    """``"0-4"``, ``"0,7,9"`` -> sorted unique non-negative ints (seed 0 allowed, unlike a depth)."""
+    """``"0-4"``, ``"0,7,9"`` -> sorted unique non-negative ints."""
     from pipeline.eval.cli import parse_depths
 
-    return [k - 1 for k in parse_depths(",".join(_shift(part) for part in text.split(",")), "--seeds", 10**9)]
-
-
-def _shift(part: str) -> str:
-    a, sep, b = part.strip().partition("-")
-    try:
-        return f"{int(a) + 1}-{int(b) + 1}" if sep else str(int(a) + 1)
-    except ValueError:
-        raise ValueError(f"--seeds {part!r}: not a seed or a range such as 0-4") from None
+    return parse_depths(text, "--seeds", maximum=2**32 - 1, minimum=0)
 
 
 def sd(xs: list[float]) -> float:

@@ -27,8 +27,9 @@ DEPTH_CAP_FACTOR = 4
 MIN_DEPTH_CAP = 8
 
 
-def parse_depths(text: str, flag: str = "--depths", maximum: int = PARSE_LIMIT) -> list[int]:
-    """``"1-8"``, ``"1,2,4,8"``, ``"1-4,8"`` -> sorted unique positive ints; ValueError naming ``flag`` otherwise."""
+def parse_depths(text: str, flag: str = "--depths", maximum: int = PARSE_LIMIT, minimum: int = 1) -> list[int]:
+    """``"1-8"``, ``"1,2,4,8"``, ``"1-4,8"`` -> sorted unique ints >= ``minimum`` (seeds pass 0); ValueError naming
+    ``flag`` otherwise."""
     out: set[int] = set()
     for part in str(text).split(","):
         a, sep, b = part.strip().partition("-")
@@ -38,8 +39,9 @@ def parse_depths(text: str, flag: str = "--depths", maximum: int = PARSE_LIMIT) 
         except ValueError:
             raise ValueError(f"{flag} {text!r}: {part.strip()!r} is neither a depth nor a range such as 1-8 "
                              "(comma-separated positive integers and ranges)") from None
-        if lo < 1 or hi < lo:
-            raise ValueError(f"{flag} {text!r}: ranges must be positive and increasing")
+        if lo < minimum or hi < lo:
+            raise ValueError(f"{flag} {text!r}: ranges must be {'positive' if minimum == 1 else f'>= {minimum}'} "
+                             "and increasing")
         if hi > maximum:
             raise ValueError(f"{flag} {text!r}: depth {hi} is above the maximum {maximum}")
         out.update(range(lo, hi + 1))
