@@ -9,6 +9,14 @@ Without --config it trains the small Eco-RNA demo on the sample shards that scri
 --resume continues this same run; --init-from starts a new run (own run_dir, step 0, own schedule, new MLflow run
 tagged with its parent) from another run's checkpoint or an export, e.g. Stage B from Stage A.
 
+--dry-run resolves everything and starts nothing (no process group, no DeepSpeed engine, nothing written, not even
+the run directory): it prints the world size and its nodes, the batch arithmetic, the budget, what the run would
+resume from, the resolved ds_config, the expert-parallel layout, and for every rank its loader streams and the shards
+each reads in epoch 0. It goes through the training's own checks, so what would fail at start fails here, with the
+same line and exit 2. Under a launcher only rank 0 prints (the others exit 0); from a login node,
+`python launchers/pretrain.py --dry-run --world-size 64 --nproc-per-node 8 ...` plans 8 nodes of 8 ranks (flags
+override the launcher's WORLD_SIZE and LOCAL_WORLD_SIZE / LOCAL_SIZE).
+
 Exit status: 0 when the run finished, reached its budget, or stopped on SIGTERM/SIGUSR1 or train.max_hours after
 writing a checkpoint; 2 for a bad input (config, ds_config, data, checkpoint); 3 when training diverged
 (train.max_nonfinite_steps); 1 for anything else. Every rank's output also goes to RUN_DIR/train.log.
@@ -42,8 +50,43 @@ def parse_args(argv=None):
                         "(sets train.init_from; train.init_from_optimizer: true also loads the AdamW moments)")
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume even though the seed, batch arithmetic or data spec differ from the checkpoint's")
+    p.add_argument("--dry-run", dest="dry_run", action="store_true",
+                   help="resolve and check everything, print the plan (world, batch, resume, ds_config, data per "
+                        "rank) and start nothing; writes nothing")
+    p.add_argument("--world-size", dest="world_size", type=_positive, default=None, metavar="N",
+                   help="with --dry-run: plan for N ranks (default: WORLD_SIZE from the launcher, else 1)")
+    p.add_argument("--nproc-per-node", dest="nproc_per_node", type=_positive, default=None, metavar="M",
+                   help="with --dry-run: M ranks per node (default: LOCAL_WORLD_SIZE or LOCAL_SIZE from the launcher, "
+                        "else all ranks on one node)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.dry_run and (args.world_size is not None or args.nproc_per_node is not None):
+        p.error("--world-size and --nproc-per-node plan a run: they go with --dry-run (a training takes its world "
+                "size from the launcher)")
+    return args
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def planned_world(world_size: int | None, nproc_per_node: int | None, env=os.environ) -> tuple[int, int, str]:
+    """(world size, ranks per node, where they came from) for --dry-run: the flags, else what a launcher set
+    (WORLD_SIZE; LOCAL_WORLD_SIZE from torchrun or these launchers' srun mapping, LOCAL_SIZE from DeepSpeed's),
+    else one rank; without a per-node count every rank is on one node."""
+    env_local = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE")
+    world = world_size or int(env.get("WORLD_SIZE") or 0) or nproc_per_node or 1
+    local = nproc_per_node or (int(env_local) if env_local and world_size is None else world)
+    flags = [f for f, v in (("--world-size", world_size), ("--nproc-per-node", nproc_per_node)) if v is not None]
+    if not flags and "WORLD_SIZE" not in env:
+        return world, local, "no launcher: one rank"
+    return world, local, ", ".join(flags) if flags else "from the launcher's environment"
 
 
 def main(argv=None) -> int:
@@ -52,6 +95,8 @@ def main(argv=None) -> int:
 
     run_log.install(rank)  # before DeepSpeed's loggers capture the streams: everything reaches train.log
     args = parse_args(argv)
+    if args.dry_run and rank != 0:
+        return 0  # under a launcher rank 0 alone plans, for every rank; the others would print the same
     from pipeline.config import ConfigError, load_config
     from pipeline.data.shards import ShardError
 
@@ -61,6 +106,11 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, [*args.overrides, *extra])
         from pipeline import engine
 
+        if args.dry_run:
+            world, local, origin = planned_world(args.world_size, args.nproc_per_node)
+            print(engine.dry_run(cfg, args.ds_config, args.resume, args.allow_config_change, world, local, origin),
+                  flush=True)
+            return 0
         engine.run(cfg, args.ds_config, args.resume, args.allow_config_change)
     except (ConfigError, ShardError, FileNotFoundError) as e:
         run_log.report_fatal(rank, str(e), rank_specific=_distributed())
