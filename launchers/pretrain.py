@@ -1,9 +1,12 @@
 #!/usr/bin/env python
-"""Pretraining entry point.
+r"""Pretraining entry point.
 
     deepspeed --num_gpus 2 launchers/pretrain.py --ds_config ds_configs/zero2.json \
         [--config launchers/configs/NAME.yaml] [--set key.path=value ...] [--resume auto|never|CHECKPOINT_DIR]
-        [--init-from CHECKPOINT_OR_EXPORT] [--allow-config-change]
+        [--init-from CHECKPOINT_OR_EXPORT] [--allow-config-change] [--dry-run [--world-size N --nproc-per-node M]]
+
+Several nodes: the same arguments under `deepspeed --hostfile`, torchrun or SLURM (launchers/slurm/pretrain.sbatch);
+README "Multi-node".
 
 Without --config it trains the small Eco-RNA demo on the sample shards that scripts/quickstart.sh builds.
 --resume continues this same run; --init-from starts a new run (own run_dir, step 0, own schedule, new MLflow run
