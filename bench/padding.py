@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.data.loader import make_loader  # noqa: E402
+from pipeline.data.loader import StreamLayout, make_loader  # noqa: E402
 from pipeline.engine import Trainer  # noqa: E402
 from pipeline.families import get_family  # noqa: E402
 
@@ -73,8 +73,10 @@ def build_shards(fasta: Path, out: Path) -> Path:
 def measure(config: str, overrides: list, shards: Path, windows: int) -> tuple[float, int, int, int]:
     """(tokens computed / real tokens, samples, microbatches, length_window) of one setup's loader."""
     cfg = load_config(CONFIGS / config, [*overrides, f"data.train_shards={shards}", "data.num_workers=0"])
-    # the engine's own construction: Trainer.build_dataset reads cfg, rank, world and family only
-    dataset = Trainer.build_dataset(SimpleNamespace(cfg=cfg, rank=0, world=1, family=get_family(cfg.family)))
+    # the engine's own construction: Trainer.build_dataset reads cfg, rank, family and the stream layout only
+    layout = StreamLayout.fresh(1, 0, cfg.data.num_workers, cfg.data.loader_streams)
+    dataset = Trainer.build_dataset(SimpleNamespace(cfg=cfg, rank=0, family=get_family(cfg.family),
+                                                    loader_layout=layout))
     W = cfg.data.length_window
     target = windows * (W or 8192)
     computed = real = samples = batches = 0
