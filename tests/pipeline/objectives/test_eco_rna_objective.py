@@ -167,3 +167,30 @@ def test_the_control_family_refuses_an_anchor_at_configuration():
     assert (cfg.objective.depth_law, cfg.objective.lambda_fp, cfg.objective.lambda_anchor) == ("fixed", 0.0, 0.0)
     with pytest.raises(ConfigError, match="objective.lambda_anchor: the fixed-depth control"):
         load_config(None, ["family=eco_rna_control", "objective.lambda_anchor=0.1"])
+
+
+def test_fixed_wavefront_runs_k_cap_steps_with_the_same_update():
+    """objective.fixed_wavefront: the plan asks for k_cap wavefront steps whatever the drawn depths; the leading steps
+    have no active row, so loss and gradients equal those of the microbatch's own K_max (all three loss terms on)."""
+    common = SMALL + ["objective.lambda_fp=0.5", "objective.lambda_anchor=0.7", "objective.backward_window=2",
+                      "objective.k_cap=9", "objective.mu_k=3.0"]
+    batch = make_batch(3)
+    cfg = load_config(None, common)
+    torch.manual_seed(0)
+    model = EcoRNA(cfg.model)
+    params = list(model.parameters())
+    from pipeline.objectives.eco_rna import plan
+
+    own = plan(batch, cfg, step=3, stream=0, index=1)
+    fixed = plan(batch, load_config(None, common + ["objective.fixed_wavefront=true"]), step=3, stream=0, index=1)
+    assert torch.equal(own.depths, fixed.depths) and own.sync_max["k_max"] == int(own.depths.max()) < 9
+    assert fixed.sync_max == {"k_max": 9}
+    results = []
+    for p in (own, fixed):
+        out = recurrent_loss(model, batch, cfg, p)
+        results.append((out.sum_loss.detach(), torch.autograd.grad(out.sum_loss, params)))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
+    with pytest.raises(Exception, match="objective.fixed_wavefront"):
+        load_config(None, SMALL + ["objective.fixed_wavefront=true", "objective.k_cap=null"])
