@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -60,6 +61,10 @@ class TrainingStopped(RuntimeError):
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, ...); ``latest`` still names the previous one."""
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because another rank is gone (its node died, was killed, or the network failed)."""
 
 
 SHARED_CHECK = ".shared-check-"  # RUN_DIR/.shared-check-<random>: rank 0's probe that every rank sees run_dir
@@ -952,6 +957,18 @@ class Trainer:
                               flush=True)
                     break
             status = "FINISHED" if self.stopped_by in ("train.max_steps", "budget") else "KILLED"
+        except BaseException as e:
+            lost = not isinstance(e, (CheckpointWriteError, TrainingStopped)) and _lost_peer(e)
+            self.stopped_by = ("the loss of another rank" if lost else "divergence" if isinstance(e, TrainingStopped)
+                               else f"an error ({type(e).__name__})")
+            if not lost:
+                raise
+            # gloo's own text blames "a remote worker hanging or bugs in the application"; say what to do instead
+            detail = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [""])[0]).split(". This is")[0]
+            raise PeerLost(f"lost contact with another rank during step {self.step + 1} ({detail}): a node died or was "
+                           "killed, or the network between the nodes failed; the last complete checkpoint is "
+                           f"{read_latest_tag(self.ckpt_dir) or 'none'}: start every node again with the same "
+                           "command to resume from it") from e
         finally:
             for f in (metrics_file, samples_file):
                 if f:
@@ -1097,6 +1114,13 @@ def _first_difference(a, b, key: str) -> str:
     """'KEY: NEW differs from OLD' for the first differing leaf under ``key`` (the checkpoint's value is OLD)."""
     key, a, b = _diff_path(a, b, key)
     return f"{key}: {b!r} differs from {a!r}"
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """Whether a collective failed because a peer is gone: an error of gloo's TCP transport (connection reset or
+    closed by the peer, a receive that timed out) or torch's distributed backend and network errors (NCCL)."""
+    return isinstance(e, (dist.DistBackendError, dist.DistNetworkError)) or (
+        isinstance(e, RuntimeError) and "gloo/transport" in str(e))
 
 
 def _describe_save_error(e: BaseException, tag_dir: Path) -> str:
