@@ -124,7 +124,9 @@ def check_same_run(ref: Path, run: dict):
     # Steps 1-2: two nodes train as one launch of two ranks; steps 3-4: the resume continues its trajectory. Bit for
     # bit (measured): the same two ranks reduce in the same order over gloo, on one thread each, whoever started them.
     assert got == want
-    assert samples_per_step(run_dir) == samples_per_step(ref)  # each step the same samples, none repeated or skipped
+    ids = samples_per_step(run_dir)
+    assert len(list(run_dir.glob("samples-rank*.jsonl"))) == 2 and sorted(ids) == list(range(1, STEPS + 1)), ids
+    assert ids == samples_per_step(ref)  # each step the same samples, none repeated or skipped
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -199,7 +201,8 @@ def test_expert_parallel_across_two_nodes_resumes_on_the_single_launch_trajector
 
 
 # --------------------------------------------------------------------------------------------------------------------
-def fails_before_training(tmp: Path, overrides: list, node1_overrides: list) -> list:
+def fails_before_training(tmp: Path, overrides: list, node1_overrides: list) -> str:
+    """Both nodes exit 2 before step 1, each printing the same one error line; returns it."""
     nodes = Nodes(tmp, "mismatch", "ds_configs/zero2.json", overrides, node1_overrides)
     rcs = nodes.wait(timeout=120)
     out = [nodes.output(0), nodes.output(1)]
