@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import json
 import math
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -58,6 +61,13 @@ class TrainingStopped(RuntimeError):
 
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (disk full, ...); ``latest`` still names the previous one."""
+
+
+class PeerLost(RuntimeError):
+    """A collective failed because another rank is gone (its node died, was killed, or the network failed)."""
+
+
+SHARED_CHECK = ".shared-check-"  # RUN_DIR/.shared-check-<random>: rank 0's probe that every rank sees run_dir
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -421,6 +431,7 @@ class Trainer:
         error = broadcast_object(error)
         if error:
             raise ConfigError(error)
+        self._check_ranks_agree()  # before any rank writes into run_dir
         log = current_run_log()
         if log is not None:
             log.attach(self.run_dir, fresh_errors=self.rank == 0)
@@ -502,6 +513,67 @@ class Trainer:
         elif self.batches_consumed:  # a checkpoint from before loader state_dicts: the count alone
             self.dataset.load_state_dict({"batches_consumed": self.batches_consumed})
         self.data = make_loader(self.dataset, self.cfg.data.num_workers)
+
+    def _check_ranks_agree(self):
+        """Every rank runs the same run on the same storage, or every rank raises the same ConfigError.
+
+        Nodes are started one by one (by hand, or one scheduler task each), each with its own command line and
+        files. A node started with another --set, config file or ds_config would train another model or batch
+        until some collective mismatched, or silently; a node whose run_dir is on its local disk would write its
+        checkpoint shards and samples where no other node, and no resume, finds them. Three checks, in this order:
+        the resolved run config and ds_config (a digest each rank computes, gathered; the full dicts only on a
+        mismatch, to name the first differing key); that every rank sees the file rank 0 has just written into
+        run_dir; that every rank resumes from the same checkpoint. run_dir itself is compared by what it holds, not
+        by its string: nodes may mount the shared storage at different paths.
+        """
+        host = socket.gethostname()
+        ours = {k: v for k, v in self.cfg.to_dict().items() if k != "run_dir"}
+        ours["ds_config"] = self.ds_config
+        digest = hashlib.sha256(json.dumps(ours, sort_keys=True, default=str).encode()).hexdigest()
+        gathered = _all_gather_object((digest, host, os.path.abspath(self.run_dir), self.resume_tag))
+        hosts = [g[1] for g in gathered]
+        odd = [r for r, g in enumerate(gathered) if g[0] != gathered[0][0]]
+        if odd:  # every rank sees the same digests, so every rank makes this second gather
+            r, full = odd[0], _all_gather_object(ours)
+            key, a, b = _diff_path(full[0], full[r], "")
+            raise ConfigError(f"rank {r} (host {hosts[r]}) resolved another run than rank 0 (host {hosts[0]}): "
+                              f"{key.lstrip('.')} is {b!r} there and {a!r} on rank 0"
+                              f"{f' ({len(odd)} ranks differ)' if len(odd) > 1 else ''}; start every node with the "
+                              "same --config, --set and --ds_config")
+        # run_dir on shared storage: rank 0 writes a file of a fresh random name (never looked up before, so no
+        # client can hold a stale negative cache entry for it) and every rank reads it back. Nothing is created on
+        # the other ranks: a rank whose run_dir does not exist simply does not see the file.
+        probe = None
+        if self.rank == 0:
+            for old in self.run_dir.glob(f"{SHARED_CHECK}*"):  # left by an attempt killed during its check
+                old.unlink(missing_ok=True)
+            probe = f"{SHARED_CHECK}{secrets.token_hex(8)}"
+            write_atomic(self.run_dir / probe, probe)
+        probe = broadcast_object(probe)
+        deadline = time.monotonic() + 2.0  # file systems whose metadata reaches other clients with a delay
+        while True:
+            try:
+                seen = (self.run_dir / probe).read_text() == probe
+            except OSError:
+                seen = False
+            if seen or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        blind = [r for r, ok in enumerate(_all_gather_object(seen)) if not ok]
+        if self.rank == 0:
+            (self.run_dir / probe).unlink(missing_ok=True)
+        if blind:
+            r = blind[0]
+            raise ConfigError(f"run_dir {gathered[r][2]} on rank {r} (host {hosts[r]}) does not show the file rank 0 "
+                              f"(host {hosts[0]}) just wrote into its run_dir {gathered[0][2]}"
+                              f"{f' ({len(blind)} ranks do not)' if len(blind) > 1 else ''}: the run directory "
+                              "(checkpoints, logs) must be on storage every node shares")
+        tags = [g[3] for g in gathered]
+        r = next((r for r, t in enumerate(tags) if t != tags[0]), None)
+        if r is not None:
+            raise ConfigError(f"rank {r} (host {hosts[r]}) would resume from {tags[r] or 'no checkpoint'} and rank 0 "
+                              f"(host {hosts[0]}) from {tags[0] or 'no checkpoint'}; start every node with the same "
+                              "--resume")
 
     def _load_init_optimizer(self, src: Path):
         """Weights and AdamW moments of another run's DeepSpeed checkpoint; this run's hyper-parameters and schedule.
@@ -891,6 +963,18 @@ class Trainer:
                               flush=True)
                     break
             status = "FINISHED" if self.stopped_by in ("train.max_steps", "budget") else "KILLED"
+        except BaseException as e:
+            lost = not isinstance(e, (CheckpointWriteError, TrainingStopped)) and _lost_peer(e)
+            self.stopped_by = ("the loss of another rank" if lost else "divergence" if isinstance(e, TrainingStopped)
+                               else f"an error ({type(e).__name__})")
+            if not lost:
+                raise
+            # gloo's own text blames "a remote worker hanging or bugs in the application"; say what to do instead
+            detail = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [""])[0]).split(". This is")[0]
+            raise PeerLost(f"lost contact with another rank during step {self.step + 1} ({detail}): a node died or was "
+                           "killed, or the network between the nodes failed; the last complete checkpoint is "
+                           f"{read_latest_tag(self.ckpt_dir) or 'none'}: start every node again with the same "
+                           "command to resume from it") from e
         finally:
             for f in (metrics_file, samples_file):
                 if f:
@@ -1023,13 +1107,26 @@ def _get_path(d: dict, dotted: str):
     return d
 
 
-def _first_difference(a, b, key: str) -> str:
-    """'KEY: NEW differs from OLD' for the first differing leaf under ``key`` (the checkpoint's value is OLD)."""
+def _diff_path(a, b, key: str) -> tuple:
+    """(dotted key, a's value, b's value) of the first differing leaf under ``key``."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
-                return _first_difference(a.get(k), b.get(k), f"{key}.{k}")
+                return _diff_path(a.get(k), b.get(k), f"{key}.{k}")
+    return key, a, b
+
+
+def _first_difference(a, b, key: str) -> str:
+    """'KEY: NEW differs from OLD' for the first differing leaf under ``key`` (the checkpoint's value is OLD)."""
+    key, a, b = _diff_path(a, b, key)
     return f"{key}: {b!r} differs from {a!r}"
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """Whether a collective failed because a peer is gone: an error of gloo's TCP transport (connection reset or
+    closed by the peer, a receive that timed out) or torch's distributed backend and network errors (NCCL)."""
+    return isinstance(e, (dist.DistBackendError, dist.DistNetworkError)) or (
+        isinstance(e, RuntimeError) and "gloo/transport" in str(e))
 
 
 def _describe_save_error(e: BaseException, tag_dir: Path) -> str:

@@ -12,6 +12,7 @@ again as its last line, so that the root cause, not "Connection closed by peer",
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -105,10 +106,11 @@ def report_fatal(rank: int, message: str, rank_specific: bool):
     """Print one ``error:`` line for a fatal error and make sure the first error of the run is printed last.
 
     ``rank_specific`` errors (raised after the ranks started working together) are printed by every rank with its
-    rank; errors every rank raises alike (a config error) by rank 0 alone.
+    rank; errors raised before (a config error, alike on every rank of a node) by the first rank of each node: each
+    node has a console of its own, and such an error may concern one node only (its copy of the data or config).
     """
     if not rank_specific:
-        if rank == 0:
+        if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
             print(f"error: {message}", file=sys.stderr, flush=True)
         return
     line = f"[rank {rank}] error: {message}"
