@@ -1019,7 +1019,7 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
     values. Every rank makes the same calls in the same order, whatever its data. The reduced tensors live on
     ``device``: an NCCL process group reduces only CUDA tensors.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     # a microbatch's draws (depths, initial states) are seeded by its origin, not by the rank reading it: a run
     # continued on another world size draws what the uninterrupted run would have
     plans = [family.plan(b, cfg, step=step, stream=b.origin[0], index=b.origin[1]) for b in micro]
