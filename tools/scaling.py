@@ -40,10 +40,11 @@ at the configured microbatch: per token and differentiated block 6d + 2 d_kv + 3
 its prelude, coda and the last W core iterations only (truncated backprop). Not measured (no GPU here): treat the
 activation figure as +-30 %.
 
-Step time: compute = training FLOPs of the GPU's batch (the configs' own train-FLOP counts; Eco-RNA at the expected
-depth law) / (--peak-tflops x --mfu); communication = bytes / bandwidth + calls x latency, with NVLink inside a node
+Step time: compute = training FLOPs of the GPU's batch (the configs' own train-FLOP counts; Eco-RNA over its depth
+law) / (--peak-tflops x --mfu), taken for the slowest rank (Eco-RNA's per-sequence depths make ranks unequal: the
+expected maximum over N ranks of their sum of rows, per synchronization, normal approximation); communication = bytes / bandwidth + calls x latency, with NVLink inside a node
 and InfiniBand between nodes (the per-GPU NIC bandwidth binds a ring that spans nodes); serial sum when the ds_config
-has overlap_comm false (the shipped ones), max(compute, comm) when it is true. Efficiency = compute / step time.
+has overlap_comm false (the shipped ones), max(compute, comm) when it is true. Efficiency = mean compute / step time.
 H200 defaults: 790 TFLOP/s dense bf16 (what large GEMMs reach of the 989 TFLOP/s spec), MFU 0.4 of it, NVLink 4 at
 360 GB/s per GPU per direction as NCCL bus bandwidth (of 450 GB/s), one 400 Gb/s NDR NIC per GPU at 45 GB/s
 (of 50), and a collective latency of 10 us + 5 us x log2(p).
@@ -209,18 +210,33 @@ def _activation_bytes(cfg, tokens: int, k_max: float, act_bytes: int) -> float:
     return blocks * tokens * per_token_block * act_bytes + logits
 
 
-def _train_flops_per_sequence(cfg, pmf: list) -> float:
-    """Expected training FLOPs of one sequence (forward + backward), from the config's own counts."""
+def _train_flops_per_sequence(cfg, pmf: list) -> tuple[float, float]:
+    """(mean, variance) of the training FLOPs of one sequence (forward + backward), from the config's own counts;
+    Eco-RNA's vary with the sequence's drawn depth K."""
     m, L = cfg.model, cfg.data.context_length
     if cfg.family == "eco_rna":
         obj = cfg.objective
         anchor = obj.lambda_anchor > 0 and obj.anchor_depth is not None
-        return sum(p * m.train_flops([k], L, obj.backward_window,
-                                     n_anchor_readouts=int(anchor and k > obj.anchor_depth)) for k, p in pmf)
+        per_k = [(p, m.train_flops([k], L, obj.backward_window, n_anchor_readouts=int(anchor and k > obj.anchor_depth)))
+                 for k, p in pmf]
+        mean = sum(p * f for p, f in per_k)
+        return mean, sum(p * (f - mean) ** 2 for p, f in per_k)
     if cfg.family == "eco_rna_control":
-        return m.train_flops([1], L, 1)
+        return m.train_flops([1], L, 1), 0.0
     depth = pmf[0][0] if cfg.family == "recursive_gpt" else None
-    return 3 * m.forward_flops(length=L, depth=depth)
+    return 3 * m.forward_flops(length=L, depth=depth), 0.0
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max of n iid standard normals] (0 for n = 1), by integrating x d(Phi(x)^n) on a fine grid."""
+    if n <= 1:
+        return 0.0
+    import numpy as np
+    from scipy.special import ndtr
+
+    x = np.linspace(-8.0, 8.0, 16001)
+    cdf_n = ndtr(x) ** n
+    return float(np.sum((x[1:] + x[:-1]) / 2 * np.diff(cdf_n)))
 
 
 def zero3_keeps_gathered(cfg, zero: dict, partitioned: int) -> bool:
@@ -359,10 +375,21 @@ def plan(cfg, ds_config: dict, gpus: int, hw: Hardware = Hardware(), ep: int | N
               "gradient bucket": bucket_bytes, "activations (estimate)": acts}
 
     # Time
-    flops = _train_flops_per_sequence(cfg, pmf) * micro * ga
-    compute = flops / (hw.peak_tflops * 1e12 * hw.mfu)
+    # Compute: a synchronous step waits for the slowest rank. With a per-sequence depth (Eco-RNA) a rank's work is
+    # the sum over its rows; ZeRO-2/3 synchronize every microbatch (gradient reduction in each backward), ZeRO-0/1
+    # once per step, so the slowest of N ranks is taken per microbatch or per step (normal approximation).
+    mean_seq, var_seq = _train_flops_per_sequence(cfg, pmf)
+    flops = mean_seq * micro * ga
+    rate = hw.peak_tflops * 1e12 * hw.mfu
+    per_sync, syncs = (micro, ga) if stage >= 2 else (micro * ga, 1)
+    slowest = syncs * (mean_seq * per_sync + math.sqrt(var_seq * per_sync) * expected_max_normal(gpus))
+    compute = flops / rate
     comm_s = sum(c.seconds(hw) for c in traffic)
-    step = max(compute, comm_s) if z.get("overlap_comm", stage == 3) else compute + comm_s
+    busy = slowest / rate  # the slowest rank's compute: what the step waits for
+    step = max(busy, comm_s) if z.get("overlap_comm", stage == 3) else busy + comm_s
+    if slowest > flops * 1.01:
+        note = (note + "; " if note else "") + (
+            f"the slowest of {gpus} ranks computes {slowest / flops - 1:.0%} more than the mean (per-sequence depths)")
     return Plan(cfg.family, gpus, nodes, stage, ep, micro, ga, L,
                 exp_k_max if cfg.family == "eco_rna" else None, int(n_rank), traffic, memory, flops, compute, comm_s, step,
                 compute / step if step else 1.0, gpus * micro * ga * L / step if step else 0.0, note)

@@ -146,3 +146,20 @@ def test_predicted_volume_is_the_counted_volume(ds_config, extra, sample_shards,
     rows = json.loads((tmp_path / "out" / "comm_volume.json").read_text())["rows"]
     assert rc == 0 and len(rows) == 2 and all(abs(r["ratio"] - 1) <= 0.10 for r in rows), printed
     assert all(r["counted"]["backward"] > 0 for r in rows)  # the gradients' reduction was counted at all
+
+
+def test_expected_max_normal_and_the_slowest_rank():
+    """E[max] of 2 and 3 standard normals is 1/sqrt(pi) and 3/(2 sqrt(pi)); Eco-RNA's per-sequence depths make the
+    slowest of 1024 ranks compute more than the mean, which the efficiency counts, and a fixed depth does not."""
+    import math
+
+    assert abs(scaling.expected_max_normal(2) - 1 / math.sqrt(math.pi)) < 1e-6
+    assert abs(scaling.expected_max_normal(3) - 1.5 / math.sqrt(math.pi)) < 1e-6
+    cfg = load_config(REPO / "launchers" / "configs" / "eco_rna_80m.yaml", ["train.precision=bf16"])
+    ds = {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}
+    varying = scaling.plan(cfg, ds, 1024)
+    assert "computes" in varying.note and varying.step_s > varying.compute_s + sum(
+        c.seconds(scaling.Hardware()) for c in varying.traffic) * 0.999
+    fixed = scaling.plan(load_config(REPO / "launchers" / "configs" / "eco_rna_80m.yaml",
+                                     ["train.precision=bf16", "objective.depth_law=fixed"]), ds, 1024)
+    assert "computes" not in fixed.note
