@@ -126,15 +126,16 @@ class Plan:
 # --------------------------------------------------------------------------------------------------------------------
 # What the model is made of, and how often each part is called per microbatch
 # --------------------------------------------------------------------------------------------------------------------
-def param_shapes(cfg) -> list[tuple[str, int, bool]]:
-    """(name, numel, is a module's own parameter below it) for every parameter, from a meta-device skeleton."""
+def param_shapes(cfg) -> list[tuple[str, int]]:
+    """(name, numel) of every parameter, from a meta-device skeleton of the model (no memory, no initialization cost
+    beyond the modules' constructors)."""
     import torch
 
     from pipeline.families import get_family
 
     with torch.device("meta"):
         model = get_family(cfg.family).build_model(cfg.model)
-    return [(n, p.numel(), p.dim() >= 1) for n, p in model.named_parameters()]
+    return [(n, p.numel()) for n, p in model.named_parameters()]
 
 
 def module_calls(cfg, k_max: int) -> dict[str, tuple[int, int]]:
@@ -283,8 +284,8 @@ def plan(cfg, ds_config: dict, gpus: int, hw: Hardware = Hardware(), ep: int | N
     g_bytes = {"fp32": 4, "fp16": 2, "bf16": 2}.get(comm, w_bytes)
 
     shapes = param_shapes(cfg)
-    total = sum(n for _, n, _ in shapes)
-    experts = sum(n for name, n, _ in shapes if _is_expert(name))
+    total = sum(n for _, n in shapes)
+    experts = sum(n for name, n in shapes if _is_expert(name))
     dense = total - experts
     local_experts = experts / ep  # EP: each rank holds num_experts / ep of them
     expert_dp = gpus // ep
@@ -319,11 +320,11 @@ def plan(cfg, ds_config: dict, gpus: int, hw: Hardware = Hardware(), ep: int | N
                                       spans and p > hw.gpus_per_node))
     if stage == 3:
         threshold = int(z.get("stage3_param_persistence_threshold", DS_DEFAULT_PERSISTENCE))
-        persistent = sum(n for _, n, _ in shapes if n <= threshold)
+        persistent = sum(n for _, n in shapes if n <= threshold)
         partitioned = total - persistent
         keep = zero3_keeps_gathered(cfg, z, partitioned)
         fwd = bwd = calls_fwd = calls_bwd = core = 0.0
-        for name, n, _ in shapes:
+        for name, n in shapes:
             if n <= threshold:
                 continue
             for k in k_list:  # one microbatch at a time: the calls depend on its K_max

@@ -93,7 +93,7 @@ def test_expected_k_max_matches_sampling():
 @pytest.mark.parametrize("name", ["eco_rna_80m", "protlingo_150m", "recursive_gpt_100m"])
 def test_parameter_skeleton_is_the_config_count(name):
     cfg = load_config(REPO / "launchers" / "configs" / f"{name}.yaml", [])
-    assert sum(n for _, n, _ in scaling.param_shapes(cfg)) == cfg.model.num_params()
+    assert sum(n for _, n in scaling.param_shapes(cfg)) == cfg.model.num_params()
 
 
 def test_cli_prints_a_plan_per_gpu_count_and_json():
