@@ -1,16 +1,17 @@
 #!/usr/bin/env python
 """Bytes a real training step sends through torch.distributed, against tools/scaling.py's prediction.
 
-    python bench/comm_volume.py --ds_config ds_configs/zero2.json [--config CONFIG] [--set key=value ...]
-        [--nproc 2] [--steps 3] [--shards DIR] [--out DIR]
+    python bench/comm_volume.py --ds_config ds_configs/zero2.json [--case ds_configs/zero3.json KEY=VALUE ...]
+        [--config CONFIG] [--set key=value ...] [--nproc 2] [--steps 3] [--shards DIR] [--out DIR]
 
-Launches ``--nproc`` ranks (DeepSpeed's launcher, gloo on CPU) that build the run exactly as launchers/pretrain.py
-does (pipeline.engine.Trainer: the model, ZeRO, expert parallelism, the loader) and run ``--steps`` optimizer steps
-through the engine's own ``train_step`` with every torch.distributed collective counted (CollectiveCounter). The
-first step is left out of the comparison (ZeRO-3 records its module trace there); the others are averaged. It then
-prints, per category, the bytes per rank and step that were counted and that ``tools/scaling.py`` predicts for the
-same config, ds_config and world size, and their ratio; exit 0 when the total agrees within ``--tolerance``
-(default 10 %), 1 otherwise, 2 on bad input.
+Launches ``--nproc`` ranks (DeepSpeed's launcher, gloo on CPU) that train every case (a ds_config, with overrides of
+its own for --case) in turn, each built exactly as launchers/pretrain.py builds a run (pipeline.engine.Trainer: the
+model, ZeRO, expert parallelism, the loader), for ``--steps`` optimizer steps through the engine's own
+``train_step``, with every torch.distributed collective counted (CollectiveCounter). The first step of each case is
+left out (ZeRO-3 records its module trace there). It prints, per case and step, the bytes per rank that were counted
+and that ``tools/scaling.py`` predicts for the same config, resolved ds_config, world size and K_max, per phase
+(forward, backward, after the optimizer step), and their ratio; writes OUT/comm_volume.json; exit 0 when every step
+of every case agrees within ``--tolerance`` (default 10 %), 1 otherwise, 2 on bad input.
 
 Counting convention (the one tools/scaling.py predicts in): the bytes one rank sends under the bandwidth-optimal
 algorithm of each collective on a group of p ranks (ring / NCCL): all_reduce 2 (p-1)/p n, reduce_scatter and
@@ -148,32 +149,40 @@ class CollectiveCounter:
 # Worker: one rank of the measured run
 # --------------------------------------------------------------------------------------------------------------------
 def worker(args) -> int:
-    counter = CollectiveCounter().install()
+    """Every case of ``--cases`` (a JSON list of {ds_config, overrides}) in turn, in this one process group; rank 0
+    writes one record per case to ``--out``."""
+    counter = CollectiveCounter().install()  # before DeepSpeed's comm backend caches its collectives
+    import gc
+
     from pipeline.config import load_config
     from pipeline.engine import Trainer, shutdown_distributed, train_step
 
-    cfg = load_config(args.config, args.overrides)
-    trainer = Trainer(cfg, args.ds_config, resume="never")
-    trainer.setup()
-    rank = dist.get_rank()
-    _mark_phases(trainer.engine, counter)
-    per_step = []
-    for step in range(args.steps):
-        micro = [next(trainer.data) for _ in range(cfg.train.grad_accum_steps)]
-        trainer.set_lr()
-        counter.bytes.clear()
-        counter.calls.clear()
-        counter.phase("forward")
-        rec = train_step(trainer.engine, trainer.family, cfg, micro, step, trainer.device)
-        counter.phase("after")
-        trainer.step += 1
-        per_step.append({"totals": counter.totals(), "sync": _sync_values(trainer, micro, step),
-                         "loss": rec["loss"]})
+    records = []
+    for case in json.loads(Path(args.cases).read_text()):
+        cfg = load_config(args.config, case["overrides"])
+        trainer = Trainer(cfg, case["ds_config"], resume="never")
+        trainer.setup()
+        _mark_phases(trainer.engine, counter)
+        per_step = []
+        for step in range(args.steps):
+            micro = [next(trainer.data) for _ in range(cfg.train.grad_accum_steps)]
+            trainer.set_lr()
+            counter.bytes.clear()
+            counter.calls.clear()
+            counter.phase("forward")
+            rec = train_step(trainer.engine, trainer.family, cfg, micro, step, trainer.device)
+            counter.phase("after")
+            trainer.step += 1
+            per_step.append({"totals": counter.totals(), "sync": _sync_values(trainer, micro, step),
+                             "loss": rec["loss"]})
+        trainer.tracker.finish("FINISHED")
+        trainer.lock.release()
+        records.append({"world_size": dist.get_world_size(), "steps": per_step, **case})
+        del trainer
+        gc.collect()
     counter.uninstall()
-    trainer.tracker.finish("FINISHED")
-    trainer.lock.release()
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({"world_size": dist.get_world_size(), "steps": per_step}, indent=1))
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(records, indent=1))
     shutdown_distributed()
     return 0
 
@@ -206,8 +215,9 @@ def _sync_values(trainer, micro, step) -> list:
     return out
 
 
-def measure(args) -> dict:
-    """Launch the measured run (--nproc ranks) and return rank 0's record: per step the bytes per phase and op."""
+def measure(args, cases: list[tuple[str, list]]) -> list[dict]:
+    """Launch one measured run of --nproc ranks that trains every (ds_config, overrides) case in turn; returns one
+    record per case: per step the bytes per phase and op, and the ds_config the run resolved."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     shards = args.shards
@@ -217,26 +227,29 @@ def measure(args) -> dict:
             subprocess.run([sys.executable, "-m", "data_prep", "rnacentral", "--input",
                             str(REPO / "data" / "samples" / "rfam_nrc_train_sample.fasta.gz"), "--output",
                             str(shards), "--shard-size", "300"], cwd=REPO, check=True, capture_output=True)
+    specs = []
+    for ds_config, extra in cases:
+        run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=out))
+        specs.append({"ds_config": str(Path(ds_config).resolve()), "run_dir": str(run_dir),
+                      "overrides": [f"data.train_shards={shards}", f"run_dir={run_dir}", "tracking.enabled=false",
+                                    *args.overrides, *extra]})
+    (out / "cases.json").write_text(json.dumps(specs, indent=1))
     record = out / "counted.json"
-    run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=out))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    sets = [f"data.train_shards={shards}", f"run_dir={run_dir}", "tracking.enabled=false", *args.overrides]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc), "--master_port",
-           str(port), str(Path(__file__).resolve()), "--worker", "--ds_config", str(Path(args.ds_config).resolve()),
+           str(port), str(Path(__file__).resolve()), "--worker", "--cases", str(out / "cases.json"),
            "--config", str(args.config), "--steps", str(args.steps), "--out", str(record)]
-    for o in sets:
-        cmd += ["--set", o]
     with open(out / "run.log", "w") as log:
         rc = subprocess.call(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     if rc != 0 or not record.is_file():
         tail = (out / "run.log").read_text().strip().splitlines()[-5:]
         raise RuntimeError(f"the measured run failed (exit {rc}); {out / 'run.log'} ends: " + " | ".join(tail))
-    data = json.loads(record.read_text())
-    data["ds_config"] = json.loads((run_dir / "ds_config.json").read_text())
-    data["overrides"] = sets
-    return data
+    records = json.loads(record.read_text())
+    for r in records:
+        r["resolved_ds_config"] = json.loads((Path(r["run_dir"]) / "ds_config.json").read_text())
+    return records
 
 
 def compare(data: dict, config: str, tolerance: float) -> tuple[list[dict], str]:
@@ -245,11 +258,12 @@ def compare(data: dict, config: str, tolerance: float) -> tuple[list[dict], str]
     from tools.scaling import plan
 
     cfg = load_config(config, data["overrides"])
-    rows, lines = [], []
+    rows, lines = [], [f"== {Path(data['ds_config']).name} " + " ".join(
+        o for o in data["overrides"] if not o.startswith(("data.train_shards=", "run_dir=", "tracking.")))]
     phases = ("forward", "backward", "step")
     for i, step in enumerate(data["steps"][1:], start=2):
         k_max = [s["k_max"] for s in step["sync"]] if step["sync"] and "k_max" in step["sync"][0] else None
-        pl = plan(cfg, data["ds_config"], data["world_size"], k_max=k_max)
+        pl = plan(cfg, data["resolved_ds_config"], data["world_size"], k_max=k_max)
         counted = {ph: sum(b for b, _ in step["totals"].get(ph, {}).values()) for ph in phases}
         predicted = {ph: sum(c.bytes for c in pl.traffic if c.phase == ph) for ph in phases}
         total_c, total_p = sum(counted.values()), sum(predicted.values())
@@ -268,33 +282,47 @@ def compare(data: dict, config: str, tolerance: float) -> tuple[list[dict], str]
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ds_config", required=True)
+    p.add_argument("--ds_config", action="append", default=[], help="a DeepSpeed config to measure (repeatable)")
+    p.add_argument("--case", action="append", nargs="+", default=[], metavar=("DS_CONFIG", "KEY=VALUE"),
+                   help="a DeepSpeed config and overrides of its own, e.g. --case ds_configs/zero3.json "
+                        "objective.fixed_wavefront=true (repeatable; all cases run in one launch)")
     p.add_argument("--config", default=str(REPO / "launchers" / "configs" / "eco_rna_demo.yaml"),
                    help="a run config file (default: the Eco-RNA demo)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for every case")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps; the first is left out (at least 2)")
     p.add_argument("--shards", default=None, help="shard directory (default: the shipped sample, sharded)")
     p.add_argument("--out", default=None, help="output directory (default: a temporary one)")
     p.add_argument("--tolerance", type=float, default=0.10)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cases", default=None, help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return worker(args)
+    cases = [(d, []) for d in args.ds_config] + [(c[0], c[1:]) for c in args.case]
+    if not cases:
+        print("error: give --ds_config or --case", file=sys.stderr)
+        return 2
     if args.steps < 2 or args.nproc < 2:
         print("error: --steps and --nproc must be at least 2", file=sys.stderr)
         return 2
-    if not Path(args.ds_config).is_file():
-        print(f"error: --ds_config {args.ds_config}: no such file", file=sys.stderr)
-        return 2
+    for d, _ in cases:
+        if not Path(d).is_file():
+            print(f"error: {d}: no such DeepSpeed config", file=sys.stderr)
+            return 2
     if args.out is None:
         args.out = tempfile.mkdtemp(prefix="comm_volume-")
-    data = measure(args)
-    rows, table = compare(data, args.config, args.tolerance)
-    print(table)
-    (Path(args.out) / "comm_volume.json").write_text(json.dumps({"rows": rows, "counted": data}, indent=1))
-    return 0 if all(abs(r["ratio"] - 1) <= args.tolerance for r in rows) else 1
+    results, ok = [], True
+    for data in measure(args, cases):
+        rows, table = compare(data, args.config, args.tolerance)
+        print(table)
+        ok = ok and all(abs(r["ratio"] - 1) <= args.tolerance for r in rows)
+        results.append({"ds_config": data["ds_config"], "overrides": data["overrides"], "rows": rows,
+                        "counted": data["steps"]})
+    (Path(args.out) / "comm_volume.json").write_text(json.dumps(results, indent=1))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
