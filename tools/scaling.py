@@ -351,9 +351,11 @@ def plan(cfg, ds_config: dict, gpus: int, hw: Hardware = Hardware(), ep: int | N
         note = (note + "; " if note else "") + f"ZeRO-3 parameters {mode}{share}"
     if experts and ep > 1:
         moe_layers = len(cfg.model.moe_layers)
-        sent = 4 * moe_layers * ring(tokens * cfg.model.d_model * w_bytes, ep) * ga
-        traffic.append(Collective("MoE all-to-all (tokens to experts and back)", "forward", sent, 4 * moe_layers * ga, ep,
-                                  ep > hw.gpus_per_node))
+        # per MoE layer and microbatch: dispatch and combine in the forward, their gradients in the backward
+        sent = 2 * moe_layers * ring(tokens * cfg.model.d_model * w_bytes, ep) * ga
+        for phase in ("forward", "backward"):
+            traffic.append(Collective(f"MoE all-to-all, {phase} (tokens to experts and back)", phase, sent,
+                                      2 * moe_layers * ga, ep, ep > hw.gpus_per_node))
 
     # Memory per GPU
     master = 4  # the fp32 partition ZeRO keeps: a copy of the weights under bf16, and under fp32 too

@@ -108,7 +108,7 @@ def test_cli_prints_a_plan_per_gpu_count_and_json():
     assert js.returncode == 0, js.stderr
     (pl,) = json.loads(js.stdout)
     names = [c["name"] for c in pl["traffic"]]
-    assert pl["ep"] == 4 and "MoE all-to-all (tokens to experts and back)" in names
+    assert pl["ep"] == 4 and "MoE all-to-all, backward (tokens to experts and back)" in names
     assert "gradient all-reduce (experts)" in names and pl["params"] < 309_214_116  # a quarter of the experts
 
 
