@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,20 @@ def run_pretrain(nproc: int, ds_config: str, overrides: list, extra: list = (), 
 
 def read_jsonl(path: Path) -> list:
     return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln]
+
+
+def losses(run_dir: Path) -> dict:
+    """{step: loss} of a run's metrics.jsonl."""
+    return {m["step"]: m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")}
+
+
+def samples_per_step(run_dir: Path) -> dict:
+    """{step: Counter of sample ids} over every rank's samples-rank*.jsonl (train.log_samples)."""
+    out = {}
+    for f in run_dir.glob("samples-rank*.jsonl"):
+        for rec in read_jsonl(f):
+            out.setdefault(rec["step"], Counter()).update(rec["ids"])
+    return out
 
 
 def launch_and_kill(cmd: list, metrics: Path, at_step: int, timeout: int = 300):

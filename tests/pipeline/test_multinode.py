@@ -12,12 +12,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, free_port, launch_env, read_jsonl, run_pretrain
+from conftest import REPO, TINY, free_port, launch_env, losses, read_jsonl, run_pretrain, samples_per_step
 
 sys.path.insert(0, str(REPO / "tests" / "pipeline" / "parallel"))
 import test_expert_parallel  # noqa: E402
@@ -107,18 +106,6 @@ def kill_node1_then_resume(tmp: Path, ds_config: str, overrides: list, config=No
     rcs = again.wait()
     assert rcs == [0, 0], again.output(0)[-3000:] + again.output(1)[-3000:]
     return {"run_dir": run_dir, "first": first, "out": [again.output(0), again.output(1)]}
-
-
-def losses(run_dir):
-    return {m["step"]: m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")}
-
-
-def samples_per_step(run_dir):
-    out = {}
-    for f in run_dir.glob("samples-rank*.jsonl"):
-        for rec in read_jsonl(f):
-            out.setdefault(rec["step"], Counter()).update(rec["ids"])
-    return out
 
 
 def check_same_run(ref: Path, run: dict):

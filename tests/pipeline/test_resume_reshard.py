@@ -3,11 +3,10 @@ consolidated path for expert parallelism, + the loader's fixed streams): the fir
 run's, later steps follow it, and every step reads the uninterrupted run's samples."""
 import shutil
 import sys
-from collections import Counter
 
 import pytest
 
-from conftest import REPO, TINY, read_jsonl, run_pretrain
+from conftest import REPO, TINY, losses, run_pretrain, samples_per_step
 
 sys.path.insert(0, str(REPO / "tests" / "pipeline" / "parallel"))
 from test_expert_parallel import protein_shards, protlingo_yaml  # noqa: E402,F401  (fixtures)
@@ -36,18 +35,6 @@ def rewind(ref, run_dir):
     shutil.rmtree(run_dir / "checkpoints" / f"step{STEPS:08d}")
     (run_dir / "checkpoints" / "latest").write_text(f"step{AT:08d}")
     return run_dir
-
-
-def losses(run_dir):
-    return {m["step"]: m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")}
-
-
-def samples_per_step(run_dir):
-    out = {}
-    for f in run_dir.glob("samples-rank*.jsonl"):
-        for rec in read_jsonl(f):
-            out.setdefault(rec["step"], Counter()).update(rec["ids"])
-    return out
 
 
 def check_continues(ref, run_dir, stdout, moved):
