@@ -50,7 +50,10 @@ class RunLog:
         self.run_dir: Path | None = None
 
     def _sink(self, line: str):
-        line = f"[rank {self.rank}] {line.rstrip(chr(13))}"
+        prefix = f"[rank {self.rank}] "
+        line = line.rstrip(chr(13))
+        if not line.startswith(prefix):  # a fatal error line (report_fatal) carries its rank already
+            line = prefix + line
         if self.file is None:
             self.pending.append(line)
             del self.pending[:-10000]  # bounded: a run that never attaches keeps only its last lines
