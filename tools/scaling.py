@@ -468,13 +468,7 @@ def main(argv=None) -> int:
                 raise ConfigError(f"--ep {ep}: does not divide {n} GPUs")
             # the engine's own checks: EP against the experts and the ZeRO stage
             check_expert_parallel(cfg.model, ep, n, int(raw.get("zero_optimization", {}).get("stage", 0)))
-            if cfg.train.global_batch_size is not None:  # the plan deals the pinned global batch itself
-                cfg.train.global_batch_size, pinned = None, cfg.train.global_batch_size
-            else:
-                pinned = None
-            ds = resolve_ds_config(raw, cfg, n, args.ds_config, cuda=True)
-            if pinned is not None:
-                cfg.train.global_batch_size = pinned
+            ds = resolve_ds_config(raw, cfg, n, args.ds_config, cuda=True)  # a pinned global batch: plan() deals it
             plans.append(plan(cfg, ds, n, hw, ep=ep))
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
