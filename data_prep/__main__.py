@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize a corpus into WebDataset tar shards plus manifest.json.",
         epilog="Multi-job: run job I of N with --num-jobs N --job-index I (job I takes the records whose global "
                "index % N == I), then `python -m data_prep merge --output DIR`.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="SOURCE|merge|train-spm")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SOURCE|synthetic-hops|merge|train-spm")
     for src in SOURCES.values():
         p = sub.add_parser(src.name, help=src.help, description=src.help)
         p.add_argument("--input", nargs="+", required=True, type=Path, metavar="PATH",
@@ -131,6 +131,23 @@ def build_parser() -> argparse.ArgumentParser:
                             "else off")
         p.add_argument("--progress-interval", type=float, default=60.0, metavar="SECONDS",
                        help="seconds between two --progress log lines (default 60)")
+    h = sub.add_parser("synthetic-hops", help="the depth task: answers H pointers away from their value",
+                       description="Write the synthetic depth task (data_prep/synthetic.py) as nucleotide shards: "
+                                   "four literals (A C G U), H - 1 levels of four pointers (T N R Y S W K M B D H V: "
+                                   "the value d = 1..12 positions back), a query pointer, <sep> and the query's "
+                                   "value, which only following all H pointers gives.")
+    h.add_argument("--hops", required=True, type=_positive, metavar="H", help="pointers of the hardest records")
+    h.add_argument("--min-hops", type=_nonnegative, default=0, metavar="M",
+                   help="each record's pointer count is uniform in M..H (default 0: shorter chains, down to a query "
+                        "that is its own value, as a curriculum; --min-hops H for a held-out set at exactly H)")
+    h.add_argument("--records", required=True, type=_positive, metavar="N")
+    h.add_argument("--seed", required=True, type=_nonnegative, metavar="S",
+                   help="record i is drawn from (S, i) alone: the same records on any machine")
+    h.add_argument("--exclude", type=Path, default=None, metavar="DIR",
+                   help="skip (and count) records that DIR's shards hold: a held-out set disjoint from training")
+    h.add_argument("--output", required=True, type=Path, metavar="DIR", help="shard directory to create")
+    h.add_argument("--shard-size", type=_positive, default=10_000, metavar="N", help="samples per shard")
+    h.add_argument("--overwrite", action="store_true", help="replace an output directory data_prep wrote")
     m = sub.add_parser("merge", help="combine the job manifests in DIR into manifest.json",
                        description="Combine manifest-jobIIII-of-NNNN.json files into manifest.json.")
     m.add_argument("--output", required=True, type=Path, metavar="DIR")
@@ -146,9 +163,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _synthetic_hops(args) -> int:
+    from .jobs import PrepError
+    from .synthetic import HopsTask, SyntheticError, write
+    try:
+        task = HopsTask(args.hops, args.min_hops)
+        stats = write(args.output, task, args.records, args.seed, args.shard_size, args.overwrite, args.exclude)
+    except (SyntheticError, PrepError, OSError) as e:
+        print(f"data_prep: error: {e}", file=sys.stderr)
+        return 1
+    print(f"data_prep synthetic-hops: {args.records} records (per pointer count {stats['records_per_hops']}, seed "
+          f"{args.seed}) -> {args.output.resolve()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "synthetic-hops":
+        return _synthetic_hops(args)
     if args.command not in ("merge", "train-spm") and args.job_index >= args.num_jobs:
         parser.error(f"--job-index {args.job_index} must be < --num-jobs {args.num_jobs}")
     if args.command not in ("merge", "train-spm") and not args.progress_interval > 0:

@@ -52,6 +52,9 @@ def length_window_problem(length_window: int, *, pack: bool, max_tokens: int | N
 # --------------------------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------------------------
+MASKING_KINDS = ("token", "span", "last_segment")
+
+
 @dataclass
 class MaskingConfig:
     """Which non-special positions are supervised and how they are corrupted (paper 000, A.2).
@@ -59,17 +62,20 @@ class MaskingConfig:
     ``kind: token`` selects positions independently; ``kind: span`` unions randomly placed spans of length
     max(1, floor(Y)), Y ~ Exp(mean span_mean), clipped at the sequence boundary, until the target count is reached.
     Either way a non-empty row supervises q = max(1, min(floor(select_prob |U|), |U|)) unique positions; each is then
-    replaced by <mask> (mask_prob), a random canonical base (random_prob) or kept.
+    replaced by <mask> (mask_prob), a random canonical base (random_prob) or kept. ``kind: last_segment`` supervises
+    exactly the tokens after the last <sep> (question/answer records such as ``data_prep synthetic-hops``; select_prob
+    is unused, and a record without <sep>, or longer than the context, is an error).
     """
 
-    kind: str = "token"  # token | span
+    kind: str = "token"  # token | span | last_segment
     select_prob: float = 0.15  # p_sel
     span_mean: float = 3.0  # mu_span, for kind: span
     mask_prob: float = 0.8
     random_prob: float = 0.1
 
     def __post_init__(self):
-        _check(self.kind in ("token", "span"), "data.masking.kind", f"must be 'token' or 'span', got {self.kind!r}")
+        _check(self.kind in MASKING_KINDS, "data.masking.kind",
+               f"must be one of {', '.join(MASKING_KINDS)}, got {self.kind!r}")
         _check(self.span_mean > 0, "data.masking.span_mean", f"must be > 0, got {self.span_mean}")
         _check(0 < self.select_prob <= 1, "data.masking.select_prob", f"must be in (0, 1], got {self.select_prob}")
         _check(self.mask_prob >= 0 and self.random_prob >= 0 and self.mask_prob + self.random_prob <= 1,

@@ -156,7 +156,7 @@ def make_transform(cfg):
     tok = NucleotideTokenizer
     return make_mlm_transform(cfg.data.context_length, cfg.data.masking, cls_id=tok.cls_id, eos_id=tok.eos_id,
                               mask_id=tok.mask_id, num_special=tok.num_special,
-                              random_pool=NucleotideTokenizer.residue_ids(cfg.data.molecule))
+                              random_pool=NucleotideTokenizer.residue_ids(cfg.data.molecule), sep_id=tok.sep_id)
 
 
 def per_row_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,3 +73,33 @@ def test_replacement_rule_frequencies():
     assert abs(mask / total - 0.8) < 0.02
     # a random base equal to the original counts as kept: expected keep 0.1 + 0.1/4
     assert abs(keep / total - 0.125) < 0.02 and abs(rand / total - 0.075) < 0.02
+
+
+def test_last_segment_supervises_exactly_the_answer_and_masks_it():
+    """kind last_segment (the synthetic depth task): the residues after the last <sep>, all of them, always <mask>
+    with mask_prob 1; nothing else is touched."""
+    rng = np.random.default_rng(2)
+    body = rng.integers(6, 22, 13)
+    tokens = np.concatenate([[Tok.cls_id], body, [Tok.sep_id], [7, 8], [Tok.sep_id], [9, 6], [Tok.eos_id]])
+    inputs, labels = run(tokens, "last_segment", rng, mask_prob=1.0, random_prob=0.0, sep_id=Tok.sep_id)
+    sup = np.flatnonzero(labels != IGNORE_INDEX)
+    assert sup.tolist() == [len(tokens) - 3, len(tokens) - 2]  # after the last <sep>, not <eos>
+    assert labels[sup].tolist() == [9, 6] and (inputs[sup] == Tok.mask_id).all()
+    keep = np.ones(len(tokens), bool)
+    keep[sup] = False
+    assert np.array_equal(inputs[keep], tokens[keep])
+
+
+def test_last_segment_refuses_a_record_without_sep_or_longer_than_the_context():
+    from pipeline.config import MaskingConfig
+    from pipeline.objectives.masking import make_mlm_transform
+
+    rng = np.random.default_rng(3)
+    with pytest.raises(ValueError, match="last_segment: a record of 7 tokens has no <sep>"):
+        run(framed(5, rng), "last_segment", rng, sep_id=Tok.sep_id)
+    transform = make_mlm_transform(8, MaskingConfig(kind="last_segment"), cls_id=Tok.cls_id, eos_id=Tok.eos_id,
+                                   mask_id=Tok.mask_id, num_special=Tok.num_special,
+                                   random_pool=Tok.residue_ids("rna"), sep_id=Tok.sep_id)
+    assert transform(np.array([6, 7, 8, Tok.sep_id, 9]), rng)["labels"].tolist().count(IGNORE_INDEX) == 6
+    with pytest.raises(ValueError, match="does not fit data.context_length 8"):
+        transform(np.array([6, 7, 8, 9, 6, 7, Tok.sep_id, 9]), rng)

@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""Does Eco-RNA's recurrence learn to use depth where depth is needed? The synthetic depth task (docs/depth_task.md).
+
+    python bench/depth_task.py --out runs/depth_task                 # H = 3, three training seeds
+    python bench/depth_task.py --quick --out runs/depth_task_quick   # H = 3, one seed
+    python bench/depth_task.py --models recurrent --set objective.mu_k=6 --out runs/dt_mu6   # one model, a variant
+
+1. Data: ``python -m data_prep synthetic-hops`` writes the training set (pointer counts 0 .. H, a curriculum) and a
+   held-out set at exactly H pointers that shares no record with it (``--exclude``).
+2. Train, through the real launcher (``scripts/launch.sh launchers/pretrain.py``, ZeRO-2) with equal data, steps,
+   batch and optimizer: the recurrent model (launchers/configs/eco_rna_depth_task.yaml: one shared block applied K
+   times) and two fixed-depth controls of the same block (eco_rna_depth_task_control.yaml): one block, and H blocks.
+   ``--seeds`` are training seeds (initialization, loader order, depth draws).
+3. Evaluate every run on the held-out set with ``launchers/evaluate.py``'s reconstruction runner at K = 1..8. The
+   masking (``last_segment``) supervises the answer token alone, so its loss and accuracy are the answer's. Also the
+   best count model: the most frequent training answer among training records with the same token counts.
+
+Writes OUT/depth_task.json and OUT/depth_task.png (answer accuracy and loss against K, one line per model; the
+controls are flat in K). The last line is ``depth task: K1 acc A1, Kh acc Ah, control-1 acc C1, control-h acc Ch``
+(means over seeds, spread in brackets). Exit 0 when the recurrent model's accuracy at K = H is >= 0.9 and at K = 1
+<= chance + 0.15, it falls by at most 0.05 from K = H to K = 8, control-1 stays <= chance + 0.15 and control-H
+reaches >= 0.9 (every figure a mean over seeds); 1 when not; 2 on bad input or a failed step (the message names its
+log).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.depth_study import run, sd, train  # noqa: E402
+
+CONFIG = ROOT / "launchers" / "configs" / "eco_rna_depth_task.yaml"
+CONTROL = ROOT / "launchers" / "configs" / "eco_rna_depth_task_control.yaml"
+CHANCE = 0.25  # four literals, each level a permutation of them
+DEPTHS = list(range(1, 9))
+# (hops, training records, held-out records, steps, seeds) of the full study and of --quick
+FULL = dict(hops=3, records=20000, heldout=1000, steps=3000, seeds="0,1,2")
+QUICK = dict(hops=3, records=20000, heldout=500, steps=3000, seeds="0")
+
+
+def make_data(out: Path, hops: int, records: int, heldout: int) -> tuple[Path, Path]:
+    """Training shards (pointer counts 0 .. hops) and held-out shards (exactly hops, none in training)."""
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    train_dir, held_dir = data / "train", data / "heldout"
+    if not (train_dir / "manifest.json").is_file():
+        run([sys.executable, "-m", "data_prep", "synthetic-hops", "--hops", str(hops), "--records", str(records),
+             "--seed", "0", "--output", str(train_dir)], data / "train.log")
+    if not (held_dir / "manifest.json").is_file():
+        run([sys.executable, "-m", "data_prep", "synthetic-hops", "--hops", str(hops), "--min-hops", str(hops),
+             "--records", str(heldout), "--seed", "1", "--exclude", str(train_dir), "--output", str(held_dir)],
+            data / "heldout.log")
+    return train_dir, held_dir
+
+
+def evaluate(run_dir: str, heldout: Path) -> dict:
+    """{"accuracy": {K: acc}, "loss": {K: loss}} of a run's last checkpoint on the held-out answers, through
+    ``launchers/evaluate.py --task reconstruction`` (seed 0: the initial-state table)."""
+    from launchers.evaluate import run_reconstruction
+    from pipeline.checkpoint import load_trained_model
+
+    per_k = run_reconstruction(load_trained_model(run_dir), heldout, DEPTHS, seed=0)["per_depth"]
+    return {"accuracy": {k: per_k[str(k)]["accuracy"] for k in DEPTHS},
+            "loss": {k: per_k[str(k)]["loss"] for k in DEPTHS}}
+
+
+def count_model(train_dir: Path, held_dir: Path) -> float:
+    """Accuracy on the held-out answers of the best predictor that sees only the token counts of the record: the
+    most frequent training answer among training records with the same count vector (else the most frequent)."""
+    from launchers.evaluate import read_sequences
+
+    def split(tokens):  # (count vector of the question, answer)
+        return tuple(sorted(Counter(tokens[:-1].tolist()).items())), int(tokens[-1])
+
+    table, overall = defaultdict(Counter), Counter()
+    for tokens in read_sequences(train_dir, "rna"):
+        key, answer = split(tokens)
+        table[key][answer] += 1
+        overall[answer] += 1
+    hits = n = 0
+    for tokens in read_sequences(held_dir, "rna"):
+        key, answer = split(tokens)
+        guess = (table[key] or overall).most_common(1)[0][0]
+        hits, n = hits + (guess == answer), n + 1
+    return hits / n
+
+
+def mean_sd(xs: list[float]) -> tuple[float, float]:
+    return statistics.mean(xs), sd(xs)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, runs in result["runs"].items():
+        for ax, metric in zip(axes, ("accuracy", "loss")):
+            per_k = [[r[metric][str(k)] for r in runs] for k in DEPTHS]
+            ax.errorbar(DEPTHS, [statistics.mean(v) for v in per_k], yerr=[sd(v) if len(v) > 1 else 0 for v in per_k],
+                        marker="o", capsize=3, label=name)
+    axes[0].axhline(CHANCE, color="grey", ls=":", label="chance")
+    axes[0].axvline(result["hops"], color="grey", ls="--", lw=0.8)
+    axes[0].set(xlabel="K (core applications)", ylabel="held-out answer accuracy", ylim=(0, 1.02))
+    axes[1].set(xlabel="K (core applications)", ylabel="held-out answer loss (nats)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"synthetic depth task, H = {result['hops']} pointers ({len(result['seeds'])} training seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def verdict(result: dict) -> tuple[bool, dict]:
+    """The acceptance figures (means over seeds) and whether they all hold."""
+    h = result["hops"]
+    acc = lambda name, k: mean_sd([r["accuracy"][str(k)] for r in result["runs"][name]])  # noqa: E731
+    figures = {"K1": acc("recurrent", 1), "Kh": acc("recurrent", h), "K8": acc("recurrent", 8),
+               "control-1": acc("control-1", 1), "control-h": acc("control-h", 1)}
+    ok = (figures["Kh"][0] >= 0.9 and figures["K1"][0] <= CHANCE + 0.15
+          and figures["Kh"][0] - figures["K8"][0] <= 0.05
+          and figures["control-1"][0] <= CHANCE + 0.15 and figures["control-h"][0] >= 0.9)
+    return ok, figures
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="study directory (data, runs, JSON, plot)")
+    p.add_argument("--quick", action="store_true", help=f"the CI instance: {QUICK}")
+    p.add_argument("--hops", type=int, default=None, help=f"pointers of the held-out answers (default {FULL['hops']})")
+    p.add_argument("--seeds", default=None, help=f"training seeds (default {FULL['seeds']})")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps of every run (default {FULL['steps']})")
+    p.add_argument("--records", type=int, default=None, help=f"training records (default {FULL['records']})")
+    p.add_argument("--models", default="recurrent,control-1,control-h",
+                   help="which of recurrent, control-1, control-h to train")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for the recurrent model")
+    p.add_argument("--nproc", type=int, default=1)
+    args = p.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    hops = args.hops or preset["hops"]
+    steps, records = args.steps or preset["steps"], args.records or preset["records"]
+    models = [m for m in args.models.split(",") if m]
+    try:
+        from pipeline.eval.cli import parse_depths
+
+        seeds = parse_depths(args.seeds or preset["seeds"], "--seeds", maximum=2**31 - 1, minimum=0)
+        if hops < 2 or hops > 8:
+            raise ValueError(f"--hops must lie in 2 .. 8 (K = 1 must be unable to answer; K is read up to 8), "
+                             f"got {hops}")
+        unknown = set(models) - {"recurrent", "control-1", "control-h"}
+        if unknown or "recurrent" not in models:
+            raise ValueError(f"--models: recurrent plus any of control-1, control-h, got {args.models!r}")
+        if steps < 1 or records < 1:
+            raise ValueError("--steps and --records must be >= 1")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"hops": hops, "seeds": seeds, "steps": steps, "records": records, "chance": CHANCE, "runs": {}}
+    plan = {"recurrent": (CONFIG, args.sets), "control-1": (CONTROL, ["model.n_core=1"]),
+            "control-h": (CONTROL, [f"model.n_core={hops}"])}
+    try:
+        train_dir, held_dir = make_data(out, hops, records, preset["heldout"])
+        result["count_model_accuracy"] = count_model(train_dir, held_dir)
+        for name in models:
+            config, sets = plan[name]
+            result["runs"][name] = []
+            for seed in seeds:
+                print(f"training {name} seed {seed} ...", flush=True)
+                info = train(f"{name}-seed{seed}", config, train_dir, out, steps, [f"seed={seed}", *sets],
+                             args.nproc)
+                info.update(evaluate(info["run_dir"], held_dir), seed=seed, config=str(config), sets=sets)
+                info["accuracy"] = {str(k): v for k, v in info["accuracy"].items()}
+                info["loss"] = {str(k): v for k, v in info["loss"].items()}
+                result["runs"][name].append(info)
+                print(f"  {info['train_seconds']:.0f} s; held-out accuracy by K: "
+                      + " ".join(f"{info['accuracy'][str(k)]:.3f}" for k in DEPTHS), flush=True)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    print(f"held-out: {held_dir} (H = {hops}); chance {CHANCE}; count model {result['count_model_accuracy']:.3f}")
+    print(f"{'model':>10} | " + " | ".join(f"K={k:<10}" for k in DEPTHS))
+    for name, runs in result["runs"].items():
+        cells = [mean_sd([r["accuracy"][str(k)] for r in runs]) for k in DEPTHS]
+        print(f"{name:>10} | " + " | ".join(f"{m:.3f} ({s:.3f})" if s == s else f"{m:.3f}{'':>8}"
+                                           for m, s in cells))
+    if set(models) == {"recurrent", "control-1", "control-h"}:
+        ok, fig = verdict(result)
+    else:
+        ok, fig = False, {"K1": mean_sd([r["accuracy"]["1"] for r in result["runs"]["recurrent"]]),
+                          "Kh": mean_sd([r["accuracy"][str(hops)] for r in result["runs"]["recurrent"]])}
+    result.update(figures=fig, accepted=ok)
+    (out / "depth_task.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out / "depth_task.png")
+    f = lambda key: f"{fig[key][0]:.3f} (sd {fig[key][1]:.3f})" if key in fig else "n/a"  # noqa: E731
+    print(f"depth task: K1 acc {f('K1')}, Kh acc {f('Kh')}, control-1 acc {f('control-1')}, "
+          f"control-h acc {f('control-h')}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

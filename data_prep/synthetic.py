@@ -1,0 +1,147 @@
+"""``python -m data_prep synthetic-hops``: a masked-LM task whose answer needs a known number of sequential steps.
+
+Eco-RNA's claim is that applying its shared core more often gives better predictions. On real RNA at CPU scale that
+effect is too small to see (docs/benchmarks.md, depth study), which cannot tell "the model is too small to need
+depth" from "the recurrence cannot learn to use depth". This task separates the two: it is written in the model's
+own vocabulary, trained through the real shards, loader, objective and launcher, and its answer cannot be had
+without ``h`` sequential reads.
+
+A record of ``--hops H`` is ``4 H + 1`` body tokens, then ``<sep>``, then the answer::
+
+    level 0          level 1              ...  level H-1                query   <sep>  answer
+    l_0 l_1 l_2 l_3  p_10 p_11 p_12 p_13  ...  p_H-1,0 ... p_H-1,3     q       <sep>  a
+
+* A body token is a *literal* ``A C G U`` (a value) or a *pointer* ``T N R Y S W K M B D H V``, which means "same
+  value as the token d positions back", d = 1 .. 12 in that order (POINTERS).
+* Level 0 holds the four literals in a random order. Each slot of level j >= 1 points at a slot of level j - 1,
+  through a random permutation, so every level holds the four values once each. The query ``q`` points at a slot
+  of level H - 1, and the answer ``a`` is the query's value: H pointers away from its literal.
+* Every level is a permutation of ``A C G U``, so nothing short of following all H pointers says anything about
+  the answer: a model that reads fewer levels, or counts tokens, is at chance (1/4).
+
+A block that resolves every position in parallel (one read per block, or per core application) has level j after j
+reads, and the answer position, which spends its first read on the query's offset, after max(H, 2) reads: a
+one-block model sees the query only. Resolved positions keep their value under further reads, so iterating past H
+keeps the answer (a fixed point).
+
+``--min-hops m`` (default 1) draws each record's H uniformly from ``m .. --hops``: the training set holds the
+shorter chains as a curriculum; a held-out set at exactly H is written with ``--min-hops H --hops H``. Record ``i``
+is drawn from ``numpy.random.default_rng([seed, i])`` alone, so a seed gives the same records whatever the count,
+shard size or machine. ``data.masking.kind: last_segment`` supervises exactly the tokens after the last ``<sep>``:
+the answer.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.data.tokenizer import SEP_ID, VOCAB
+
+LITERALS = ("A", "C", "G", "U")
+POINTERS = ("T", "N", "R", "Y", "S", "W", "K", "M", "B", "D", "H", "V")  # offset d = index + 1
+LITERAL_IDS = np.array([VOCAB.index(c) for c in LITERALS], dtype=np.uint8)
+POINTER_IDS = np.array([VOCAB.index(c) for c in POINTERS], dtype=np.uint8)
+MAX_OFFSET = len(POINTERS)
+SOURCE = "synthetic-hops"
+
+
+class SyntheticError(ValueError):
+    """Bad synthetic-hops arguments; the message names the flag."""
+
+
+SLOTS = len(LITERALS)  # slots per level
+
+
+@dataclass(frozen=True)
+class HopsTask:
+    hops: int  # pointers from the query to its literal, in the hardest records
+    min_hops: int = 0  # each record's pointer count is uniform in min_hops .. hops (0: the query is its value)
+
+    def __post_init__(self):
+        if self.hops < 1:
+            raise SyntheticError(f"--hops must be >= 1, got {self.hops}")
+        if not 0 <= self.min_hops <= self.hops:
+            raise SyntheticError(f"--min-hops must lie in 0 .. --hops {self.hops}, got {self.min_hops}")
+
+
+def generate(task: HopsTask, seed: int, index: int) -> tuple[np.ndarray, int]:
+    """Record ``index`` of ``seed``: (token ids uint8 [4 H + 3], its number of pointers H)."""
+    rng = np.random.default_rng([seed, index])
+    hops = int(rng.integers(task.min_hops, task.hops + 1))
+    literals = LITERAL_IDS[rng.permutation(SLOTS)]
+    levels, targets = [literals], []
+    for _ in range(1, hops):  # slot i of level j points at slot t[i] of level j - 1: SLOTS + i - t[i] back
+        t = rng.permutation(SLOTS)
+        targets.append(t)
+        levels.append(POINTER_IDS[SLOTS + np.arange(SLOTS) - t - 1])
+    slot = int(rng.integers(SLOTS))  # the query follows level H - 1 and points at its slot ``slot``
+    query = POINTER_IDS[SLOTS - slot - 1] if hops else literals[slot]  # H = 0: the query is a literal
+    for t in reversed(targets):  # down the levels to the literal
+        slot = int(t[slot])
+    answer = literals[slot]
+    return np.concatenate([*levels, [query, SEP_ID, answer]]).astype(np.uint8), hops
+
+
+def read_records(directory: Path) -> set[bytes]:
+    """The token bytes of every record in a shard directory (``--exclude``)."""
+    from pipeline.data.shards import load_manifest, read_shard
+
+    manifest = load_manifest(directory)
+    return {tokens.tobytes() for s in manifest.shards for _, tokens, _ in read_shard(directory / s.path, s.samples)}
+
+
+def write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int = 10_000,
+          overwrite: bool = False, exclude: Path | None = None) -> dict:
+    """Write ``records`` records as nucleotide shards + manifest.json in ``output`` (built in ``output.partial``,
+    renamed when whole; ``overwrite`` replaces only a directory data_prep wrote). ``exclude``: a shard directory
+    (the training set) whose records are skipped, so that a held-out set shares none of them; the skipped draws are
+    counted in the manifest (filtered ``in_exclude``) and more are drawn until ``records`` are written. Returns the
+    manifest's stats."""
+    from pipeline.data.shards import Manifest, ShardWriter, write_manifest
+
+    from .jobs import BLOCK_SAMPLES, _check_output_replaceable, _replace_dir
+
+    if records < 1:
+        raise SyntheticError(f"--records must be >= 1, got {records}")
+    if seed < 0:
+        raise SyntheticError(f"--seed must be >= 0, got {seed}")
+    output = Path(output).resolve()
+    if output.exists() and not output.is_dir():
+        raise SyntheticError(f"output {output} exists and is not a directory")
+    _check_output_replaceable(output, overwrite)
+    tmp = output.with_name(f"{output.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)  # generation is cheap and deterministic: never resumed
+    tmp.mkdir(parents=True)
+    seen = read_records(Path(exclude)) if exclude is not None else set()
+    per_hops, answers, skipped, i = {}, {c: 0 for c in LITERALS}, 0, -1
+    try:
+        writer = ShardWriter(tmp, prefix=SOURCE, max_samples=shard_size, vocab_size=len(VOCAB),
+                             block_samples=BLOCK_SAMPLES)
+        while sum(per_hops.values()) < records:
+            i += 1
+            if skipped > 100 * records:
+                raise SyntheticError(f"--exclude {exclude}: {skipped} draws were all in it; the task at --hops "
+                                     f"{task.hops} has too few distinct records for {records} more")
+            tokens, hops = generate(task, seed, i)
+            if tokens.tobytes() in seen:
+                skipped += 1
+                continue
+            per_hops[str(hops)] = per_hops.get(str(hops), 0) + 1
+            answers[VOCAB[tokens[-1]]] += 1
+            writer.write(f"hops{seed}-{i:09d}", tokens, {"hops": hops})
+        shards = writer.close()
+        stats = {"task": {"hops": task.hops, "min_hops": task.min_hops, "seed": seed},
+                 "records_per_hops": dict(sorted(per_hops.items(), key=lambda kv: int(kv[0]))),
+                 "answers": answers}
+        manifest = Manifest(source=SOURCE, tokenizer={"name": "nucleotide", "vocab": list(VOCAB), "alphabet": None},
+                            shards=shards, filtered={"in_exclude": skipped} if exclude is not None else {},
+                            inputs=[{"path": f"{SOURCE}:seed={seed}", "records": i + 1}], stats=stats)
+        write_manifest(tmp, manifest)
+        _replace_dir(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return stats

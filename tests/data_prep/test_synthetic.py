@@ -1,0 +1,108 @@
+"""data_prep synthetic-hops (data_prep/synthetic.py): seeded, every answer determined by exactly its stated number of
+pointers (an independent solver that only knows the documented token meanings), nothing below that number says
+anything about the answer, and the shards pass tools/inspect_shards.py --verify."""
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from data_prep.__main__ import main as data_prep_main
+from pipeline.data.shards import load_manifest, read_shard
+from pipeline.data.tokenizer import SEP_ID, VOCAB
+
+LITERALS = "ACGU"
+OFFSET = {c: d for d, c in enumerate("TNRYSWKMBDHV", start=1)}  # the documented pointer alphabet, d = 1..12
+
+
+def solve(tokens) -> tuple[str, int]:
+    """(value, pointers followed) of the query, the token before <sep>: follow 'same value as d positions back'
+    until a literal. Independent of the generator: it knows the alphabet, not the levels."""
+    text = [VOCAB[t] for t in tokens]
+    assert text.count("<sep>") == 1 and text[-2] == "<sep>" and len(text) >= 3
+    pos, followed = len(text) - 3, 0
+    while text[pos] not in LITERALS:
+        pos -= OFFSET[text[pos]]
+        assert pos >= 0, "a pointer leaves the record"
+        followed += 1
+    return text[pos], followed
+
+
+def records(directory):
+    m = load_manifest(directory)
+    return [(key, tokens, meta) for s in m.shards for key, tokens, meta in read_shard(directory / s.path, s.samples)]
+
+
+def prep(*args) -> int:
+    return data_prep_main(["synthetic-hops", *map(str, args)])
+
+
+def test_every_answer_takes_exactly_its_pointers_and_the_shards_verify(tmp_path):
+    assert prep("--hops", 4, "--records", 600, "--seed", 5, "--output", tmp_path / "d", "--shard-size", 250) == 0
+    recs = records(tmp_path / "d")
+    assert len(recs) == 600 and len(load_manifest(tmp_path / "d").shards) == 3
+    for key, tokens, meta in recs:
+        value, followed = solve(tokens)
+        assert VOCAB[tokens[-1]] == value and followed == meta["hops"], key
+    assert Counter(m["hops"] for _, _, m in recs).keys() == {0, 1, 2, 3, 4}  # the curriculum, 0 .. H
+    out = subprocess.run([sys.executable, "tools/inspect_shards.py", str(tmp_path / "d"), "--verify"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "verified 3 shards" in out.stdout, out.stderr
+
+
+def test_fewer_pointers_than_h_say_nothing_about_the_answer(tmp_path):
+    """Every level of four is a permutation of the four values: the position a reader reaches after fewer than H
+    pointers holds each value equally often, whatever the answer, and the counts of the visible tokens do not
+    depend on the answer either (so the count model is at chance)."""
+    assert prep("--hops", 3, "--min-hops", 3, "--records", 2000, "--seed", 2, "--output", tmp_path / "d") == 0
+    after_two = Counter()
+    for _, tokens, _ in records(tmp_path / "d"):
+        text = [VOCAB[t] for t in tokens]
+        assert sorted(text[:4]) == list(LITERALS)  # level 0
+        pos = len(text) - 3
+        for _ in range(2):
+            pos -= OFFSET[text[pos]]
+        after_two[(pos % 4, text[-1])] += 1  # where two pointers lead, against the answer
+        assert Counter(text[:-1])["A"] == 1
+    per_slot = [[after_two[(slot, v)] for v in LITERALS] for slot in range(4)]
+    for row in per_slot:  # each slot of level 1 goes with every answer about equally (2000 / 16 = 125 each)
+        assert min(row) > 80 and max(row) < 170, per_slot
+
+
+def test_seeded_and_independent_of_count_and_shard_size(tmp_path):
+    assert prep("--hops", 3, "--records", 300, "--seed", 9, "--output", tmp_path / "a") == 0
+    assert prep("--hops", 3, "--records", 100, "--seed", 9, "--output", tmp_path / "b", "--shard-size", 7) == 0
+    assert prep("--hops", 3, "--records", 300, "--seed", 9, "--output", tmp_path / "c") == 0
+    assert prep("--hops", 3, "--records", 300, "--seed", 10, "--output", tmp_path / "e") == 0
+    a, b = records(tmp_path / "a"), records(tmp_path / "b")
+    assert [t.tobytes() for _, t, _ in a[:100]] == [t.tobytes() for _, t, _ in b]  # record i depends on (seed, i)
+    assert [s.sha256 for s in load_manifest(tmp_path / "a").shards] == \
+        [s.sha256 for s in load_manifest(tmp_path / "c").shards]  # byte-identical rerun
+    assert [t.tobytes() for _, t, _ in a] != [t.tobytes() for _, t, _ in records(tmp_path / "e")]
+
+
+def test_exclude_makes_a_disjoint_held_out_set_and_counts_what_it_skipped(tmp_path):
+    assert prep("--hops", 2, "--records", 3000, "--seed", 0, "--output", tmp_path / "train") == 0
+    assert prep("--hops", 2, "--min-hops", 2, "--records", 300, "--seed", 1, "--exclude", tmp_path / "train",
+                "--output", tmp_path / "held") == 0
+    train = {t.tobytes() for _, t, _ in records(tmp_path / "train")}
+    held = records(tmp_path / "held")
+    assert len(held) == 300 and not train & {t.tobytes() for _, t, _ in held}
+    m = load_manifest(tmp_path / "held")
+    assert m.filtered["in_exclude"] > 0 and m.inputs[0]["records"] == 300 + m.filtered["in_exclude"]
+    assert {meta["hops"] for _, _, meta in held} == {2} and all(t[-2] == SEP_ID for _, t, _ in held)
+
+
+def test_bad_arguments_are_one_line_and_write_nothing(tmp_path, capsys):
+    assert prep("--hops", 2, "--min-hops", 3, "--records", 5, "--seed", 0, "--output", tmp_path / "x") == 1
+    assert "--min-hops must lie in 0 .. --hops 2, got 3" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.partial").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    assert prep("--hops", 2, "--records", 5, "--seed", 0, "--output", tmp_path / "mine", "--overwrite") == 1
+    assert "not replacing a directory that data_prep did not write" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    with pytest.raises(SystemExit):
+        prep("--hops", 0, "--records", 5, "--seed", 0, "--output", tmp_path / "y")
