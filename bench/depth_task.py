@@ -9,7 +9,8 @@
    held-out set at exactly H pointers that shares no record with it (``--exclude``).
 2. Train, through the real launcher (``scripts/launch.sh launchers/pretrain.py``, ZeRO-2) with equal data, steps,
    batch and optimizer: the recurrent model (launchers/configs/eco_rna_depth_task.yaml: one shared block applied K
-   times) and two fixed-depth controls of the same block (eco_rna_depth_task_control.yaml): one block, and H blocks.
+   times, trained at K = h) and two fixed-depth controls of the same block (eco_rna_depth_task_control.yaml): one
+   block, and h blocks.
    ``--seeds`` are training seeds (initialization, loader order, depth draws).
 3. Evaluate every run on the held-out set with ``launchers/evaluate.py``'s reconstruction runner at K = 1..8. The
    masking (``last_segment``) supervises the answer token alone, so its loss and accuracy are the answer's. Also the
@@ -17,9 +18,11 @@
 
 Writes OUT/depth_task.json and OUT/depth_task.png (answer accuracy and loss against K, one line per model; the
 controls are flat in K). The last line is ``depth task: K1 acc A1, Kh acc Ah, control-1 acc C1, control-h acc Ch``
-(means over seeds, spread in brackets). Exit 0 when the recurrent model's accuracy at K = H is >= 0.9 and at K = 1
-<= chance + 0.15, it falls by at most 0.05 from K = H to K = 8, control-1 stays <= chance + 0.15 and control-H
-reaches >= 0.9 (every figure a mean over seeds); 1 when not; 2 on bad input or a failed step (the message names its
+(means over seeds, sd in brackets), with h = H + 1 reads: the answer position reads the query's offset, then one
+level per pointer (a reader that fetches the query's target directly needs H). Exit 0 when the recurrent model's
+accuracy at K = h is >= 0.9 and at K = 1 <= chance + 0.15, it falls by at most 0.05 from K = h to K = 8, control-1
+stays <= chance + 0.15 and control-h (h blocks) reaches >= 0.9 (every figure a mean over seeds); 1 when not; 2 on
+bad input or a failed step (the message names its
 log).
 """
 from __future__ import annotations
@@ -41,8 +44,8 @@ CONTROL = ROOT / "launchers" / "configs" / "eco_rna_depth_task_control.yaml"
 CHANCE = 0.25  # four literals, each level a permutation of them
 DEPTHS = list(range(1, 9))
 # (hops, training records, held-out records, steps, seeds) of the full study and of --quick
-FULL = dict(hops=3, records=20000, heldout=1000, steps=3000, seeds="0,1,2")
-QUICK = dict(hops=3, records=20000, heldout=500, steps=3000, seeds="0")
+FULL = dict(hops=3, records=200000, heldout=1000, steps=8000, seeds="0,1,2")
+QUICK = dict(hops=3, records=200000, heldout=500, steps=3000, seeds="0")
 
 
 def make_data(out: Path, hops: int, records: int, heldout: int) -> tuple[Path, Path]:
@@ -108,11 +111,12 @@ def plot(result: dict, path: Path) -> None:
             ax.errorbar(DEPTHS, [statistics.mean(v) for v in per_k], yerr=[sd(v) if len(v) > 1 else 0 for v in per_k],
                         marker="o", capsize=3, label=name)
     axes[0].axhline(CHANCE, color="grey", ls=":", label="chance")
-    axes[0].axvline(result["hops"], color="grey", ls="--", lw=0.8)
+    axes[0].axvline(result["depth"], color="grey", ls="--", lw=0.8)
     axes[0].set(xlabel="K (core applications)", ylabel="held-out answer accuracy", ylim=(0, 1.02))
     axes[1].set(xlabel="K (core applications)", ylabel="held-out answer loss (nats)")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"synthetic depth task, H = {result['hops']} pointers ({len(result['seeds'])} training seeds)")
+    fig.suptitle(f"synthetic depth task, H = {result['hops']} pointers, h = {result['depth']} reads "
+                 f"({len(result['seeds'])} training seeds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -120,7 +124,7 @@ def plot(result: dict, path: Path) -> None:
 
 def verdict(result: dict) -> tuple[bool, dict]:
     """The acceptance figures (means over seeds) and whether they all hold."""
-    h = result["hops"]
+    h = result["depth"]
     acc = lambda name, k: mean_sd([r["accuracy"][str(k)] for r in result["runs"][name]])  # noqa: E731
     figures = {"K1": acc("recurrent", 1), "Kh": acc("recurrent", h), "K8": acc("recurrent", 8),
                "control-1": acc("control-1", 1), "control-h": acc("control-h", 1)}
@@ -152,9 +156,9 @@ def main(argv=None) -> int:
         from pipeline.eval.cli import parse_depths
 
         seeds = parse_depths(args.seeds or preset["seeds"], "--seeds", maximum=2**31 - 1, minimum=0)
-        if hops < 2 or hops > 8:
-            raise ValueError(f"--hops must lie in 2 .. 8 (K = 1 must be unable to answer; K is read up to 8), "
-                             f"got {hops}")
+        if hops < 2 or hops > 7:
+            raise ValueError(f"--hops must lie in 2 .. 7 (below 2 the record space is small enough to memorize; "
+                             f"h = H + 1 reads must be <= 8, the deepest K read out), got {hops}")
         unknown = set(models) - {"recurrent", "control-1", "control-h"}
         if unknown or "recurrent" not in models:
             raise ValueError(f"--models: recurrent plus any of control-1, control-h, got {args.models!r}")
@@ -166,9 +170,12 @@ def main(argv=None) -> int:
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    result = {"hops": hops, "seeds": seeds, "steps": steps, "records": records, "chance": CHANCE, "runs": {}}
-    plan = {"recurrent": (CONFIG, args.sets), "control-1": (CONTROL, ["model.n_core=1"]),
-            "control-h": (CONTROL, [f"model.n_core={hops}"])}
+    depth = hops + 1  # h: the answer reads the query, then one level per pointer
+    result = {"hops": hops, "depth": depth, "seeds": seeds, "steps": steps, "records": records, "chance": CHANCE,
+              "runs": {}}
+    plan = {"recurrent": (CONFIG, [f"objective.train_depth={depth}", f"objective.backward_window={depth}",
+                                   *args.sets]),
+            "control-1": (CONTROL, ["model.n_core=1"]), "control-h": (CONTROL, [f"model.n_core={depth}"])}
     try:
         train_dir, held_dir = make_data(out, hops, records, preset["heldout"])
         result["count_model_accuracy"] = count_model(train_dir, held_dir)
@@ -189,7 +196,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    print(f"held-out: {held_dir} (H = {hops}); chance {CHANCE}; count model {result['count_model_accuracy']:.3f}")
+    print(f"held-out: {held_dir} (H = {hops} pointers, h = {depth} reads); chance {CHANCE}; count model "
+          f"{result['count_model_accuracy']:.3f}")
     print(f"{'model':>10} | " + " | ".join(f"K={k:<10}" for k in DEPTHS))
     for name, runs in result["runs"].items():
         cells = [mean_sd([r["accuracy"][str(k)] for r in runs]) for k in DEPTHS]
@@ -199,7 +207,7 @@ def main(argv=None) -> int:
         ok, fig = verdict(result)
     else:
         ok, fig = False, {"K1": mean_sd([r["accuracy"]["1"] for r in result["runs"]["recurrent"]]),
-                          "Kh": mean_sd([r["accuracy"][str(hops)] for r in result["runs"]["recurrent"]])}
+                          "Kh": mean_sd([r["accuracy"][str(depth)] for r in result["runs"]["recurrent"]])}
     result.update(figures=fig, accepted=ok)
     (out / "depth_task.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out / "depth_task.png")

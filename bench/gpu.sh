@@ -17,12 +17,15 @@
 #   5. the reconstruction depth study of that checkpoint (bench/depth_study.py --checkpoint: K = 1-8 at each of the
 #      GPU_EVAL_SEEDS evaluation seeds, the K=1 -> 4 difference and its spread; 64 held-out Rfam sequences; on the
 #      CPU, in the background) while the gpu-marked tests run.
+#   6. the synthetic depth task at H = GPU_DEPTH_HOPS pointers (bench/depth_task.py, one training seed: Eco-RNA and
+#      its 1- and H-block controls through the launcher, held-out answer accuracy at K = 1-8; docs/depth_task.md).
 # Environment:
 #   PY                 the python to use (default .venv/bin/python, else python3)
 #   GPU_WORK           scratch folder (default /tmp/bench_gpu; emptied first)
 #   GPU_SITE           where the carried wheels are installed (default GPU_WORK/site)
 #   GPU_TRAIN_SECONDS  training budget after start-up (train.max_hours; default 100: about 2 minutes in all)
-#   GPU_SKIP           steps to leave out, any of: eco_rna moe train eval tests (e.g. GPU_SKIP="tests moe")
+#   GPU_SKIP           steps to leave out, any of: eco_rna moe train eval tests depth (e.g. GPU_SKIP="tests moe")
+#   GPU_DEPTH_HOPS     pointers of step 6's held-out answers (default 4)
 #   GPU_INSTALL        0: never build MegaBlocks here
 #   GPU_EVAL_SEEDS     evaluation seeds of step 5 (default 0-2)
 #   GPU_ARTIFACTS      folder to copy metrics.jsonl, the evaluation JSON and the logs into (default $OUT if set)
@@ -33,7 +36,7 @@ DRY=0
 case "${1:-}" in
   --dry-run) DRY=1 ;;
   "") ;;
-  -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
   *) echo "bench/gpu.sh: unknown argument '$1' (see --help)"; exit 2 ;;
 esac
 if [ -z "${PY:-}" ]; then
@@ -200,6 +203,19 @@ if [ "$DRY" = 0 ] && ! skip tests; then
   took $t
 fi
 
+if ! skip depth; then
+  echo "== synthetic depth task, H = ${GPU_DEPTH_HOPS:-4} (bench/depth_task.py)"
+  t=$SECONDS
+  dargs=(--hops "${GPU_DEPTH_HOPS:-4}" --seeds 0 --out "$WORK/depth_task")
+  [ "$DRY" = 1 ] && dargs+=(--steps 2 --records 300)
+  # Exit 1 (the acceptance figures not reached) is a result, not a failure of this step.
+  "$PY" bench/depth_task.py "${dargs[@]}" >"$WORK/depth_task.log" 2>&1
+  rc=$?
+  grep -E '^( *(model|recurrent|control)|held-out|depth task)' "$WORK/depth_task.log" | tail -n 6
+  [ "$rc" -le 1 ] || { tail -n 20 "$WORK/depth_task.log"; fail "depth task"; }
+  took $t
+fi
+
 if [ -n "$EVAL" ]; then
   echo "== reconstruction depth study: result"
   if wait "$EVAL"; then grep -v -E 'Warning|warn\(|^ *return' "$WORK/eval.log" | tail -n 14
@@ -208,10 +224,11 @@ if [ -n "$EVAL" ]; then
 fi
 
 if [ -n "$ARTIFACTS" ] && mkdir -p "$ARTIFACTS" 2>/dev/null; then
-  for f in "$RUN/metrics.jsonl" "$WORK/depth_study/depth_study.json" "$WORK/train.log" "$WORK/eval.log"; do
+  for f in "$RUN/metrics.jsonl" "$WORK/depth_study/depth_study.json" "$WORK/train.log" "$WORK/eval.log" \
+           "$WORK/depth_task/depth_task.json" "$WORK/depth_task.log"; do
     [ -f "$f" ] && cp "$f" "$ARTIFACTS/"
   done
-  echo "copied metrics.jsonl, depth_study.json and the logs to $ARTIFACTS"
+  echo "copied metrics.jsonl, depth_study.json, depth_task.json and the logs to $ARTIFACTS"
 fi
 echo "bench/gpu.sh: $(( SECONDS - START )) s in all"
 [ "$status" = 0 ] && echo "bench/gpu.sh: every step passed"
