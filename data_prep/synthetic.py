@@ -4,7 +4,7 @@ Eco-RNA's claim is that applying its shared core more often gives better predict
 effect is too small to see (docs/benchmarks.md, depth study), which cannot tell "the model is too small to need
 depth" from "the recurrence cannot learn to use depth". This task separates the two: it is written in the model's
 own vocabulary, trained through the real shards, loader, objective and launcher, and its answer cannot be had
-without ``h`` sequential reads.
+without following H pointers one after the other.
 
 A record of ``--hops H`` is ``4 H + 1`` body tokens, then ``<sep>``, then the answer::
 
@@ -12,7 +12,7 @@ A record of ``--hops H`` is ``4 H + 1`` body tokens, then ``<sep>``, then the an
     l_0 l_1 l_2 l_3  p_10 p_11 p_12 p_13  ...  p_H-1,0 ... p_H-1,3     q       <sep>  a
 
 * A body token is a *literal* ``A C G U`` (a value) or a *pointer* ``T N R Y S W K M B D H V``, which means "same
-  value as the token d positions back", d = 1 .. 12 in that order (POINTERS).
+  value as the token d positions back", d = 1 .. 12 in that order (POINTERS; this layout uses d <= 7).
 * Level 0 holds the four literals in a random order. Each slot of level j >= 1 points at a slot of level j - 1,
   through a random permutation, so every level holds the four values once each. The query ``q`` points at a slot
   of level H - 1, and the answer ``a`` is the query's value: H pointers away from its literal.
@@ -20,12 +20,13 @@ A record of ``--hops H`` is ``4 H + 1`` body tokens, then ``<sep>``, then the an
   the answer: a model that reads fewer levels, or counts tokens, is at chance (1/4).
 
 A block that resolves every position in parallel (one read per block, or per core application) has level j after j
-reads, and the answer position, which spends its first read on the query's offset, after max(H, 2) reads: a
-one-block model sees the query only. Resolved positions keep their value under further reads, so iterating past H
-keeps the answer (a fixed point).
+reads and the query after H; the answer position copies it one read later, h = H + 1 reads in all (H if it reads
+the query's target itself). A one-block model sees the query only. Resolved positions keep their value under further
+reads, so iterating past h keeps the answer (a fixed point).
 
-``--min-hops m`` (default 1) draws each record's H uniformly from ``m .. --hops``: the training set holds the
-shorter chains as a curriculum; a held-out set at exactly H is written with ``--min-hops H --hops H``. Record ``i``
+``--min-hops m`` (default 0: the query is its own value) draws each record's H uniformly from ``m .. --hops``: the
+training set holds the shorter chains as a curriculum; a held-out set at exactly H is written with
+``--min-hops H --hops H --exclude TRAIN_DIR``. Record ``i``
 is drawn from ``numpy.random.default_rng([seed, i])`` alone, so a seed gives the same records whatever the count,
 shard size or machine. ``data.masking.kind: last_segment`` supervises exactly the tokens after the last ``<sep>``:
 the answer.
@@ -44,15 +45,12 @@ LITERALS = ("A", "C", "G", "U")
 POINTERS = ("T", "N", "R", "Y", "S", "W", "K", "M", "B", "D", "H", "V")  # offset d = index + 1
 LITERAL_IDS = np.array([VOCAB.index(c) for c in LITERALS], dtype=np.uint8)
 POINTER_IDS = np.array([VOCAB.index(c) for c in POINTERS], dtype=np.uint8)
-MAX_OFFSET = len(POINTERS)
+SLOTS = len(LITERALS)  # slots per level; a pointer reaches at most 2 SLOTS - 1 = 7 back
 SOURCE = "synthetic-hops"
 
 
 class SyntheticError(ValueError):
     """Bad synthetic-hops arguments; the message names the flag."""
-
-
-SLOTS = len(LITERALS)  # slots per level
 
 
 @dataclass(frozen=True)
@@ -115,12 +113,12 @@ def write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int
     tmp = output.with_name(f"{output.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)  # generation is cheap and deterministic: never resumed
     tmp.mkdir(parents=True)
-    seen = read_records(Path(exclude)) if exclude is not None else set()
-    per_hops, answers, skipped, i = {}, {c: 0 for c in LITERALS}, 0, -1
+    per_hops, answers, skipped, kept, i = {}, {c: 0 for c in LITERALS}, 0, 0, -1
     try:
+        seen = read_records(Path(exclude)) if exclude is not None else set()
         writer = ShardWriter(tmp, prefix=SOURCE, max_samples=shard_size, vocab_size=len(VOCAB),
                              block_samples=BLOCK_SAMPLES)
-        while sum(per_hops.values()) < records:
+        while kept < records:
             i += 1
             if skipped > 100 * records:
                 raise SyntheticError(f"--exclude {exclude}: {skipped} draws were all in it; the task at --hops "
@@ -129,6 +127,7 @@ def write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int
             if tokens.tobytes() in seen:
                 skipped += 1
                 continue
+            kept += 1
             per_hops[str(hops)] = per_hops.get(str(hops), 0) + 1
             answers[VOCAB[tokens[-1]]] += 1
             writer.write(f"hops{seed}-{i:09d}", tokens, {"hops": hops})

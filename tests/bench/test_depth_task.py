@@ -1,5 +1,7 @@
-"""bench/depth_task.py: the count model is at chance on the task and bad flags exit 2. (The guard that the recurrent
-model gains from depth waits for a training setting that learns the task on every seed: docs/depth_task.md.)"""
+"""bench/depth_task.py: the count model is at chance on the task and bad flags exit 2; and the CI guard of the
+recurrence: Eco-RNA trained through the real launcher on the depth task gains from depth."""
+import pytest
+
 from bench import depth_task
 from data_prep.__main__ import main as data_prep_main
 
@@ -22,3 +24,32 @@ def test_bad_flags_exit_2(tmp_path, capsys):
     assert "--models" in capsys.readouterr().err
     assert not (tmp_path / "depth_task.json").exists()
 
+
+
+@pytest.mark.slow
+def test_the_recurrence_gains_from_depth(tmp_path):
+    """The CI guard of the recurrent path (docs/depth_task.md): Eco-RNA (eco_rna_depth_task.yaml, one shared block)
+    trained through the launcher for 3,000 steps at K = 3 on H = 2 records answers them at K = 3 and is at chance at
+    K = 1, where one read cannot reach the value. H = 2 is small enough (2,304 records) that the held-out records,
+    drawn with another seed, are mostly training records: this guards that the state carries what each application
+    read, not generalization (bench/depth_task.py measures that at H = 3). It fails when the state is detached
+    between applications, when the injection is removed, and when the state is replaced by the injection."""
+    from conftest import run_pretrain
+    from launchers.evaluate import run_reconstruction
+    from pipeline.checkpoint import load_trained_model
+
+    train, held, run = tmp_path / "train", tmp_path / "held", tmp_path / "run"
+    assert data_prep_main(["synthetic-hops", "--hops", "2", "--records", "20000", "--seed", "0", "--output",
+                           str(train)]) == 0
+    assert data_prep_main(["synthetic-hops", "--hops", "2", "--min-hops", "2", "--records", "500", "--seed", "1",
+                           "--output", str(held)]) == 0
+    r = run_pretrain(1, "ds_configs/zero2.json",
+                     [f"run_dir={run}", f"data.train_shards={train}", "train.max_steps=3000",
+                      "checkpoint.every_steps=3000", "objective.train_depth=3", "objective.backward_window=3"],
+                     ["--config", str(depth_task.CONFIG), "--resume", "never"], timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    per_k = run_reconstruction(load_trained_model(run), held, [1, 2, 3, 8], seed=0)["per_depth"]
+    acc = {int(k): v["accuracy"] for k, v in per_k.items()}
+    print(f"held-out answer accuracy by K: {acc}")
+    assert acc[1] <= 0.40, acc  # chance is 0.25: one application cannot reach the value
+    assert acc[3] >= 0.9, acc
