@@ -50,8 +50,9 @@ def corrupt(tokens: np.ndarray, rng: np.random.Generator, *, kind: str, select_p
             sep_id: int | None = None):
     """Select supervised positions among the non-special tokens U and corrupt them.
 
-    Special tokens are never selected. ``kind: last_segment`` selects the tokens after the last <sep> (``sep_id``). Of the selected positions, ``mask_prob`` become <mask>, ``random_prob`` a token
-    drawn from ``random_pool``, the rest keep their token; every selected position is supervised.
+    Special tokens are never selected; ``kind: last_segment`` selects the tokens after the last <sep> (``sep_id``).
+    Of the selected positions, ``mask_prob`` become <mask>, ``random_prob`` a token drawn from ``random_pool``, the
+    rest keep their token; every selected position is supervised.
     Returns (inputs, labels): int64 [L], labels IGNORE_INDEX where unsupervised.
     """
     tokens = tokens.astype(np.int64)
