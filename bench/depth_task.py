@@ -198,11 +198,10 @@ def main(argv=None) -> int:
 
     print(f"held-out: {held_dir} (H = {hops} pointers, h = {depth} reads); chance {CHANCE}; count model "
           f"{result['count_model_accuracy']:.3f}")
-    print(f"{'model':>10} | " + " | ".join(f"K={k:<10}" for k in DEPTHS))
+    print(f"{'model':>10} | " + " | ".join(f"{f'K={k}':<13}" for k in DEPTHS))
     for name, runs in result["runs"].items():
         cells = [mean_sd([r["accuracy"][str(k)] for r in runs]) for k in DEPTHS]
-        print(f"{name:>10} | " + " | ".join(f"{m:.3f} ({s:.3f})" if s == s else f"{m:.3f}{'':>8}"
-                                           for m, s in cells))
+        print(f"{name:>10} | " + " | ".join(f"{m:.3f} ({s:.3f})" if s == s else f"{m:<13.3f}" for m, s in cells))
     if set(models) == {"recurrent", "control-1", "control-h"}:
         ok, fig = verdict(result)
     else:
