@@ -96,6 +96,8 @@ def run_reconstruction(trained, data: Path, depths, seed: int) -> dict:
 
     cfg = trained.cfg
     seqs = read_sequences(data, cfg.data.molecule)
+    if not seqs:  # an empty or header-only file would otherwise divide by zero tokens
+        raise ValueError(f"{data}: no sequence to evaluate (an empty file, or headers without sequence lines)")
     samples = heldout_samples(seqs, get_family(cfg.family).make_transform(cfg), seed)
     per_k = reconstruction_sweep(trained.model, cfg, samples, depths, seed=seed, desc=f"reconstruction K={depths[0]}"
                                  + (f"-{depths[-1]}" if len(depths) > 1 else ""))
@@ -427,7 +429,12 @@ def main(argv=None) -> int:
     result.update(task=args.task, checkpoint=str(trained.tag_dir), data=str(data), seed=args.seed, depths=depths)
     if args.task == "proteingym":
         result.update(reference=str(args.reference) if args.reference else None)
-    write_atomic(out, json.dumps(result, indent=1, default=float))  # never half a JSON where the result belongs
+    try:
+        write_atomic(out, json.dumps(result, indent=1, default=float))  # never half a JSON where the result belongs
+    except OSError as e:  # e.g. a read-only export: the table above stands, the JSON needs another place
+        print(f"error: cannot write {out} ({e.strerror or e}); pass --output PATH to write the JSON elsewhere",
+              file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     if not args.no_mlflow:
         log = log_proteingym_to_mlflow(trained, result, out, data) if args.task == "proteingym" else \

@@ -101,8 +101,12 @@ def write_atomic(path: Path, text: str):
     is per process and thread, so concurrent writers (the tracker's thread and the engine) never share one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a read-only or occupied destination: no temp file left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def mark_complete(tag_dir: Path):

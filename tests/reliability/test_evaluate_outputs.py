@@ -1,0 +1,41 @@
+"""launchers/evaluate.py on inputs a user meets (issue: one-line errors for the last tracebacks): an empty or
+header-only FASTA, and a read-only export beside which the JSON cannot be written. One line, exit 2."""
+import sys
+
+import pytest
+
+from conftest import HELDOUT_FASTA, REPO
+from launchers.evaluate import main as evaluate_main
+
+sys.path.insert(0, str(REPO / "tests" / "tools"))
+from checkpoint_factory import tiny_config, write_export  # noqa: E402
+
+
+@pytest.fixture
+def export(tmp_path):
+    return write_export(tmp_path / "export", tiny_config(tmp_path), seed=1)
+
+
+@pytest.mark.parametrize("text", ["", ">r1 no sequence\n", ">r1\n>r2\n"])
+def test_an_empty_or_header_only_fasta_is_one_line(export, tmp_path, capsys, text):
+    fasta = tmp_path / "x.fasta"
+    fasta.write_text(text)
+    rc = evaluate_main(["--checkpoint", str(export), "--task", "reconstruction", "--data", str(fasta),
+                        "--depths", "1-2", "--no-mlflow"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"error: {fasta}: no sequence to evaluate (an empty file, or headers without "
+                               "sequence lines)"]
+
+
+def test_an_unwritable_json_beside_the_export_names_output_and_exits_2(export, capsys):
+    """A read-only export is the case users meet; a directory where the JSON belongs fails the same write for any
+    user, root included (CI runs as root, which writes into read-only folders)."""
+    (export / "eval-reconstruction.json").mkdir()
+    rc = evaluate_main(["--checkpoint", str(export), "--task", "reconstruction", "--data", str(HELDOUT_FASTA),
+                        "--depths", "1", "--no-mlflow"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and "loss" in out  # the table was printed before
+    last = err.strip().splitlines()[-1]  # (the lines before it are the progress bar)
+    assert last.startswith(f"error: cannot write {export / 'eval-reconstruction.json'}") and "pass --output PATH" in last
+    assert sum(ln.startswith("error:") for ln in err.splitlines()) == 1 and "Traceback" not in err
+    assert not [p.name for p in export.iterdir() if p.name.endswith(".tmp")]  # nothing half-written left behind
