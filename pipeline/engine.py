@@ -259,6 +259,9 @@ class Trainer:
         self.resume_note = None  # set when resume falls back from what 'latest' names
         world_size = self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
         # Everything that can be wrong with the inputs fails here, before DeepSpeed starts.
+        for p in (self.run_dir, *self.run_dir.parents):  # a file where the run directory (or a parent) belongs
+            if p.exists() and not p.is_dir():
+                raise ConfigError(f"run_dir: {p} exists and is not a directory; choose another run_dir")
         cfg.check_world_size(world_size)
         self.ds_config = resolve_ds_config(load_ds_config(ds_config_path), cfg, world_size, ds_config_path,
                                            torch.cuda.is_available())
