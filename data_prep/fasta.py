@@ -162,6 +162,9 @@ def _records(path: Path, lines, invalid_positions, on_invalid: str) -> Iterator[
         line = raw.rstrip()  # drops \r\n, \n and trailing blanks
         if not line:
             continue
+        if line[:1] == b">" and b"\r" in line:  # CR-only (classic Mac) line endings: the file reads as one line
+            raise FastaError(f"{path}:{lineno}: a carriage return (\\r) inside a line: the file has CR-only line "
+                             "endings; convert them to \\n (e.g. tr '\\r' '\\n' < IN > OUT)")
         if line[:1] == b">":
             if header is not None:
                 yield finish()

@@ -1,5 +1,6 @@
-"""launchers/evaluate.py on inputs a user meets (issue: one-line errors for the last tracebacks): an empty or
-header-only FASTA, and a read-only export beside which the JSON cannot be written. One line, exit 2."""
+"""One-line errors for inputs a user meets (the last tracebacks of the fault campaign): evaluate.py on an empty or
+header-only FASTA and beside an export it cannot write into, and a FASTA with CR-only line endings in data_prep and
+evaluate. One line naming the file, the documented exit code, nothing half-written."""
 import sys
 
 import pytest
@@ -39,3 +40,20 @@ def test_an_unwritable_json_beside_the_export_names_output_and_exits_2(export, c
     assert last.startswith(f"error: cannot write {export / 'eval-reconstruction.json'}") and "pass --output PATH" in last
     assert sum(ln.startswith("error:") for ln in err.splitlines()) == 1 and "Traceback" not in err
     assert not [p.name for p in export.iterdir() if p.name.endswith(".tmp")]  # nothing half-written left behind
+
+
+def test_cr_only_line_endings_are_named(export, tmp_path, capsys):
+    """A FASTA saved with CR-only (classic Mac) line endings reads as one header line; both data_prep and evaluate
+    say so in one line (they said 'record ... has no sequence')."""
+    from data_prep.__main__ import main as data_prep_main
+
+    fasta = tmp_path / "mac.fasta"
+    fasta.write_bytes(b">r1 first\rACGUACGUAC\r>r2\rGGCCAAUUGG\r")
+    want = (f"{fasta}:1: a carriage return (\\r) inside a line: the file has CR-only line endings; convert them to "
+            "\\n (e.g. tr '\\r' '\\n' < IN > OUT)")
+    assert data_prep_main(["rnacentral", "--input", str(fasta), "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip() == f"data_prep: error: {want}"
+    assert not (tmp_path / "out").exists()
+    rc = evaluate_main(["--checkpoint", str(export), "--task", "reconstruction", "--data", str(fasta),
+                        "--depths", "1", "--no-mlflow"])
+    assert rc == 2 and capsys.readouterr().err.strip().splitlines()[-1] == f"error: {want}"
