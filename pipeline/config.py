@@ -603,7 +603,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     try:
         return build_config(raw)
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+        if path is None:  # the key names it: nothing else to blame
+            raise
+        key = str(e).split(": ", 1)[0]  # errors start with the key they are about
+        given = [o for o in overrides if _related(o.partition("=")[0], key)]
+        where = f"--set {given[-1]}" if given else path  # the value the user typed, else the file it came from
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _related(a: str, b: str) -> bool:
+    """Whether config keys ``a`` and ``b`` are the same or one is a section holding the other."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def dump_yaml(cfg: RunConfig) -> str:

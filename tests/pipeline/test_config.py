@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -283,11 +284,21 @@ def test_bools_are_not_numbers_and_numbers_are_not_bools(override, match):
     ("protlingo", "model.moe_layers=[40]", "model.moe_layers"),
     ("protlingo", "model.router_init_std=-1", "model.router_init_std"),
 ])
-def test_model_shape_errors_are_config_errors_naming_key_and_file(tmp_path, family, override, key):
+def test_model_shape_errors_are_config_errors_naming_key_and_source(tmp_path, family, override, key):
+    """The error names the key and where its value came from: the --set that gave it, else the file."""
     f = _write(tmp_path, f"family: {family}\n")
-    with pytest.raises(ConfigError, match=rf"^{f}: {key}: ") as e:
+    source = f"--set {re.escape(override)}" if override.startswith(key + "=") else re.escape(str(f))
+    with pytest.raises(ConfigError, match=rf"^{source}: {key}: ") as e:
         load_config(f, [override])
     assert "\n" not in str(e.value)
+
+
+def test_a_value_from_the_file_is_blamed_on_the_file_even_beside_overrides(tmp_path):
+    f = _write(tmp_path, "model:\n  d_model: -4\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: model.d_model: must be >= 1, got -4"):
+        load_config(f, ["train.max_steps=5", "model.n_heads=2"])
+    with pytest.raises(ConfigError, match=r"^--set model=3: model: expected a mapping, got 3"):
+        load_config(f, ["model=3"])
 
 
 def test_sections_must_be_mappings_with_name_keys(tmp_path):

@@ -155,12 +155,12 @@ CASES = [
                                     ["--depths '4-2'"])),
     ("flops-length-zero", lambda t: ([FLOPS, "--config", "standard_h384", "--length", "0"], ["--length 0"])),
     ("flops-unknown-key", lambda t: ([FLOPS, "--config", "standard_h384", "--length", "8", "--set", "model.nope=1"],
-                                     ["standard_h384.yaml", "model.nope"])),
+                                     ["--set model.nope=1: model.nope"])),  # the flag the value came from
     # tools/params.py
     ("params-unknown-config", lambda t: ([PARAMS, "--config", t / "nope.yaml"], [t / "nope.yaml"])),
     ("params-invalid-yaml", _invalid_yaml),
     ("params-bad-value", lambda t: ([PARAMS, "--config", "eco_rna_80m", "--set", "model.d_model=-5"],
-                                    ["eco_rna_80m.yaml", "model.d_model"])),
+                                    ["--set model.d_model=-5: model.d_model"])),
     # tools/inspect_shards.py
     ("inspect-missing-dir", lambda t: ([INSPECT, t / "nope"], [t / "nope"])),
     ("inspect-no-manifest", _no_manifest),
