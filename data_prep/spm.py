@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -52,10 +53,24 @@ def train_spm(inputs: list[Path], output: Path, vocab_size: int = 32768, max_sen
             split_digits=True, character_coverage=0.9995, input_sentence_size=max_sentences,
             shuffle_input_sentence=True, max_sentence_length=1 << 16, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID,
             unk_id=UNK_ID, num_threads=os.cpu_count() or 1, minloglevel=2)
-    except RuntimeError as e:
-        # e.g. "Vocabulary size is too high": one line, not sentencepiece's C++ trace
-        raise FastaError(f"sentencepiece training failed: {str(e).strip().splitlines()[-1]}") from None
+    except RuntimeError as e:  # one line in this CLI's terms, not sentencepiece's C++ trace and its flag names
+        raise FastaError(_spm_error(str(e).strip().splitlines()[-1], vocab_size)) from None
     return output.with_suffix(output.suffix + ".model") if output.suffix else Path(f"{output}.model")
+
+
+def _spm_error(message: str, vocab_size: int) -> str:
+    """sentencepiece's training error as this CLI's flags say it (sentencepiece suggests options such as
+    --character_coverage that `data_prep train-spm` does not take)."""
+    low = re.search(r"smaller than required_chars\. \d+ vs (\d+)", message)
+    if low:
+        return (f"--vocab-size {vocab_size} is below the {low.group(1)} pieces the text needs (its distinct "
+                f"characters, 256 byte-fallback pieces and the special tokens); use --vocab-size {low.group(1)} or "
+                "more")
+    high = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", message)
+    if high:
+        return (f"--vocab-size {vocab_size} is more than the text can fill ({high.group(1)} at most); use a "
+                "smaller --vocab-size or more text")
+    return f"sentencepiece training failed: {message}"
 
 
 class SpmEncoder:

@@ -1,6 +1,7 @@
 """One-line errors for inputs a user meets (the last tracebacks of the fault campaign): evaluate.py on an empty or
-header-only FASTA and beside an export it cannot write into, and a FASTA with CR-only line endings in data_prep and
-evaluate. One line naming the file, the documented exit code, nothing half-written."""
+header-only FASTA and beside an export it cannot write into, a FASTA with CR-only line endings in data_prep and
+evaluate, and train-spm's vocabulary errors in this CLI's flags. One line naming the file or flag, the documented
+exit code, nothing half-written."""
 import sys
 
 import pytest
@@ -57,3 +58,20 @@ def test_cr_only_line_endings_are_named(export, tmp_path, capsys):
     rc = evaluate_main(["--checkpoint", str(export), "--task", "reconstruction", "--data", str(fasta),
                         "--depths", "1", "--no-mlflow"])
     assert rc == 2 and capsys.readouterr().err.strip().splitlines()[-1] == f"error: {want}"
+
+
+@pytest.mark.parametrize("vocab, want", [
+    (10, "--vocab-size 10 is below the 267 pieces the text needs (its distinct characters, 256 byte-fallback pieces "
+         "and the special tokens); use --vocab-size 267 or more"),
+    (5000, "--vocab-size 5000 is more than the text can fill (273 at most); use a smaller --vocab-size or more text"),
+])
+def test_train_spm_vocabulary_errors_speak_this_clis_flags(tmp_path, capsys, vocab, want):
+    """sentencepiece's own message suggests --character_coverage, which `data_prep train-spm` does not take."""
+    from data_prep.__main__ import main as data_prep_main
+
+    text = tmp_path / "tiny.train"
+    text.write_text("a b c\nd e f\n")
+    assert data_prep_main(["train-spm", "--input", str(text), "--output", str(tmp_path / "spm"), "--vocab-size",
+                           str(vocab)]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"data_prep: error: {want}"]
+    assert not list(tmp_path.glob("spm*"))
