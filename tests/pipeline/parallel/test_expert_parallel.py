@@ -313,7 +313,8 @@ def test_expert_parallel_errors_name_the_key(protlingo_yaml, tmp_path, monkeypat
         check_expert_parallel(m, 4, 2, zero_stage=2)
     with pytest.raises(ConfigError, match=r"^train\.expert_parallel_size: 2 needs a model with MoE layers"):
         check_expert_parallel(load_config(protlingo_yaml, ["model.moe_layers=[]"]).model, 2, 2, zero_stage=2)
-    with pytest.raises(ConfigError, match=r"protlingo_tiny.yaml: train\.expert_parallel_size: must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"^--set train\.expert_parallel_size=0: train\.expert_parallel_size: must be "
+                                          r">= 1, got 0"):  # named by the flag the value came from
         load_config(protlingo_yaml, ["train.expert_parallel_size=0"])
     check_expert_parallel(m, 2, 4, zero_stage=1)  # fits: no error
     check_expert_parallel(m, 1, 3, zero_stage=3)  # EP 1 is always fine, ZeRO-3 included
