@@ -3,7 +3,7 @@
 
     python bench/depth_task.py --out runs/depth_task                 # H = 3, three training seeds
     python bench/depth_task.py --quick --out runs/depth_task_quick   # H = 3, one seed
-    python bench/depth_task.py --models recurrent --set objective.mu_k=6 --out runs/dt_mu6   # one model, a variant
+    python bench/depth_task.py --models recurrent --set objective.train_depth=3 --out runs/dt_k3   # a variant
 
 1. Data: ``python -m data_prep synthetic-hops`` writes the training set (pointer counts 0 .. H, a curriculum) and a
    held-out set at exactly H pointers that shares no record with it (``--exclude``).
@@ -22,8 +22,7 @@ controls are flat in K). The last line is ``depth task: K1 acc A1, Kh acc Ah, co
 level per pointer (a reader that fetches the query's target directly needs H). Exit 0 when the recurrent model's
 accuracy at K = h is >= 0.9 and at K = 1 <= chance + 0.15, it falls by at most 0.05 from K = h to K = 8, control-1
 stays <= chance + 0.15 and control-h (h blocks) reaches >= 0.9 (every figure a mean over seeds); 1 when not; 2 on
-bad input or a failed step (the message names its
-log).
+bad input or a failed step (the message names its log).
 """
 from __future__ import annotations
 
@@ -137,7 +136,7 @@ def verdict(result: dict) -> tuple[bool, dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="study directory (data, runs, JSON, plot)")
-    p.add_argument("--quick", action="store_true", help=f"the CI instance: {QUICK}")
+    p.add_argument("--quick", action="store_true", help=f"one training seed: {QUICK}")
     p.add_argument("--hops", type=int, default=None, help=f"pointers of the held-out answers (default {FULL['hops']})")
     p.add_argument("--seeds", default=None, help=f"training seeds (default {FULL['seeds']})")
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps of every run (default {FULL['steps']})")
