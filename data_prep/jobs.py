@@ -103,6 +103,38 @@ def _settings_doc(settings: Settings) -> dict:
     return {k: v for k, v in d.items() if k not in _NEW_SETTINGS or v != _NEW_SETTINGS[k]}
 
 
+# The options of a source's job CLI (argparse dests) that decide which records a job writes or what they hold. Each
+# job records them in its manifest and merge refuses jobs that differ in any (a resubmitted array job with an edited
+# command line). Every other option is in JOB_LOCAL_OPTIONS with the reason it may differ between jobs;
+# tests/data_prep/test_merge_options.py checks that the two cover the CLI, so a new option cannot be forgotten.
+RECORD_OPTIONS = ("min_length", "max_length", "dedup", "replace_invalid", "window", "stride", "window_tail",
+                  "val_fraction", "text_column", "uniref90_members", "clusters")
+JOB_LOCAL_OPTIONS = {
+    "input": "merge compares the jobs' input lists itself",
+    "alphabet": "decides the tokenizer, which merge compares itself",
+    "spm": "decides the tokenizer, which merge compares itself",
+    "output": "where the job writes",
+    "shard_size": "how the records are packed into tar files, not which",
+    "strict": "fails the job instead of skipping an invalid record: a job that finished wrote the same records",
+    "max_filtered_fraction": "fails the job or not: a job that finished wrote the same records",
+    "workers": "runs jobs in one command: its jobs share every option",
+    "num_jobs": "merge compares the job count itself",
+    "job_index": "the job's share of the records",
+    "overwrite": "whether the job may replace its own earlier files",
+    "progress": "what the job prints",
+    "progress_interval": "what the job prints",
+}
+
+
+def record_options(settings: Settings, text_column: str | None = None, members: Path | None = None,
+                   clusters: Path | None = None) -> dict:
+    """RECORD_OPTIONS of a job as its CLI flags -> JSON values (paths as given, resolved)."""
+    values = {**asdict(settings), "text_column": text_column,
+              "uniref90_members": str(Path(members).resolve()) if members else None,
+              "clusters": str(Path(clusters).resolve()) if clusters else None}
+    return {"--" + name.replace("_", "-"): values[name] for name in RECORD_OPTIONS}
+
+
 def split_of(record_id: str, val_fraction: float | None) -> str:
     """'' without a split, else 'val' or 'train' by sha256 of the record id (see the module docstring)."""
     if val_fraction is None:
@@ -1110,7 +1142,8 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
         fingerprint = {**fingerprint, "fed_chunk": batch.CHUNK}
     if settings.num_jobs == 1:
         return _run_single(source, encoder, output, overwrite, build, fingerprint, splits, settings)
-    return _run_job(source, encoder, output, settings, overwrite, build, fingerprint, splits)
+    options = record_options(settings, text_column, members, clusters)
+    return _run_job(source, encoder, output, settings, overwrite, build, fingerprint, splits, options)
 
 
 def _copy_model(encoder: Encoder, directory: Path) -> None:
@@ -1142,29 +1175,21 @@ def _split_doc(manifests: dict, settings: Settings, source: str) -> dict:
 
 
 def _check_output_replaceable(output: Path, overwrite: bool) -> None:
-    """--overwrite replaces the whole directory: refuse a non-empty one without it, and one data_prep did not write."""
-    nonempty = output.is_dir() and any(output.iterdir())
-    if nonempty and not overwrite:
-        raise PrepError(f"output directory {output} exists and is not empty (pass --overwrite to replace it)")
-    if nonempty and not _looks_like_output(output):
-        raise PrepError(f"output directory {output} holds no manifest.json; not replacing a directory that "
-                        "data_prep did not write")
+    """--overwrite replaces the whole directory: refuse a non-empty one without it, one data_prep did not write, and
+    a mount point (the finished output is renamed into place: found now, not after the work)."""
+    from pipeline.outputs import OutputDirError, check_output_dir
+
+    try:
+        check_output_dir(output, force=overwrite, owned=_looks_like_output, what="a data_prep output",
+                         tool="data_prep", flag="--overwrite")
+    except OutputDirError as e:
+        raise PrepError(str(e)) from None
 
 
 def _replace_dir(new: Path, output: Path) -> None:
-    """Move the finished directory ``new`` to ``output``; an existing output is set aside first and put back if the
-    move fails, so ``output`` is always either the old result or the new one, never a mix."""
-    if not output.exists():
-        os.rename(new, output)
-        return
-    old = output.with_name(f"{output.name}.old-{os.getpid()}")
-    os.rename(output, old)
-    try:
-        os.rename(new, output)
-    except BaseException:
-        os.rename(old, output)
-        raise
-    shutil.rmtree(old)
+    from pipeline.outputs import replace_dir
+
+    replace_dir(new, output)
 
 
 def _write_json(path: Path, doc: dict) -> None:
@@ -1215,7 +1240,7 @@ def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerpri
 
 
 def _run_job(source, encoder, output: Path, settings: Settings, overwrite: bool, build, fingerprint: dict,
-             splits: tuple = ("",)) -> Result:
+             splits: tuple = ("",), options: dict | None = None) -> Result:
     num_jobs, job_index = settings.num_jobs, settings.job_index
     prefix = f"{source.name}-j{job_index:04d}"
     name = job_manifest_name(job_index, num_jobs)
@@ -1250,7 +1275,7 @@ def _run_job(source, encoder, output: Path, settings: Settings, overwrite: bool,
                 moved.append(d / listed)
             _copy_model(encoder, d)
         for s, manifest in manifests.items():  # the job manifests last: they mark the job as finished
-            doc = manifest.to_json() | {"job": {"index": job_index, "count": num_jobs}}
+            doc = manifest.to_json() | {"job": {"index": job_index, "count": num_jobs, "options": options}}
             (work.directory(s) / name).write_text(json.dumps(doc, indent=1) + "\n")
             os.replace(work.directory(s) / name, targets[s] / name)
             moved.append(targets[s] / name)
@@ -1308,6 +1333,12 @@ def merge(output: Path) -> Result:
         raise PrepError(f"output directory {output} does not exist")
     has_jobs = any(JOB_MANIFEST_RE.fullmatch(p.name) for p in output.iterdir())
     split_dirs = [output / s for s in SPLITS if (output / s).is_dir()]
+    if has_jobs and split_dirs:  # some jobs ran with --val-fraction (train/, val/), others without
+        jobs = {where: sorted(int(m[1]) for p in where.iterdir() if (m := JOB_MANIFEST_RE.fullmatch(p.name)))
+                for where in (output, *split_dirs)}
+        without, with_ = jobs[output], sorted(set().union(*(jobs[d] for d in split_dirs)))
+        raise PrepError(f"the jobs ran with different --val-fraction (none in {_jobs(without)}; a fraction in "
+                        f"{_jobs(with_)}){MIXED_JOBS}")
     if has_jobs or not split_dirs:
         return _merge_dir(output)()
     if len(split_dirs) != len(SPLITS):
@@ -1321,6 +1352,32 @@ def merge(output: Path) -> Result:
     located = {k: (r.manifest, r.location) for k, r in results.items()}
     seen = sum(r.records_seen for r in results.values())
     return Result(results["train"].manifest, seen, results["train"].location, located, fraction)
+
+
+def _check_same_options(docs: list[dict], names: list[str]) -> None:
+    """Refuse jobs that ran with different RECORD_OPTIONS, naming the option, its values and the jobs."""
+    options = [d.get("job", {}).get("options") for d in docs]
+    if all(o is None for o in options):  # every job manifest predates the record (nothing to compare)
+        return
+    for name, o in zip(names, options):
+        if o is None:
+            raise PrepError(f"{name} does not record its options (written by an older data_prep); rerun that job "
+                            "with the others' command line before merging")
+    for flag in options[0]:
+        by_value: dict[str, list[int]] = {}
+        for i, o in enumerate(options):
+            by_value.setdefault(json.dumps(o.get(flag)), []).append(i)
+        if len(by_value) > 1:
+            groups = "; ".join(f"{json.loads(v)!r} in {_jobs(js)}" for v, js in by_value.items())
+            raise PrepError(f"the jobs ran with different {flag} ({groups}){MIXED_JOBS}")
+
+
+MIXED_JOBS = ": their records would not add up to one run's; rerun the odd jobs with the same options (--overwrite) " \
+    "before merging"
+
+
+def _jobs(indices: list[int]) -> str:
+    return f"job{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
 
 
 def _merge_dir(output: Path):
@@ -1360,6 +1417,7 @@ def _merge_dir(output: Path):
                 raise PrepError(f"{found[(i, n)].name}: {key} differs from job 0's")
         if [x["path"] for x in d["inputs"]] != [x["path"] for x in first["inputs"]]:
             raise PrepError(f"{found[(i, n)].name}: ran on different inputs than job 0")
+    _check_same_options(docs, [found[(i, n)].name for i in range(n)])
     shards = [ShardInfo(**s) for d in docs for s in d["shards"]]
     for s in shards:
         if not (output / s.path).is_file():

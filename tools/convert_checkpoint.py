@@ -33,9 +33,10 @@ under its global id, from the fp32 masters (pipeline.checkpoint.load_state_dict)
 DeepSpeed checkpoints are pickles: DeepSpeed's loader (zero_to_fp32) unpickles them with weights_only=False, which
 runs any code they hold, so converting one needs --trust-checkpoint. Share exports, which load without executing code.
 The export is written to a temporary directory beside --output and renamed into place at the end: a failed conversion
-leaves nothing behind. An existing non-empty --output is refused unless --force; with --force the old directory is
-swapped out only after the new export is complete (never a half-written export at --output). Progress (per stage and
-per tensor, with a time estimate) goes to stderr; stdout gets the one summary line.
+leaves nothing behind. An existing non-empty --output is refused unless it is an export (holds export.json) and
+--force is given; then the old export is swapped out only after the new one is complete (never a half-written export
+at --output). Anything else (a training run, a folder of exports) is never replaced, --force or not. Progress (per
+stage and per tensor, with a time estimate) goes to stderr; stdout gets the one summary line.
 """
 from __future__ import annotations
 
@@ -43,7 +44,6 @@ import argparse
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -208,11 +208,11 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="latest", help="with a run dir or checkpoints/ dir: latest (default: what "
                    "'latest' names, else the newest complete checkpoint) or a tag such as step00001000")
     p.add_argument("--output", required=True, type=Path, help="the export directory (must not exist or be empty, "
-                   "unless --force)")
+                   "unless it is an export and --force is given)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype of the floating tensors written "
                    "(default fp32, the ZeRO fp32 masters as they are)")
-    p.add_argument("--force", action="store_true", help="replace an existing --output: the new export is completed "
-                   "beside it first, then swapped in")
+    p.add_argument("--force", action="store_true", help="replace an existing export at --output (it holds "
+                   "export.json): the new export is completed beside it first, then swapped in")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
     p.add_argument("--spm", type=Path, default=None, help="text families: the sentencepiece model to include "
                    "(default: tokenizer.model beside the run's training shards)")
@@ -222,17 +222,14 @@ def main(argv=None) -> int:
 
     from pipeline.config import ConfigError
     from pipeline.eval.cli import locate_checkpoint, progress, require_trust
+    from pipeline.outputs import check_output_dir, has_file, replace_dir, staging_dir
 
     out: Path = args.output
-    tmp = old = None
+    tmp = None
     bar = None
     try:
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"{out}: --output: exists and is not a directory")
-        if out.exists() and any(out.iterdir()) and not args.force:
-            raise ConfigError(f"{out}: --output exists and is not empty; pass --force to replace it")
-        if next((a for a in (out.parent, *out.parent.parents) if a.exists()), out.parent).is_file():
-            raise ConfigError(f"{out.parent}: --output: a file is in the way of the export's directory")
+        check_output_dir(out, force=args.force, owned=has_file("export.json"), what="an export",
+                         tool="convert_checkpoint.py")
         if args.spm is not None and not args.spm.is_file():
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
         import torch
@@ -273,8 +270,7 @@ def main(argv=None) -> int:
             bar.update()
         if fmt == "esm":
             state = hf.esm_state_dict(state, cfg.model)  # transformers' EsmForMaskedLM names
-        out.parent.mkdir(parents=True, exist_ok=True)  # e.g. exports/, as the training's summary suggests
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+        tmp = staging_dir(out)  # creates e.g. exports/, as the training's summary suggests
         bar.set_postfix_str(f"writing {EXPORTED_WEIGHTS}")
         from safetensors.torch import save_file
 
@@ -299,24 +295,17 @@ def main(argv=None) -> int:
              "task_depths": dict(getattr(hf_cfg, "task_depths", None) or {})}, indent=1))
         (tmp / "README.md").write_text(model_card(tag_dir=tag_dir, cfg=cfg, meta=meta, fmt=fmt, hf_cfg=hf_cfg,
                                                   dtype=args.dtype, weights_only=weights_only, tokenizer=tokenizer))
-        if out.exists():  # empty, or (--force) the previous export: moved aside, then the new one renamed in
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            out.rename(old / out.name)
-        tmp.rename(out)
+        replace_dir(tmp, out)  # an existing export (--force) goes only once the new one is in place
         tmp = None
         bar.update()
     except (ValueError, OSError) as e:  # ConfigError, ShardError: ValueErrors; FileNotFoundError: an OSError
         if bar is not None:
             bar.close()
-        if old is not None and (old / out.name).exists() and not out.exists():
-            (old / out.name).rename(out)  # the swap failed half-way: the previous export goes back
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         if tmp is not None:  # a failed conversion leaves no partial export
             shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     bar.close()
     n = sum(v.numel() for v in trained.model.state_dict().values())
     extra = f", {tokenizer['model']}" if spm is not None else ""

@@ -10,6 +10,8 @@ tools/upcycle_esm2.py at the downloaded directory instead (README, ProtLingo).
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,21 +30,43 @@ def esm2_config(size: str):
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
+def is_hf_esm_dir(directory: Path) -> bool:
+    """What this tool writes: a Hugging Face ESM model directory (config.json with model_type esm, no export.json)."""
+    try:
+        return (json.loads((directory / "config.json").read_text()).get("model_type") == "esm"
+                and not (directory / "export.json").exists())
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="8M")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace a directory this tool wrote (a Hugging Face ESM "
+                   "directory); anything else is never replaced")
     args = p.parse_args(argv)
-    if args.out.exists() and any(args.out.iterdir()):
-        print(f"error: {args.out}: exists and is not empty", file=sys.stderr)
+    from pipeline.outputs import OutputDirError, check_output_dir, replace_dir, staging_dir
+
+    try:
+        check_output_dir(args.out, force=args.force, owned=is_hf_esm_dir, what="an ESM2 model",
+                         tool="make_random_esm2.py")
+    except OutputDirError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     import torch
     from transformers import EsmForMaskedLM
 
     torch.manual_seed(args.seed)
     model = EsmForMaskedLM(esm2_config(args.size))
-    model.save_pretrained(str(args.out))
+    tmp = staging_dir(args.out)
+    try:
+        model.save_pretrained(str(tmp))
+        replace_dir(tmp, args.out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     n = sum(t.numel() for t in model.parameters())
     print(f"wrote a random ESM2-{args.size} ({n:,} parameters) to {args.out}")
     return 0

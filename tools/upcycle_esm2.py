@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory-layers", help="blocks the latent N-gram memory is inserted before, e.g. 0,14,21")
     p.add_argument("--perturb", type=float, default=0.0, help="relative noise on routed experts 1..E-1")
     p.add_argument("--seed", type=int, default=0, help="seed of the fresh router and memory weights")
+    p.add_argument("--force", action="store_true", help="replace an existing export at --out (it holds export.json; "
+                   "anything else is never replaced): the new one is completed beside it first, then swapped in")
     args = p.parse_args(argv)
 
     import dataclasses
@@ -66,12 +68,13 @@ def main(argv=None) -> int:
 
     from pipeline.checkpoint import EXPORTED_WEIGHTS, load_hf_directory
     from pipeline.config import ConfigError, build_config, dump_yaml, load_config
+    from pipeline.outputs import check_output_dir, has_file, replace_dir, staging_dir
     from pipeline.models.protlingo import (ProtLingo, ProtLingoConfig, config_from_hf, hf_to_protlingo,
                                            upcycle_state_dict)
 
     try:
-        if args.out.exists() and any(args.out.iterdir()):
-            raise ConfigError(f"{args.out}: exists and is not empty")
+        check_output_dir(args.out, force=args.force, owned=has_file("export.json"), what="an export",
+                         tool="upcycle_esm2.py")
         hf_cfg, hf_state = load_hf_directory(args.esm)
         base = config_from_hf(hf_cfg)
         run = load_config(args.config) if args.config else build_config({"family": "protlingo"})
@@ -109,18 +112,18 @@ def main(argv=None) -> int:
     model.load_state_dict(state, strict=True)
 
     run = dataclasses.replace(run, model=cfg)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / EXPORTED_WEIGHTS))
-    (tmp / "config.yaml").write_text(dump_yaml(run))
-    meta = {"source": str(args.esm.resolve()), "upcycled": {
-        "moe_layers": cfg.moe_layers, "num_experts": cfg.num_experts, "shared_hidden": cfg.shared_hidden,
-        "memory_layers": cfg.memory_layers, "perturb": args.perturb, "seed": args.seed}}
-    (tmp / "export.json").write_text(json.dumps(meta, indent=1))
-    if args.out.exists():
-        args.out.rmdir()
-    tmp.rename(args.out)
+    tmp = staging_dir(args.out)
+    try:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / EXPORTED_WEIGHTS))
+        (tmp / "config.yaml").write_text(dump_yaml(run))
+        meta = {"source": str(args.esm.resolve()), "upcycled": {
+            "moe_layers": cfg.moe_layers, "num_experts": cfg.num_experts, "shared_hidden": cfg.shared_hidden,
+            "memory_layers": cfg.memory_layers, "perturb": args.perturb, "seed": args.seed}}
+        (tmp / "export.json").write_text(json.dumps(meta, indent=1))
+        replace_dir(tmp, args.out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed upcycle leaves nothing behind
+        raise
     print(f"upcycled {args.esm} -> {args.out}: {len(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts, "
           f"memory before {cfg.memory_layers or 'no'} blocks; {cfg.num_params():,} parameters "
           f"({cfg.num_active_params():,} active)")

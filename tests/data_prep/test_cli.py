@@ -175,7 +175,7 @@ def test_min_length_filter_counted(runs, root, sample_raw):
 
 def test_existing_output_needs_overwrite(runs, root):
     p = runs["no_overwrite"]
-    assert p.returncode == 1 and "exists and is not empty (pass --overwrite to replace it)" in p.stderr
+    assert p.returncode == 1 and "already holds a data_prep output; pass --overwrite to replace it" in p.stderr
     assert (root / "min_keep" / "manifest.json").read_bytes() == (root / "min" / "manifest.json").read_bytes()
     assert runs["plain"].returncode == 0, runs["plain"].stderr
     assert load_manifest(root / "plain").total_samples == 2107
@@ -189,7 +189,7 @@ def test_overwrite_refuses_foreign_directory(tmp_path):
     foreign.mkdir()
     shutil.copy(SAMPLE, foreign)
     p = cli("fasta", "--alphabet", "dna", "--input", SAMPLE, "--output", foreign, "--overwrite")
-    assert p.returncode == 1 and "holds no manifest.json" in p.stderr
+    assert p.returncode == 1 and "is not empty and was not written by data_prep (it holds " in p.stderr
     assert [q.name for q in foreign.iterdir()] == [SAMPLE.name]
 
 
@@ -205,7 +205,8 @@ def test_multi_job_split_and_merge(runs, root):
     merged, single = load_manifest(out), load_manifest(root / "gz")
     assert (merged.total_samples, merged.total_tokens) == (single.total_samples, single.total_tokens)
     assert [i["records"] for i in merged.inputs] == [2107]
-    assert json.loads((out / "manifest-job0000-of-0002.json").read_text())["job"] == {"index": 0, "count": 2}
+    job = json.loads((out / "manifest-job0000-of-0002.json").read_text())["job"]
+    assert (job["index"], job["count"], job["options"]["--min-length"], job["options"]["--dedup"]) == (0, 2, 10, False)
     # Keys are global record indices, so the split changes only which shard a sample lands in.
     assert samples(out) == samples(root / "gz")
     assert not [q.name for q in out.iterdir() if q.name.startswith(".")]

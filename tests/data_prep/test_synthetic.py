@@ -102,7 +102,7 @@ def test_bad_arguments_are_one_line_and_write_nothing(tmp_path, capsys):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     assert prep("--hops", 2, "--records", 5, "--seed", 0, "--output", tmp_path / "mine", "--overwrite") == 1
-    assert "not replacing a directory that data_prep did not write" in capsys.readouterr().err
+    assert "was not written by data_prep (it holds notes.txt)" in capsys.readouterr().err
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
     with pytest.raises(SystemExit):
         prep("--hops", 0, "--records", 5, "--seed", 0, "--output", tmp_path / "y")

@@ -254,4 +254,4 @@ def test_export_loads_without_deepspeed_and_gives_the_same_numbers(trained_run, 
     again = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), "--checkpoint",
                             str(trained_run), "--output", str(export), TRUST], cwd=REPO, env=launch_env(),
                            capture_output=True, text=True)
-    assert again.returncode == 2 and "exists and is not empty" in again.stderr
+    assert again.returncode == 2 and "already holds an export; pass --force" in again.stderr

@@ -93,7 +93,7 @@ def _text_export_without_tokenizer(t):
 def _output_not_empty(t):
     (t / "out" / "export").mkdir(parents=True)
     (t / "out" / "export" / "keep.txt").write_text("mine")
-    return convert(t, export(t)), [t / "out" / "export", "exists and is not empty"]
+    return convert(t, export(t)), [t / "out" / "export", "was not written by convert_checkpoint.py (it holds keep.txt)"]
 
 
 def _text_checkpoint_without_tokenizer(t):

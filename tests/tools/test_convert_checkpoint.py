@@ -64,9 +64,10 @@ def test_existing_output_is_refused_without_force_and_tags_are_listed(tmp_path):
     out = tmp_path / "export"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"an earlier export")
+    (out / "export.json").write_text("{}")
     proc = run(CONVERT, "--checkpoint", run_dir, "--output", out, "--trust-checkpoint")
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
-        f"error: {out}: --output exists and is not empty; pass --force to replace it"]
+        f"error: {out} already holds an export; pass --force to replace it"]
     assert (out / "model.safetensors").read_bytes() == b"an earlier export"
     proc = run(CONVERT, "--checkpoint", run_dir, "--tag", "step00000009", "--output", tmp_path / "new")
     assert proc.returncode == 2 and proc.stderr.splitlines() == [

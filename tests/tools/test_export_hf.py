@@ -176,7 +176,7 @@ def test_export_flags_card_and_a_wrong_tensor(trained, tmp_path, capsys):
     proc = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), *args], cwd=REPO,
                           env=launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
-        f"error: {export}: --output exists and is not empty; pass --force to replace it"]
+        f"error: {export} already holds an export; pass --force to replace it"]
     capsys.readouterr()
     assert tool.main([*args, "--force", "--tag", "step00000007"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (f"error: {run / 'checkpoints'}: --tag step00000007: no such "
