@@ -20,13 +20,15 @@ same line and exit 2. Under a launcher only rank 0 prints (the others exit 0); f
 `python launchers/pretrain.py --dry-run --world-size 64 --nproc-per-node 8 ...` plans 8 nodes of 8 ranks (flags
 override the launcher's WORLD_SIZE and LOCAL_WORLD_SIZE / LOCAL_SIZE).
 
-Exit status: 0 when the run finished, reached its budget, or stopped on SIGTERM/SIGUSR1 or train.max_hours after
-writing a checkpoint; 2 for a bad input (config, ds_config, data, checkpoint); 3 when training diverged
-(train.max_nonfinite_steps); 1 for anything else. Every rank's output also goes to RUN_DIR/train.log.
+Exit status: 0 when the run finished, reached its budget, or stopped on SIGTERM/SIGUSR1 or train.max_hours (after
+writing a checkpoint, or, when the step outlasts the stop request by 2 s, abandoning that step unsaved); 2 for a bad
+input (config, ds_config, data, checkpoint); 3 when training diverged (train.max_nonfinite_steps); 1 for anything
+else. Every rank's output also goes to RUN_DIR/train.log.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -119,11 +121,12 @@ def main(argv=None) -> int:
         run_log.report_fatal(rank, str(e), rank_specific=_distributed())
         return 2
     except Exception as e:  # noqa: BLE001 - every rank's fatal error reaches the console, one line each
-        from pipeline.engine import CheckpointWriteError, TrainingStopped
+        from pipeline.engine import CheckpointWriteError, PeerLost, TrainingStopped
 
-        if not isinstance(e, (CheckpointWriteError, TrainingStopped)):
-            traceback.print_exc()  # a bug or a failed peer: the stack matters
-        message = str(e) if isinstance(e, (CheckpointWriteError, TrainingStopped)) else f"{type(e).__name__}: {e}"
+        explained = isinstance(e, (CheckpointWriteError, TrainingStopped, PeerLost))  # their line says what to do
+        if not explained:
+            traceback.print_exc()  # a bug: the stack matters
+        message = str(e) if explained else f"{type(e).__name__}: {e}"
         run_log.report_fatal(rank, message.strip().splitlines()[0] if message.strip() else type(e).__name__,
                              rank_specific=True)
         return 3 if isinstance(e, TrainingStopped) else 1
@@ -138,4 +141,12 @@ def _distributed() -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    faulthandler.enable(all_threads=True)  # a fatal signal (SIGSEGV, SIGABRT) prints every thread's Python stack
+    code = main()
+    # The run is over: checkpoints, logs and the MLflow run are closed, the process group is destroyed. Leave without
+    # the interpreter's finalization: at that stage the destructors of torch's and gloo's C++ threads have aborted a
+    # finished rank now and then ("terminate called without an active exception", SIGABRT), which the launcher then
+    # reports as a failed run (twice in some thousand CI launches, only after the run had ended).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
