@@ -25,6 +25,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import sys
 import time
 from collections import Counter
@@ -358,12 +360,26 @@ class WorkDir:
     def __init__(self, path: Path, fingerprint: dict, prefix: str, splits: tuple = ("",)):
         self.path, self.fingerprint, self.prefix, self.splits = path, fingerprint, prefix, tuple(splits)
         path.mkdir(exist_ok=True)
-        self._lock = open(path / self.LOCK, "w")
+        # The lock file names its holder. flock is released by the kernel when the holder dies, so a lock that is
+        # held belongs to a live process; a free one that names a process left by a killed run is taken over.
+        self._lock = open(path / self.LOCK, "a+")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            self._lock.seek(0)
+            holder = self._lock.read().strip()
             self._lock.close()
-            raise PrepError(f"{path} is being written by another data_prep run") from None
+            raise PrepError(f"{path} is being written by another data_prep run"
+                            + (f" ({holder})" if holder else "")) from None
+        self._lock.seek(0)
+        earlier = self._lock.read().strip()
+        if earlier:
+            print(f"data_prep: {path}: taking over the work left by {earlier}, which is no longer running",
+                  file=sys.stderr)
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        self._lock.flush()
         self.done = self._verify()
         self._progress = open(path / self.PROGRESS, "a")
 
@@ -451,6 +467,7 @@ class WorkDir:
 
     def release(self) -> None:
         self._progress.close()
+        self._lock.truncate(0)  # a clean exit: nobody to take over from
         self._lock.close()
 
 
@@ -1562,12 +1579,33 @@ def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
             put(q, ("end", key, first, number))
 
 
-def _worker(queue, index: int, kwargs: dict, feed: Feed | None = None) -> None:
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM this worker when the process that forked it dies (SIGKILL of the main process, an OOM kill): an
+    orphan would wait on its feed pipe for good and hold its work directory's lock. Linux: the kernel's parent-death
+    signal; elsewhere a thread that watches the parent pid."""
+    import ctypes
+
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:  # 1 = PR_SET_PDEATHSIG
+            raise OSError
+    except (OSError, AttributeError):
+        import threading
+
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _worker(queue, index: int, kwargs: dict, feed: Feed | None = None, parent: int = 0) -> None:
     """Job ``index`` of a --workers run, in a forked process: its exit status, first error line and the error's rank
     (Feed.rank; -1 unfed) to the parent."""
-    import signal
     global _FEED
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    _die_with_parent(parent)
     _FEED = feed
 
     def rank():
@@ -1632,7 +1670,7 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
         job = dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging,
                    settings=replace(settings, num_jobs=workers, job_index=k), overwrite=True,
                    progress=progress if k == 0 else ("off", progress[1]))  # one progress bar: job 0's
-        procs.append(ctx.Process(target=_worker, args=(queue, k, job, feeds[k]), daemon=False))
+        procs.append(ctx.Process(target=_worker, args=(queue, k, job, feeds[k], os.getpid()), daemon=False))
     reader_error = None  # (rank, message) of a bad input met by this process while feeding
     gc.freeze()  # the parent's objects out of the collector: a worker's collections do not copy their pages
     try:

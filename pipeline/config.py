@@ -263,9 +263,18 @@ class TrainConfig:
     # Wall-clock deadline in hours from the start of this process: on reaching it the run saves a checkpoint and
     # exits cleanly (resume continues). null = no deadline.
     max_hours: float | None = None
+    # A step that runs longer than this prints "step N: microbatch i of n ..." every so many seconds (rank 0), so a
+    # long accumulation is seen to progress.
+    heartbeat_seconds: float = 60.0
+    # Seconds a collective waits for the other ranks before every live rank gives up with one line naming the step
+    # and the last complete checkpoint: a frozen peer (SIGSTOP, swapping, a hung device) is otherwise waited on for
+    # good. DeepSpeed's own default (10 min); raise it when a checkpoint save or the first step takes longer.
+    collective_timeout: float = 600.0
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
+        _check(self.heartbeat_seconds > 0, "train.heartbeat_seconds", f"must be > 0, got {self.heartbeat_seconds}")
+        _check(self.collective_timeout > 0, "train.collective_timeout", f"must be > 0, got {self.collective_timeout}")
         _check(self.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
         _check(self.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}")
         _check(self.precision in ("auto", "fp32", "bf16"), "train.precision",

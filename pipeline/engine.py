@@ -13,6 +13,7 @@ One optimizer step:
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import errno
 import hashlib
 import json
@@ -41,8 +42,9 @@ from pipeline.data.loader import (ShardStream, Source, StreamLayout, is_url_patt
                                   resolve_shards, saved_layout)
 from pipeline.families import get_family
 from pipeline.parallel import EP_KEY, check_parallelism, optimizer_groups, parallelize
-from pipeline.run_dir import (CHECKPOINT_FORMAT, COMPLETE, LATEST, RunDirLock, checkpoint_tags, is_complete,
-                              mark_complete, resume_tag, rotate, set_aside_later_checkpoints, write_atomic)
+from pipeline.run_dir import (CHECKPOINT_FORMAT, COMPLETE, LATEST, RunDirLock, checkpoint_tags, damaged_files,
+                              is_complete, mark_complete, resume_tag, rotate, set_aside_later_checkpoints,
+                              write_atomic)
 from pipeline.run_dir import read_latest as read_latest_tag
 from pipeline.run_log import current as current_run_log
 from pipeline.tracking import Tracker, broadcast_object, resolve_run_id
@@ -154,8 +156,9 @@ def _ensure_dist_env():
                       MASTER_PORT=str(port))
 
 
-def init_distributed():
-    """``deepspeed.init_distributed`` (nccl on GPU hosts, gloo on CPU) without DeepSpeed's shared-memory all-reduce op.
+def init_distributed(timeout_s: float | None = None):
+    """``deepspeed.init_distributed`` (nccl on GPU hosts, gloo on CPU) without DeepSpeed's shared-memory all-reduce op;
+    ``timeout_s``: how long a collective waits for the other ranks (train.collective_timeout; None: DeepSpeed's).
 
     On CPU hosts DeepSpeed's TorchBackend JIT-compiles that op (35-50 s on a fresh machine) and every rank creates a
     69 MB ``/dev/shm/deepspeed_allreduce_buffer_*`` segment that nothing ever unlinks. /dev/shm is RAM, so each run
@@ -167,12 +170,34 @@ def init_distributed():
     import deepspeed
 
     _ensure_dist_env()
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     if torch.cuda.is_available():
-        deepspeed.init_distributed(dist_backend="nccl")
+        deepspeed.init_distributed(dist_backend="nccl", **timeout)
         return
     # Reading __compatible_ops__ probes every op (compiler subprocesses); DeepSpeed does that here on CPU anyway.
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend="gloo", **timeout)
+
+
+# A stop request waits this long for the current step to end (then the step is checkpointed and the run exits 0);
+# past it the step is abandoned between two microbatches, unsaved (a long accumulation must not outlast the 30 s
+# between DeepSpeed's forwarded SIGTERM and its SIGKILL).
+STOP_GRACE_S = 2.0
+
+
+class StopMidStep(Exception):
+    """Raised between microbatches when a stop request has waited STOP_GRACE_S: the step is abandoned unsaved."""
+
+
+def set_collective_timeout(seconds: float):
+    """Give every process group, not only the world's, the timeout ``seconds``: torch's ``new_group`` (DeepSpeed's
+    data-parallel and expert groups, where ZeRO reduces gradients) takes its own default (30 min on gloo) instead of
+    the world group's, so a frozen peer met inside a gradient reduction would still be waited on for half an hour.
+    ``_set_pg_timeout`` is torch's (private) setter for exactly this."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
 class StopRequest:
@@ -289,9 +314,24 @@ class Trainer:
             if n < self.loader_layout.streams:
                 raise ConfigError(f"{key}: {spec} has {n} shards, fewer than the {self.loader_layout.streams} loader "
                                   f"streams ({self.loader_layout.describe()})")
+        self._check_step_fits(world_size)
         # A run that has checkpoints of its own continues from them; init_from only seeds its first start.
         self.init_source = self._check_init_source() if cfg.train.init_from and not self.resume_tag else None
         self.init_from_record = str(self.init_source.resolve()) if self.init_source else None  # kept on resume
+
+    def _check_step_fits(self, world_size: int):
+        """Refuse, before anything starts, a step that reads more samples than the training set holds: each step
+        holds every microbatch in memory (the token count of the whole step normalises its loss), so such a step
+        only grows memory for minutes. A microbatch holds micro_batch_size samples, or at least one under a token
+        budget (train.max_tokens_per_microbatch)."""
+        t = self.cfg.train
+        per_micro = 1 if t.max_tokens_per_microbatch else t.micro_batch_size
+        need = t.grad_accum_steps * per_micro * world_size
+        if need > self.dataset_samples:
+            raise ConfigError(
+                f"train.grad_accum_steps: one step reads at least {need:,} samples (grad_accum_steps "
+                f"{t.grad_accum_steps:,} x {per_micro} a microbatch x {world_size} ranks) but the training set holds "
+                f"{self.dataset_samples:,}; lower train.grad_accum_steps or train.micro_batch_size")
 
     def _loader_layout(self, saved: dict | None) -> tuple[StreamLayout, list | None]:
         """(the data's stream layout, the checkpoint's loader states dealt to this world size, or None).
@@ -382,6 +422,9 @@ class Trainer:
         if not is_complete(tag_dir):
             raise ConfigError(f"--resume {self.resume}: incomplete checkpoint (no {COMPLETE} marker or an unreadable "
                               "client_state.json); it cannot be resumed")
+        if bad := damaged_files(tag_dir):
+            raise ConfigError(f"--resume {self.resume}: {bad[0].name} is damaged (not a readable torch archive: "
+                              "truncated?); resume from an earlier checkpoint")
         if tag_dir.resolve().parent != self.ckpt_dir.resolve():
             # Continuing another run's checkpoint here would write into its folder, rotate its checkpoints away and
             # look its MLflow run up in this run's store: starting from another run is --init-from.
@@ -421,7 +464,7 @@ class Trainer:
     def setup(self):
         import deepspeed  # imported here so config errors surface without DeepSpeed's start-up cost
 
-        init_distributed()
+        init_distributed(self.cfg.train.collective_timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # One training per run directory: rank 0 takes the lock before anything is written there, and every rank
         # learns the outcome, so a refused second training exits on all of its ranks at once.
@@ -472,6 +515,7 @@ class Trainer:
         if self.reshard == "universal":  # this attempt loads DeepSpeed's universal checkpoint
             ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        set_collective_timeout(self.cfg.train.collective_timeout)  # also on the groups DeepSpeed just made
 
         self.step, self.batches_consumed, run_id = 0, 0, None
         self.cumulative = {}  # running totals over the whole run (all ranks): tokens, words, FLOPs, ...
@@ -774,11 +818,20 @@ class Trainer:
         return horizon
 
     def _truncate_logs(self):
-        """Drop log lines of steps after the resume point (a killed run may have logged past its last checkpoint)."""
-        for f in [self.run_dir / "metrics.jsonl", *self.run_dir.glob("samples-rank*.jsonl")]:
-            if f.is_file():
-                keep = [ln for ln in f.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
-                write_atomic(f, "".join(ln + "\n" for ln in keep))
+        """Drop log lines of steps after the resume point (a killed run may have logged past its last checkpoint).
+        A fresh start truncates nothing: logs left by a start that stopped before its first checkpoint are moved to
+        RUN_DIR/earlier-start-N/."""
+        logs = [f for f in [self.run_dir / "metrics.jsonl", *self.run_dir.glob("samples-rank*.jsonl")] if f.is_file()]
+        if not self.resume_tag and any(f.stat().st_size for f in logs):
+            aside = next(d for i in range(1, 10**6) if not (d := self.run_dir / f"earlier-start-{i}").exists())
+            aside.mkdir()
+            for f in logs:
+                f.rename(aside / f.name)
+            print(f"note: the logs of an earlier start without checkpoints were moved to {aside}", flush=True)
+            return
+        for f in logs:
+            keep = [ln for ln in f.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
+            write_atomic(f, "".join(ln + "\n" for ln in keep))
 
     def save(self, milestone: bool = False):
         """Checkpoint this step; ``milestone`` checkpoints (checkpoint.at_steps / at_words) survive keep_last.
@@ -862,6 +915,29 @@ class Trainer:
             group["lr"] = peak * factor
         return self.optimizer.param_groups[0]["lr"]
 
+    def _between(self, i: int, n: int, what: str, t0: float):
+        """After microbatch i of n of a step was read or computed: a heartbeat on a long step, and a stop request
+        that has waited STOP_GRACE_S for the step to end abandons the step (StopMidStep). While microbatches are
+        computed (collectives run between them) the ranks decide together, one all-reduce per microbatch, and only
+        when a step has more than one; reading is local, each rank decides for itself."""
+        now = time.perf_counter()
+        if now - self._beat >= self.cfg.train.heartbeat_seconds:
+            self._beat = now
+            if self.rank == 0:
+                print(f"step {self.step + 1}: microbatch {i} of {n} {what}, {now - t0:.0f} s into the step",
+                      flush=True)
+        if self.stop.requested() and self._stop_seen is None:
+            self._stop_seen = now
+        want = self._stop_seen is not None and now - self._stop_seen >= STOP_GRACE_S
+        if what == "computed":
+            if n == 1 or i == n:
+                return  # the end of the step: the per-step check decides (and saves)
+            flag = torch.tensor([float(want)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            want = bool(flag.item())
+        if want:
+            raise StopMidStep(f"microbatch {i} of {n} {what}")
+
     def _stop_requested(self) -> bool:
         """Whether any rank wants to stop after this step (one all-reduce, MAX, of one number per step)."""
         flag = torch.tensor([float(self.stop.requested())], device=self.device)
@@ -878,17 +954,34 @@ class Trainer:
         streak, streak_start = 0, None  # consecutive non-finite steps and the first of them
         start_step, t_start, self.last_loss = self.step, time.perf_counter(), float("nan")
         interval = [0, 0]  # tokens computed, real tokens since the last logged step (padding_ratio)
+        self._stop_seen = None  # when this rank first saw a stop request inside a step (_between)
+        self.collective = "the first step's collectives"  # what a collective timeout waited in (its error line)
         try:
             while self.step < cfg.train.max_steps:
                 if self._budget_spent():
                     self.stopped_by = "budget"
                     break  # resumed after the word or epoch budget was spent
-                t0 = time.perf_counter()
-                micro = [next(data) for _ in range(cfg.train.grad_accum_steps)]
-                self.batches_consumed += len(micro)
-                lr = self.set_lr()
-                skipped_before = self.engine.skipped_steps
-                rec = train_step(self.engine, self.family, cfg, micro, self.step, self.device)
+                t0 = self._beat = time.perf_counter()
+                n = cfg.train.grad_accum_steps
+                try:
+                    micro = []
+                    for i in range(n):
+                        micro.append(next(data))
+                        self._between(i + 1, n, "read", t0)
+                    self.batches_consumed += len(micro)
+                    lr = self.set_lr()
+                    skipped_before = self.engine.skipped_steps
+                    self.collective = (f"the collectives of step {self.step + 1} (token counts, gradient reduction, "
+                                       "statistics)")
+                    rec = train_step(self.engine, self.family, cfg, micro, self.step, self.device,
+                                     between=lambda i, n: self._between(i, n, "computed", t0))
+                except StopMidStep as e:
+                    self.stopped_by = self.stop.reason or "a stop request on another rank"
+                    if self.rank == 0:
+                        print(f"stopping during step {self.step + 1} ({e}): {self.stopped_by}; the step is not "
+                              f"saved, the last complete checkpoint is {read_latest_tag(self.ckpt_dir) or 'none'}; "
+                              "the same command resumes from it", flush=True)
+                    break
                 rec.update(self.mixture_metrics(self.step))
                 self.step += 1
                 # Non-finite: a loss or gradient norm that is inf/NaN, or DeepSpeed's own overflow check skipping
@@ -945,7 +1038,9 @@ class Trainer:
                         f"train.max_nonfinite_steps {cfg.train.max_nonfinite_steps}); no checkpoint was written "
                         f"during them, the last good one is {read_latest_tag(self.ckpt_dir) or 'none'}. Lower "
                         "optim.lr or raise optim.warmup_steps and resume from it")
+                self.collective = f"the stop-flag all-reduce after step {self.step}"
                 stop = self._stop_requested()
+                self.collective = f"the checkpoint save of step {self.step}"
                 periodic = (self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps
                             or milestone or budget_spent or stop)
                 if periodic and streak == 0:  # never checkpoint a model in a non-finite streak
@@ -974,10 +1069,16 @@ class Trainer:
                 raise
             # gloo's own text blames "a remote worker hanging or bugs in the application"; say what to do instead
             detail = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [""])[0]).split(". This is")[0]
+            latest = read_latest_tag(self.ckpt_dir) or "none"
+            if "timed out" in detail.lower() or "timeout" in detail.lower():
+                raise PeerLost(f"no answer from another rank for {cfg.train.collective_timeout:g} s "
+                               f"(train.collective_timeout) in {self.collective} ({detail}): a "
+                               "rank is frozen (stopped, swapping, a hung device) or its node is unreachable; the last "
+                               f"complete checkpoint is {latest}: stop every rank and start again with the same "
+                               "command to resume from it") from e
             raise PeerLost(f"lost contact with another rank during step {self.step + 1} ({detail}): a node died or was "
-                           "killed, or the network between the nodes failed; the last complete checkpoint is "
-                           f"{read_latest_tag(self.ckpt_dir) or 'none'}: start every node again with the same "
-                           "command to resume from it") from e
+                           f"killed, or the network between the nodes failed; the last complete checkpoint is {latest}: "
+                           "start every node again with the same command to resume from it") from e
         finally:
             for f in (metrics_file, samples_file):
                 if f:
@@ -1014,8 +1115,9 @@ class Trainer:
         print("\n".join(lines), flush=True)
 
 
-def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -> dict:
-    """One optimizer step over the microbatches ``micro`` of this rank (see the module docstring).
+def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, between=None) -> dict:
+    """One optimizer step over the microbatches ``micro`` of this rank (see the module docstring). ``between(i, n)``
+    is called after each microbatch's backward (the Trainer's heartbeat and mid-step stop).
 
     Collectives, in order: one all-reduce (SUM) of the token counts, one (MAX) of the plans' sync values, then the
     microbatches' forward/backward, then one all-gather of the statistic names and one all-reduce (SUM) of their
@@ -1045,10 +1147,12 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device) -
         return rec
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     stats, totals = {}, {}
-    for batch, p in zip(micro, plans):
+    for i, (batch, p) in enumerate(zip(micro, plans)):
         out = family.loss(engine, batch.to(device), cfg, p)
         engine.backward(out.sum_loss * (world / n_global), scale_wrt_gas=False)
         engine.step()
+        if between is not None:
+            between(i + 1, len(micro))
         loss_sum += out.sum_loss.detach().double()
         for k, (num, den) in out.stats.items():
             a, b = stats.get(k, (0.0, 0.0))

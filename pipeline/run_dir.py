@@ -23,6 +23,7 @@ import shutil
 import socket
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 from pipeline.config import ConfigError
@@ -59,6 +60,20 @@ def is_complete(tag_dir: Path) -> bool:
     return (tag_dir / COMPLETE).is_file() or "format" not in client
 
 
+def damaged_files(tag_dir: Path) -> list[Path]:
+    """The tag's torch files (``*.pt``, each a zip archive) whose archive cannot be opened: truncated or cut short
+    after COMPLETE was written (a copy that stopped, a disk that lost the tail). Reads each file's central directory
+    only (its last bytes), not the tensors."""
+    bad = []
+    for f in sorted(tag_dir.glob("*.pt")):
+        try:
+            with zipfile.ZipFile(f):
+                pass
+        except (zipfile.BadZipFile, OSError):
+            bad.append(f)
+    return bad
+
+
 def read_latest(ckpt_dir: Path) -> str | None:
     """What ``latest`` names (stripped), or None when it is missing or empty."""
     try:
@@ -71,19 +86,31 @@ def resume_tag(ckpt_dir: Path) -> tuple[str | None, str | None]:
     """(tag to resume from, a note when it is not what ``latest`` names).
 
     ``latest`` wins when it names a complete checkpoint; otherwise the newest complete checkpoint, and the note says
-    why. A checkpoint directory whose checkpoints are all incomplete is a ConfigError, never a fresh start that would
-    overwrite them.
+    why. A checkpoint directory whose checkpoints are all incomplete, or whose ``latest`` names a checkpoint that is
+    gone with no complete one left, is a ConfigError: never a fresh start over a run that has history.
     """
     tags = checkpoint_tags(ckpt_dir)
     named = read_latest(ckpt_dir)
-    if named and named in tags and is_complete(ckpt_dir / named):
+    damaged = {}  # complete checkpoints with a file that cannot be read: skipped like incomplete ones
+    for t in tags:
+        if is_complete(ckpt_dir / t) and (bad := damaged_files(ckpt_dir / t)):
+            damaged[t] = bad[0]
+    if named and named in tags and is_complete(ckpt_dir / named) and named not in damaged:
         return named, None
-    complete = [t for t in tags if is_complete(ckpt_dir / t)]
+    complete = [t for t in tags if is_complete(ckpt_dir / t) and t not in damaged]
     if not complete:
+        if damaged:
+            t, f = max(damaged.items())
+            raise ConfigError(f"{ckpt_dir / t}: {f.name} is damaged (not a readable torch archive: truncated?) and no "
+                              "earlier complete checkpoint is intact; restore the file or use another run_dir")
         if tags:
             raise ConfigError(f"{ckpt_dir}: holds checkpoints ({', '.join(tags[-3:])}) but none is complete (no "
                               f"{COMPLETE} marker or an unreadable client_state.json); refusing to start over them. "
                               "Move them away or use another run_dir")
+        if (ckpt_dir / LATEST).exists():
+            raise ConfigError(f"{ckpt_dir}: {LATEST} names {named or 'nothing'}, but no checkpoint is left (the step "
+                              f"directories are gone); refusing to start {ckpt_dir.parent} over its history. Restore "
+                              "the checkpoints, or use another run_dir")
         return None, None
     if not (ckpt_dir / LATEST).exists():
         why = f"{LATEST} is missing"
@@ -91,6 +118,8 @@ def resume_tag(ckpt_dir: Path) -> tuple[str | None, str | None]:
         why = f"{LATEST} is empty"
     elif named not in tags:
         why = f"{LATEST} names {named}, which does not exist"
+    elif named in damaged:
+        why = f"{LATEST} names {named}, whose {damaged[named].name} is damaged (not a readable torch archive: truncated?)"
     else:
         why = f"{LATEST} names {named}, which is incomplete"
     return complete[-1], f"{ckpt_dir}: {why}; resuming from the newest complete checkpoint {complete[-1]}"

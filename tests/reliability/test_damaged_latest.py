@@ -1,0 +1,71 @@
+"""Case 3: a ``latest`` naming a checkpoint whose directory is gone started a fresh run (exit 0) and cut
+metrics.jsonl from 6 lines to 3. Case 8: a COMPLETE checkpoint with a truncated mp_rank_00_model_states.pt ended
+resume in a 41-line traceback naming neither tag nor file. Now a damaged ``latest`` falls back to the newest intact
+checkpoint with a note naming what is wrong (the damaged one is set aside, never deleted), or, when none is left,
+refuses with one line and exit 2; the logs are cut only to a checkpoint actually resumed from, and a fresh start
+moves earlier logs aside instead of truncating them."""
+import shutil
+
+from conftest import TINY, read_jsonl, run_pretrain
+
+
+def train(shards, run_dir, steps, *extra):
+    return run_pretrain(1, "ds_configs/zero2.json", TINY + [
+        f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={steps}", "checkpoint.every_steps=2",
+        "checkpoint.keep_last=0"], list(extra), timeout=300)
+
+
+def test_a_damaged_latest_never_starts_over(sample_shards, tmp_path):
+    base = tmp_path / "base"
+    first = train(sample_shards, base, 6)
+    assert first.returncode == 0, first.stderr[-3000:]
+    history = (base / "metrics.jsonl").read_bytes()
+    assert len(history.splitlines()) == 6
+
+    # Every step directory gone, latest left: refused, the history untouched.
+    gone = tmp_path / "gone"
+    shutil.copytree(base, gone)
+    for d in (gone / "checkpoints").glob("step*"):
+        shutil.rmtree(d)
+    r = train(sample_shards, gone, 6)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert (f"error: {gone / 'checkpoints'}: latest names step00000006, but no checkpoint is left (the step "
+            f"directories are gone); refusing to start {gone} over its history") in r.stderr
+    assert (gone / "metrics.jsonl").read_bytes() == history
+
+    # The newest checkpoint's model file cut short after COMPLETE: resume from step 4, saying which file; the
+    # damaged checkpoint is set aside, the logs are cut to step 4 and training redoes steps 5-6.
+    cut = tmp_path / "cut"
+    shutil.copytree(base, cut)
+    states = cut / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt"
+    damaged = states.read_bytes()[: states.stat().st_size // 2]
+    states.write_bytes(damaged)
+    r = train(sample_shards, cut, 6)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("latest names step00000006, whose mp_rank_00_model_states.pt is damaged (not a readable torch archive: "
+            "truncated?); resuming from the newest complete checkpoint step00000004") in r.stdout
+    assert [m["step"] for m in read_jsonl(cut / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    (aside,) = (cut / "checkpoints").glob("abandoned_after_step00000004_*")
+    assert (aside / "step00000006" / "mp_rank_00_model_states.pt").read_bytes() == damaged  # kept, not deleted
+
+    # Every checkpoint damaged: one line naming the newest tag and file, exit 2, nothing changed.
+    for f in (base / "checkpoints").glob("step*/mp_rank_00_model_states.pt"):
+        f.write_bytes(f.read_bytes()[:100])
+    r = train(sample_shards, base, 6)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (f"error: {base / 'checkpoints' / 'step00000006'}: mp_rank_00_model_states.pt is damaged (not a "
+            "readable torch archive: truncated?) and no earlier complete checkpoint is intact") in r.stderr
+    assert (base / "metrics.jsonl").read_bytes() == history
+
+
+def test_a_fresh_start_sets_earlier_logs_aside(sample_shards, tmp_path):
+    """A start that stopped before its first checkpoint left metrics; the next start keeps them, moved aside."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    r = train(sample_shards, run_dir, 2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"the logs of an earlier start without checkpoints were moved to {run_dir / 'earlier-start-1'}" in r.stdout
+    assert (run_dir / "earlier-start-1" / "metrics.jsonl").read_text() == '{"step": 1, "loss": 3.0}\n'
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
