@@ -25,12 +25,11 @@ import numpy as np
 
 from .fasta import FastaError, input_position, iter_fasta
 from .progress import Progress
-from .sources import _lines
+from .sources import TSV_HEADER, _lines  # noqa: F401 - TSV_HEADER re-exported
 
 if TYPE_CHECKING:
     from pipeline.data.shards import Manifest
 
-TSV_HEADER = ("UR50_cluster_name", "mapped_id")
 NOT_IN_FASTA = "not_in_fasta"
 _LOWER = np.zeros(256, dtype=bool)
 _LOWER[ord("a"):ord("z") + 1] = True
@@ -198,7 +197,7 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
     together); more than ``--max-filtered-fraction`` of the members found dropped as invalid or empty.
     Clusters already in the verified shards of an interrupted run are counted and not rewritten.
     """
-    from .jobs import DamageCheck, PrepError
+    from .checks import DamageCheck, PrepError
 
     s = settings
     sp = splits[""]
@@ -353,7 +352,7 @@ SUMMED = ("clusters", "clusters_kept", "members_listed", "members_kept", "residu
 def merge_stats(docs: list[dict], names: list[str]) -> tuple[list, dict]:
     """(inputs, stats) of N cluster job manifests: job counts summed, whole-input counts checked equal, and the
     records in no cluster computed (every FASTA record that no job matched)."""
-    from .jobs import PrepError
+    from .checks import PrepError
 
     first = docs[0]
     for d, name in zip(docs, names):
@@ -375,10 +374,10 @@ def merge_stats(docs: list[dict], names: list[str]) -> tuple[list, dict]:
     stats["fasta_records"] = first["stats"]["fasta_records"]
     stats["records_in_no_cluster"] = stats["fasta_records"] - stats["members_found"]
     stats["mapping"] = first["stats"]["mapping"]
-    from .jobs import _sum_stats
+    from .checks import sum_stats
     extra: dict = {}
     for d in docs:  # --replace-invalid counters and the characters outside the alphabet
-        extra = _sum_stats(extra, {k: v for k, v in d["stats"].items() if k not in stats and k not in (
+        extra = sum_stats(extra, {k: v for k, v in d["stats"].items() if k not in stats and k not in (
             "members_filtered", "records_in_no_cluster", "filtered_list")})
     stats.update(extra)
     mapping = stats["mapping"]

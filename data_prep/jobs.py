@@ -40,6 +40,7 @@ from pipeline.data.tokenizer import SEP_ID, SPM_NAME, VOCAB, NucleotideTokenizer
 
 from . import Source
 from .fasta import FastaError, input_position
+from .checks import DamageCheck, PrepError, sum_stats  # noqa: F401 - PrepError is imported from here
 from .progress import Progress
 
 if TYPE_CHECKING:
@@ -51,18 +52,11 @@ MANIFEST = "manifest.json"  # pipeline.data.shards.MANIFEST
 SHARD_FORMAT = "bioseq-wds/2"  # pipeline.data.shards.FORMAT: shards of blocks of samples
 BLOCK_SAMPLES = 2048  # pipeline.data.shards.BLOCK_SAMPLES
 JOB_MANIFEST_RE = re.compile(r"manifest-job(\d{4})-of-(\d{4})\.json")
-FILTERED = "filtered.tsv"
+FILTERED = "filtered.tsv"  # data_prep.checks.FILTERED
 FILTERED_HEADER = ("id", "reason", "input", "line", "detail")
 SPLIT_FILE = "split.json"
 SPLITS = ("train", "val")
 TAILS = ("short", "align", "drop")
-# Characters that occur in protein but not in nucleotide FASTA: named in the error when a protein file is given to a
-# nucleotide source.
-_AMINO_ONLY = set("EFILPQJOXZ")
-
-
-class PrepError(Exception):
-    """A user-facing error: bad arguments or an output directory in the way."""
 
 
 def job_manifest_name(index: int, count: int) -> str:
@@ -598,64 +592,6 @@ def open_splits(work: WorkDir, settings: Settings, encoder: Encoder, layout: str
     """name -> _Split for the run's shard sets."""
     name = FILTERED if settings.num_jobs == 1 else job_filtered_name(settings.job_index, settings.num_jobs)
     return {s: _Split(s, work, settings, encoder, name, layout) for s in work.splits}
-
-
-class DamageCheck:
-    """--max-filtered-fraction: counts the records dropped as damaged, keeps the first few errors and the characters
-    outside the alphabet, warns once while reading when the fraction so far is above the limit, and raises at the
-    end when the job's fraction is."""
-
-    EXAMPLES = 3
-    WARN_AFTER = 1000  # records read before the running fraction is worth a warning
-
-    def __init__(self, settings: Settings, unit: str = "records"):
-        self.limit = settings.max_filtered_fraction
-        self.unit = unit
-        self.damaged = 0
-        self.reasons: Counter = Counter()
-        self.examples: list[str] = []
-        self.characters: Counter = Counter()
-        self._warned = False
-
-    def add(self, reason: str, error: str | None, characters: Counter | None = None) -> None:
-        self.damaged += 1
-        self.reasons[reason] += 1
-        if error is not None and len(self.examples) < self.EXAMPLES:
-            self.examples.append(error)
-        if characters:
-            self.characters.update(characters)
-
-    def poll(self, read: int) -> None:
-        if not self._warned and read >= self.WARN_AFTER and self.damaged > self.limit * read:
-            self._warned = True
-            print(f"data_prep: warning: {self.damaged} of the first {read} {self.unit} dropped as invalid "
-                  f"({self.damaged / read:.1%}, above --max-filtered-fraction {self.limit}); the job will fail at "
-                  f"the end unless that changes. First: {self.examples[0] if self.examples else '-'}",
-                  file=sys.stderr)
-
-    def check(self, read: int, nucleotide: bool) -> None:
-        if read == 0 or self.damaged <= self.limit * read:
-            return
-        reasons = ", ".join(f"{k}={v}" for k, v in self.reasons.most_common())
-        msg = (f"{self.damaged} of {read} {self.unit} ({self.damaged / read:.1%}) dropped as invalid ({reasons}), "
-               f"above --max-filtered-fraction {self.limit}")
-        fix = ""
-        if self.characters:
-            chars = ", ".join(f"{c!r} x{n}" for c, n in self.characters.most_common(6))
-            more = f" and {len(self.characters) - 6} more" if len(self.characters) > 6 else ""
-            msg += f"; characters outside the alphabet: {chars}{more}"
-            amino = sorted(_AMINO_ONLY & set(self.characters))
-            if nucleotide and len(amino) >= 2:
-                msg += f" ({', '.join(amino)} are amino acids: a protein file? use the uniref source)"
-            else:
-                fix = "pass --replace-invalid CHAR (e.g. N for nucleotides, X for proteins) to keep them, "
-        if self.examples:
-            msg += "; first: " + "; ".join(self.examples)
-        if fix:
-            raise PrepError(f"{msg}. Nothing was written: {fix}or raise --max-filtered-fraction (1 keeps the job "
-                            f"going and lists every dropped record in {FILTERED})")
-        raise PrepError(f"{msg}. Nothing was written (--max-filtered-fraction 1 would keep the job going and list "
-                        f"every dropped record in {FILTERED})")
 
 
 # ------------------------------------------------------------------------------------------------------------ build
@@ -1210,7 +1146,7 @@ def _replace_dir(new: Path, output: Path) -> None:
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    from pipeline.run_dir import write_atomic  # here: it imports pipeline.config and yaml (~30 ms a run)
+    from pipeline.outputs import write_atomic
     write_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
@@ -1317,28 +1253,6 @@ def _run_job(source, encoder, output: Path, settings: Settings, overwrite: bool,
         return Result(manifests[""], seen, output / name)
     located = {k: (m, targets[k] / name) for k, m in manifests.items()}
     return Result(manifests["train"], seen, targets["train"] / name, located, settings.val_fraction)
-
-
-# stats entries that are the job's options, not counters: equal in every job, never summed
-_OPTION_STATS = ("windowing", "split", "replacement")
-
-
-def _sum_stats(a: dict, b: dict) -> dict:
-    """Counters of two job manifests added: numbers summed, dicts merged key by key; the options recorded in
-    stats (``_OPTION_STATS``) must be equal and are kept once."""
-    out = dict(a)
-    for k, v in b.items():
-        if k not in out:
-            out[k] = v
-        elif k in _OPTION_STATS:
-            if out[k] != v:
-                raise PrepError(f"the job manifests differ in stats.{k} ({out[k]} and {v}): jobs of one run must "
-                                "use the same options")
-        elif isinstance(v, dict) and isinstance(out[k], dict):
-            out[k] = _sum_stats(out[k], v)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(out[k], (int, float)):
-            out[k] = out[k] + v
-    return out
 
 
 def merge(output: Path) -> Result:
@@ -1459,7 +1373,7 @@ def _merge_dir(output: Path):
                   for k, x in enumerate(first["inputs"])]
         stats = {}
         for d in docs:
-            stats = _sum_stats(stats, {k: v for k, v in d.get("stats", {}).items()
+            stats = sum_stats(stats, {k: v for k, v in d.get("stats", {}).items()
                                        if k not in ("input", "filtered_list")})
         # Reader counters (blank lines, tags, ...) are counted over all records of the inputs by every job alike.
         stats["input"] = first.get("stats", {}).get("input", {})

@@ -21,6 +21,9 @@ import numpy as np
 
 from .fasta import GZIP_ERRORS, UTF8_BOM, FastaError, Record, iter_fasta, open_input
 
+# The header of a UniRef50 -> UniRef90 clusters TSV (data_prep/clusters.py), also recognized in a members file.
+TSV_HEADER = ("UR50_cluster_name", "mapped_id")
+
 
 @dataclass
 class Context:
@@ -181,7 +184,6 @@ def load_members(path: Path) -> dict[str, list[str]]:
     per member id): the full UniRef50 map needs tens of GB, so cluster-aware runs over all of UniRef50 should use one
     members file per input split.
     """
-    from .clusters import TSV_HEADER
 
     out: dict[str, list[str]] = {}
     first = True

@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.eval.cli import TRUST_FLAG, TRUST_HELP, check_depths, locate_checkpoint, parse_depths  # noqa: E402
 from pipeline.eval.cli import require_trust  # noqa: E402
-from pipeline.run_dir import write_atomic  # noqa: E402
+from pipeline.outputs import write_atomic  # noqa: E402
 
 TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.data.tokenizer import SPM_PAD_ID
 from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig
 from pipeline.data.protein_tokenizer import PAD_ID as ESM_PAD_ID

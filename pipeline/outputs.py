@@ -6,13 +6,15 @@ model's ``config.json`` with ``model_type``, data_prep's ``manifest.json``). Wit
 ``--overwrite``) such a directory is swapped out only after the new one is complete; anything else that is not
 empty (a training run, a folder of exports, a home directory) is refused with one line naming what is inside, and
 nothing is deleted. The new directory is built beside the output (same filesystem) and renamed into place, so an
-output that is a mount point, where that rename must fail, is refused at the start too.
+output that is a mount point, where that rename must fail, is refused at the start too. ``write_atomic`` is the same
+rule for one file.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,3 +79,16 @@ def replace_dir(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def write_atomic(path: Path, text: str):
+    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never half of it. The temp name
+    is per process and thread, so concurrent writers (the tracker's thread and the engine) never share one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a read-only or occupied destination: no temp file left behind
+        tmp.unlink(missing_ok=True)
+        raise

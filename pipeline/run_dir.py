@@ -21,12 +21,12 @@ import json
 import os
 import shutil
 import socket
-import threading
 import time
 import zipfile
 from pathlib import Path
 
 from pipeline.config import ConfigError
+from pipeline.outputs import write_atomic  # noqa: F401 - re-exported
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -123,19 +123,6 @@ def resume_tag(ckpt_dir: Path) -> tuple[str | None, str | None]:
     else:
         why = f"{LATEST} names {named}, which is incomplete"
     return complete[-1], f"{ckpt_dir}: {why}; resuming from the newest complete checkpoint {complete[-1]}"
-
-
-def write_atomic(path: Path, text: str):
-    """Write ``text`` to ``path`` so that a reader sees the old file or the new one, never half of it. The temp name
-    is per process and thread, so concurrent writers (the tracker's thread and the engine) never share one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, a read-only or occupied destination: no temp file left behind
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def mark_complete(tag_dir: Path):

@@ -77,7 +77,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from pipeline.config import ConfigError
-from pipeline.run_dir import write_atomic
+from pipeline.outputs import write_atomic
 
 STATE_FILE = "tracking_state.json"
 SPOOL_DIR = "tracking_spool"

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline.eval.cli import check_depths, parse_depths  # noqa: E402
-from pipeline.run_dir import write_atomic  # noqa: E402
+from pipeline.outputs import write_atomic  # noqa: E402
 
 # task -> (table column of the metric, True when higher is better); the column is launchers/evaluate.py's
 METRIC = {"reconstruction": (1, False), "rnagym": (1, True), "blimp": (1, True), "lambada": (1, True)}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.data import protein_tokenizer, tokenizer
 from pipeline.data.shards import MANIFEST, Manifest, ShardError, load_manifest
 

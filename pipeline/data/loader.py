@@ -100,10 +100,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.config import length_window_problem
+from pipeline.data.length_window import length_window_problem
 from pipeline.data.mixture import MixtureSchedule, SourceChooser
 from pipeline.data.shards import ShardError, check_offsets, end_problem, load_manifest, member_problem
-from pipeline.objectives.masking import IGNORE_INDEX
+from pipeline.data.tokenizer import IGNORE_INDEX
 
 # (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}
 SampleTransform = Callable[[np.ndarray, np.random.Generator], dict]

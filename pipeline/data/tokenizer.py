@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
+# The label of positions without a loss (torch cross_entropy's ignore_index default); every objective uses it.
+IGNORE_INDEX = -100
+
 SPECIAL_TOKENS = ("<pad>", "<cls>", "<eos>", "<unk>", "<mask>", "<sep>")
 NUCLEOTIDES = ("A", "C", "G", "U", "T", "N")
 IUPAC_AMBIGUITY = ("R", "Y", "S", "W", "K", "M", "B", "D", "H", "V")

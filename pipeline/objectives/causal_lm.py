@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.data.tokenizer import SPM_BOS_ID as BOS_ID
 from pipeline.data.tokenizer import SPM_EOS_ID as EOS_ID
 from pipeline.data.tokenizer import SPM_NAME

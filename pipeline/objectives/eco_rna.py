@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.data.tokenizer import NucleotideTokenizer
 from pipeline.models.eco_rna import initial_state, relative_displacement  # noqa: F401 (re-exported)
 from pipeline.objectives.masking import IGNORE_INDEX, make_mlm_transform

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from pipeline.data.tokenizer import IGNORE_INDEX  # noqa: F401 - re-exported
 
 
 def target_count(n_eligible: int, select_prob: float) -> int:

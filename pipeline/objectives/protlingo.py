@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.nn.functional as F
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.data.protein_tokenizer import ProteinTokenizer
 from pipeline.objectives.causal_lm import Plan
 from pipeline.objectives.eco_rna import LossOutput

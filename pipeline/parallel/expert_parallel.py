@@ -3,7 +3,7 @@
 The model file keeps the math (``pipeline/models/protlingo.py``: routing, losses, the reference experts); this file
 only changes where the routed experts run, the way torchtitan keeps ``parallelize`` beside ``model.py``.
 
-Why a DeepSpeed ``MoE`` subclass (DESIGN.md section 4, measured on deepspeed 0.19.8): DeepSpeed treats a module as an
+Why a ``MoE`` subclass (docs/architecture.md, "Expert parallelism and DeepSpeed's MoE"): DeepSpeed treats a module as an
 MoE only if ``isinstance(module, deepspeed.moe.layer.MoE)``, decided in ``deepspeed.initialize`` before ZeRO is
 built. A bare MoE module trains silently wrong under EP (rank 0's experts are broadcast to every rank, different
 experts are averaged together); tagging the parameters alone, or setting ``engine.has_moe_layers`` afterwards, crashes
@@ -45,9 +45,9 @@ import torch.nn as nn
 from deepspeed.moe.layer import MoE
 from deepspeed.utils import groups
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.models.protlingo import UpcycledMoE, _RoutedExperts
-from pipeline.parallel import EP_KEY, check_expert_parallel, group_name
+from pipeline.parallel.groups import EP_KEY, check_expert_parallel, group_name
 
 # torch 2.13 marks torch.distributed.nn.functional deprecated in favour of _functional_collectives, whose autograd
 # all_to_all is not available on gloo; the nn.functional one is differentiable and works on gloo and NCCL.
