@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (DESIGN.md section 2), under 5 minutes on one H200. Run from anywhere:
+# The one prepared GPU check, < 5 minutes on one H200 (docs/architecture.md, "Command-line contract"). Run from anywhere:
 #   bash bench/gpu.sh              on a CUDA host
 #   bash bench/gpu.sh --dry-run    on any machine: every step on the CPU with a tiny model, a few training steps (checks
 #                                  this script, its commands and their arguments; the figures mean nothing)
 # Steps, each timed; a failed step is reported and the later steps still run:
 #   1. environment; the wheels of build/gpu_wheels installed offline into GPU_SITE when that folder exists (a GPU
 #      image without DeepSpeed or WebDataset and without a package registry: bash scripts/prepare_gpu_check.sh makes
-#      them on a machine with one; README "GPU check"); MegaBlocks built when build/gpu_kernels holds its sources.
+#      them on a machine with one; docs/benchmarks.md, "GPU check"); MegaBlocks built when build/gpu_kernels holds its sources.
 #   2. bench/eco_rna_gpu.py: (a) flash / unpadded / SDPA parity on the Eco-RNA wavefront with zero-row core calls,
 #      outputs and gradients; (b) Eco-RNA 80M forward+backward tokens/s, MFU at the realized depth and peak memory,
 #      L = 512 and 1024, every attention path, bf16 (RESULT P5).

@@ -6,7 +6,7 @@ r"""Pretraining entry point.
         [--init-from CHECKPOINT_OR_EXPORT] [--allow-config-change] [--dry-run [--world-size N --nproc-per-node M]]
 
 Several nodes: the same arguments under `deepspeed --hostfile`, torchrun or SLURM (launchers/slurm/pretrain.sbatch);
-README "Multi-node".
+docs/multinode.md.
 
 Without --config it trains the small Eco-RNA demo on the sample shards that scripts/quickstart.sh builds.
 --resume continues this same run; --init-from starts a new run (own run_dir, step 0, own schedule, new MLflow run

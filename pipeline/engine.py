@@ -209,7 +209,7 @@ class StopRequest:
     runner alone and leaves its ``deepspeed.launcher.launch`` child and the ranks running (runner.py installs no
     handler for a local launch): the ranks watch the launcher processes and stop when one is gone. DeepSpeed's
     launch.py forwards SIGTERM to the ranks and kills them 30 s later, so a save that takes longer needs SIGUSR1
-    sent to the ranks themselves (README, "Preemption").
+    sent to the ranks themselves (docs/checkpoints.md, "Preemption").
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)

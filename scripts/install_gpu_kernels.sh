@@ -2,7 +2,7 @@
 # GPU hosts only: build MegaBlocks (megablocks 0.10.0 + grouped_gemm 0.3.0 + stanford-stk 0.7.1) and flash-attn 2.8.3
 # from source against the CUDA torch already installed. All four are source-only on PyPI and cannot be pip extras:
 # megablocks' metadata pins torch 2.7.0, so every one is installed with --no-deps --no-build-isolation against the
-# host's torch (DESIGN.md section 8). Without them the pipeline runs its pure-PyTorch paths (SDPA attention; the
+# host's torch (docs/architecture.md, "GPU kernels"). Without them, pure-PyTorch paths run instead (SDPA attention; the
 # reference MoE), which have the same parameter layout.
 #
 #   bash scripts/install_gpu_kernels.sh                    from PyPI, or offline from build/gpu_kernels when it holds

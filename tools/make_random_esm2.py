@@ -5,7 +5,7 @@
 
 No machine here can download ESM2 weights, so tests and the CPU demo start from a random ESM2 of the real shape,
 saved by ``transformers`` exactly as ``facebook/esm2_t6_8M_UR50D`` is laid out. With real weights, point
-tools/upcycle_esm2.py at the downloaded directory instead (README, ProtLingo).
+tools/upcycle_esm2.py at the downloaded directory instead (docs/protlingo.md, "Bringing ESM2").
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-# (layers, hidden, heads, FFN) of the published ESM2 checkpoints (DESIGN.md section 4)
+# (layers, hidden, heads, FFN) of the published ESM2 checkpoints (docs/protlingo.md, "ESM2 backbone sizes")
 SIZES = {"8M": (6, 320, 20, 1280), "35M": (12, 480, 20, 1920), "150M": (30, 640, 20, 2560),
          "650M": (33, 1280, 20, 5120)}
 

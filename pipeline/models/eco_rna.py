@@ -36,7 +36,7 @@ class EcoRNAConfig:
     n_coda: int = 3
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # The paper's Table A1 values were lost in extraction; these are our documented choices (README, Eco-RNA).
+    # The paper's Table A1 values were lost in extraction; these are our documented choices (docs/eco_rna.md).
     # initial-state std. 1.0 (the scale N_r gives states) stalled learning on a copy task built from real RNA; 0.3 learns
     sigma_init: float = 0.3
     alpha_min: float = 0.1

@@ -30,8 +30,8 @@ per layer over real tokens, then the mean over MoE layers: L_aux = E sum_e f_e P
 to e, P_e: mean router probability; Switch Transformer) and L_z = mean(logsumexp(logits)^2) (ST-MoE).
 
 Parameter layout: routed experts live at ``<layer>.ffn.deepspeed_moe.experts.deepspeed_experts.<e>`` and the shared
-one at ``<layer>.ffn.shared`` (no 'expert' in its name): the layout DeepSpeed's MoE checkpointing needs (DESIGN.md
-section 4), so the reference path here, expert parallelism (pipeline/parallel/) and MegaBlocks share one state dict.
+one at ``<layer>.ffn.shared`` (no 'expert' in its name): the layout DeepSpeed's MoE checkpointing needs
+(docs/architecture.md, "MoE checkpoints"): the reference path, expert parallelism and MegaBlocks share one state dict.
 ``UpcycledMoE.compute_experts`` is the one method those paths replace.
 """
 from __future__ import annotations

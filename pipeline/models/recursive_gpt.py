@@ -1,4 +1,4 @@
-"""RecursiveGPT and its standard-Transformer baseline (paper 003, Sec. 2.3 and 4; DESIGN.md section 5).
+"""RecursiveGPT and a standard-Transformer baseline (paper 003, Sec. 2.3, 4; docs/recursive_gpt.md, "Parameter counts").
 
 RecursiveGPT, a recursive causal decoder (one shared block applied R times):
 

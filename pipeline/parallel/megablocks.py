@@ -18,7 +18,7 @@ kernel ``megablocks.layers.mlp.GroupedMLP`` calls for ``mlp_impl='grouped'`` (gr
 tests run. Everything but the GEMM is the same code on every kernel, so the CPU tests check the sorting, unsorting
 and bias logic that the GPU runs, and the GPU test only swaps the kernel in.
 
-Why this and not MegaBlocks' ``dMoE`` module (DESIGN.md sections 4 and 8):
+Why this and not MegaBlocks' ``dMoE`` module (docs/architecture.md, "MegaBlocks under DeepSpeed" and "GPU kernels"):
 - The per-expert parameters stay the source of truth. ``torch.stack`` in the forward is differentiable (its backward
   hands each expert its slice of the grouped weight gradient), so the state dict, DeepSpeed's
   ``deepspeed_experts.<e>`` checkpoint files and the reference path keep one layout; DeepSpeed crashes on fused keys
@@ -211,7 +211,7 @@ class GroupedUpcycledMoE(UpcycledMoE):
 
 
 def _disable_gradient_scales(model: nn.Module) -> int:
-    """``gradient_scale = None`` on every MegaBlocks MLP module in ``model`` (their 1/ep, DESIGN.md section 4)."""
+    """``gradient_scale = None`` on MegaBlocks MLP modules (their 1/ep; docs/architecture.md, "Expert gradients")."""
     n = 0
     for m in model.modules():
         if type(m).__module__.startswith("megablocks.") and getattr(m, "gradient_scale", None) is not None:

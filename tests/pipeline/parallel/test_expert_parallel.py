@@ -61,7 +61,7 @@ def _reference_step(model, opt, family, cfg, batches) -> dict:
 
 
 def torchrun(nproc: int, script: Path, args: list) -> list:
-    """torchrun instead of the deepspeed launcher (both work, DESIGN.md section 8): it starts in half the time,
+    """torchrun rather than deepspeed (both work, docs/architecture.md, "DeepSpeed on CPU"): it starts in half the time,
     which matters for 4 processes on 2 cores. It sets OMP_NUM_THREADS=1 per process."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
             str(free_port()), str(script), *args]
