@@ -307,9 +307,12 @@ def main(argv=None) -> int:
         if tmp is not None:  # a failed conversion leaves no partial export
             shutil.rmtree(tmp, ignore_errors=True)
     bar.close()
-    n = sum(v.numel() for v in trained.model.state_dict().values())
+    n = sum(p.numel() for p in trained.model.parameters())  # as num_parameters() and tools/params.py count
+    names = {name for name, _ in trained.model.named_parameters()}
+    buffers = sum(v.numel() for k, v in trained.model.state_dict().items() if k not in names)
+    state = f" + {buffers:,} buffer values" if buffers else ""  # saved state (ProtLingo's memory usage flags)
     extra = f", {tokenizer['model']}" if spm is not None else ""
-    print(f"exported {tag_dir} -> {out} ({n:,} parameters, {args.dtype}, {fmt} names{extra})")
+    print(f"exported {tag_dir} -> {out} ({n:,} parameters{state}, {args.dtype}, {fmt} names{extra})")
     return 0
 
 

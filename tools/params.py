@@ -31,13 +31,20 @@ def main(argv=None) -> int:
         return 2
     total = cfg.model.num_params()
     active = getattr(cfg.model, "num_active_params", cfg.model.num_params)()
-    print(f"{cfg.family}: total {total:,} ({total / 1e6:.2f}M), active {active:,} ({active / 1e6:.2f}M)")
+    buffers = getattr(cfg.model, "num_buffer_values", lambda: 0)()
+    print(f"{cfg.family}: parameters: total {total:,} ({total / 1e6:.2f}M), active {active:,} ({active / 1e6:.2f}M)")
+    print(f"buffers: {buffers:,} values (saved state, not parameters)")
     if args.build:
         from pipeline.families import get_family
 
-        built = sum(q.numel() for q in get_family(cfg.family).build_model(cfg.model).parameters())
-        print(f"built model: {built:,} ({'matches' if built == total else 'DIFFERS FROM'} the config count)")
-        return 0 if built == total else 1
+        model = get_family(cfg.family).build_model(cfg.model)
+        built = sum(q.numel() for q in model.parameters())
+        names = {n for n, _ in model.named_parameters()}
+        built_buffers = sum(v.numel() for k, v in model.state_dict().items() if k not in names)
+        same = built == total and built_buffers == buffers
+        print(f"built model: {built:,} parameters, {built_buffers:,} buffer values "
+              f"({'matches' if same else 'DIFFERS FROM'} the config counts)")
+        return 0 if same else 1
     return 0
 
 

@@ -171,6 +171,11 @@ class ProtLingoConfig:
         total += len(self.moe_layers) * self.moe_params()[0]
         return total + len(self.memory_layers) * self.memory_params()[0]
 
+    def num_buffer_values(self) -> int:
+        """Values of the saved buffers, which are state, not parameters: each memory's ``addressed`` flags (one per
+        table row of every route, the "rows ever addressed" diagnostic)."""
+        return len(self.memory_layers) * self.routes * self.table_rows
+
     def num_active_params(self) -> int:
         """Parameters one token uses: one of E routed experts per MoE layer, R table rows per memory layer."""
         routed_inactive = self.moe_params()[1] * (self.num_experts - 1) // self.num_experts

@@ -2,8 +2,9 @@
 
 Per microbatch this returns ``S + m * A`` (the engine's exact token normalization, as for Eco-RNA): S the summed
 cross-entropy over the masked positions, m their number and A = lambda_aux L_aux + lambda_z L_z the microbatch's
-MoE losses (means over real tokens and MoE layers). The update is then (1 / Z) sum (S + m A): Eq. 17 over every
-masked token of the step plus Eq. 16 weighted by each microbatch's share of the masked tokens.
+MoE losses (means over real tokens; over the MoE layers the mean, or the sum: objective.moe_loss_reduction). The
+update is then (1 / Z) sum (S + m A): Eq. 17 over every masked token of the step plus Eq. 16 weighted by each
+microbatch's share of the masked tokens.
 
 Sample transform (ESM-2 / BioNeMo): a sequence longer than ``data.context_length - 2`` residues is cropped to a
 uniformly random window of that many residues, then framed as <cls> window <eos> (so a crop keeps both special
@@ -16,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import torch.nn.functional as F
 
 from pipeline.errors import ConfigError
@@ -25,15 +27,26 @@ from pipeline.objectives.eco_rna import LossOutput
 from pipeline.objectives.masking import IGNORE_INDEX, make_mlm_transform
 
 
+MOE_LOSS_REDUCTIONS = ("mean", "sum")
+
+
 @dataclass
 class ProtLingoObjectiveConfig:
-    lambda_aux: float = 0.01  # load-balancing loss weight (Eq. 16)
-    lambda_z: float = 0.001  # router z-loss weight
+    lambda_aux: float = 0.01  # load-balancing loss weight (Eq. 16); the paper gives none: the project's choice
+    lambda_z: float = 0.001  # router z-loss weight (ST-MoE's value); the paper gives none
+    # How the per-layer L_aux and L_z combine over the MoE layers; the paper does not say. "mean" (default) keeps
+    # the weight of the balancing term independent of the number of MoE layers (27 in the 150M config), so one
+    # lambda serves every depth; "sum" is Switch / ST-MoE / Megatron's per-layer sum (27x stronger there at equal
+    # lambda: divide lambda by the MoE layer count to match it).
+    moe_loss_reduction: str = "mean"
 
     def __post_init__(self):
         for name in ("lambda_aux", "lambda_z"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"objective.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.moe_loss_reduction not in MOE_LOSS_REDUCTIONS:
+            raise ConfigError(f"objective.moe_loss_reduction: must be one of {', '.join(MOE_LOSS_REDUCTIONS)}, got "
+                              f"{self.moe_loss_reduction!r}")
 
 
 def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
@@ -59,7 +72,11 @@ def loss(model, batch, cfg, p: Plan) -> LossOutput:
     totals = {"flops": 3 * batch.input_ids.shape[0] * cfg.model.forward_flops(batch.input_ids.shape[1])}
     aux = ce.new_zeros(())
     if out.moe_aux is not None:
-        aux = obj.lambda_aux * out.moe_aux + obj.lambda_z * out.moe_z
+        if obj.moe_loss_reduction == "sum":  # per-layer terms added; "mean" is what the model returns
+            aux = (obj.lambda_aux * torch.stack([r.aux for r in out.routing.values()]).sum()
+                   + obj.lambda_z * torch.stack([r.z for r in out.routing.values()]).sum())
+        else:
+            aux = obj.lambda_aux * out.moe_aux + obj.lambda_z * out.moe_z
         stats["moe/aux_loss"] = (float(out.moe_aux.detach()), 1)
         stats["moe/z_loss"] = (float(out.moe_z.detach()), 1)
     for layer, r in out.routing.items():

@@ -70,3 +70,25 @@ def test_routing_entropy_from_counts():
     assert got["moe/L03/effective_experts"] == pytest.approx(math.exp(h))
     even = obj.derive_metrics({f"moe/L00/tokens/e{e}": 5.0 for e in range(4)})
     assert even["moe/L00/entropy"] == pytest.approx(1.0) and even["moe/L00/effective_experts"] == pytest.approx(4)
+
+
+def test_the_moe_loss_reduction_sums_or_averages_the_layers():
+    """objective.moe_loss_reduction: 'sum' adds the per-layer L_aux and L_z (Switch, ST-MoE, Megatron), 'mean' (the
+    default) averages them; with 2 MoE layers the auxiliary part of the loss doubles exactly."""
+    losses = {}
+    for how in ("mean", "sum"):
+        cfg = load_config(None, TINY + [f"objective.moe_loss_reduction={how}"])
+        torch.manual_seed(0)
+        model = ProtLingo(cfg.model)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(4, 24, (3, 12), generator=g)
+        ids[:, 0], ids[:, -1] = 0, 2
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[:, 3] = ids[:, 3]
+        batch = Batch(ids, labels, torch.ones(3, 12, dtype=torch.bool), ["a", "b", "c"])
+        out = obj.loss(model, batch, cfg, obj.plan(batch, cfg, step=0, stream=0, index=0))
+        ce = out.stats["mlm_loss"][0]
+        losses[how] = float(out.sum_loss) - ce
+    assert losses["mean"] > 0 and losses["sum"] == pytest.approx(2 * losses["mean"], rel=1e-5)
+    with pytest.raises(Exception, match="objective.moe_loss_reduction: must be one of mean, sum"):
+        load_config(None, TINY + ["objective.moe_loss_reduction=max"])
