@@ -294,6 +294,82 @@ def load_trained_model(path: str | Path) -> TrainedModel:
     return TrainedModel(cfg, model, tag_dir, {} if is_export(tag_dir) else read_client_state(tag_dir))
 
 
+def load_esm2(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json dict, state dict under Hugging Face ``EsmForMaskedLM`` names) of an ESM2 checkpoint on disk: a
+    Hugging Face directory, or the fair-esm file most ESM2 users have (``esm2_t30_150M_UR50D.pt``)."""
+    p = Path(path)
+    if p.is_file():
+        return load_fair_esm(p)
+    return load_hf_directory(p)
+
+
+# fair-esm ESM2 name (prefixes "encoder.sentence_encoder." / "encoder." removed, as fair-esm's own loader does) ->
+# Hugging Face EsmForMaskedLM name; the per-layer ones below, for layer i.
+_FAIR_ESM_NAMES = {"embed_tokens.weight": "esm.embeddings.word_embeddings.weight",
+                   "emb_layer_norm_after.": "esm.encoder.emb_layer_norm_after.", "lm_head.dense.": "lm_head.dense.",
+                   "lm_head.layer_norm.": "lm_head.layer_norm.", "lm_head.weight": "lm_head.decoder.weight",
+                   "lm_head.bias": "lm_head.bias", "contact_head.regression.": "esm.contact_head.regression."}
+_FAIR_ESM_LAYER = {"self_attn.q_proj.": "attention.self.query.", "self_attn.k_proj.": "attention.self.key.",
+                   "self_attn.v_proj.": "attention.self.value.", "self_attn.out_proj.": "attention.output.dense.",
+                   "self_attn_layer_norm.": "attention.LayerNorm.", "fc1.": "intermediate.dense.",
+                   "fc2.": "output.dense.", "final_layer_norm.": "LayerNorm."}
+
+
+def load_fair_esm(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A fair-esm ESM2 checkpoint ({"cfg": {"model": ...}, "model": state dict}) as (config.json dict, Hugging Face
+    state dict). Read with ``weights_only=True``: the files pickle one class besides tensors, ``argparse.Namespace``
+    (the model's hyperparameters), allowed explicitly; anything else in the file is refused, nothing is executed."""
+    import argparse
+    import pickle
+
+    import zipfile
+
+    p = Path(path)
+    if not zipfile.is_zipfile(p):  # torch.save's format since torch 1.6; anything else is no checkpoint of it
+        raise ConfigError(f"{p}: not a readable torch checkpoint (not a torch.save zip archive)")
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            data = torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ConfigError(f"{p}: not loaded: it holds objects other than tensors and the model's hyperparameters "
+                          f"({str(e).splitlines()[0][:200]})") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ConfigError(f"{p}: not a readable torch checkpoint ({str(e).splitlines()[0][:200]})") from None
+    if not (isinstance(data, dict) and isinstance(data.get("model"), dict) and isinstance(data.get("cfg"), dict)):
+        raise ConfigError(f"{p}: not a fair-esm ESM2 checkpoint (expected the keys 'cfg' and 'model')")
+    cfg = data["cfg"].get("model")
+    get = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
+    try:
+        layers, dim, heads = get("encoder_layers"), get("encoder_embed_dim"), get("encoder_attention_heads")
+        token_dropout = bool(get("token_dropout"))
+    except (KeyError, AttributeError, TypeError) as e:
+        raise ConfigError(f"{p}: cfg.model lacks the ESM2 hyperparameter {e}") from None
+    state = {re.sub(r"^(encoder\.sentence_encoder\.|encoder\.)", "", k): v for k, v in data["model"].items()}
+    hf = {}
+    for name, t in state.items():
+        m = re.fullmatch(r"layers\.(\d+)\.(.*)", name)
+        if m:
+            if m[2].endswith("rot_emb.inv_freq"):
+                continue  # recomputed from the head dimension
+            key = next((k for k in _FAIR_ESM_LAYER if m[2].startswith(k)), None)
+            if key is None:
+                raise ConfigError(f"{p}: unexpected parameter {name}")
+            hf[f"esm.encoder.layer.{m[1]}.{_FAIR_ESM_LAYER[key]}{m[2][len(key):]}"] = t
+            continue
+        key = next((k for k in _FAIR_ESM_NAMES if name == k or (k.endswith(".") and name.startswith(k))), None)
+        if key is None:
+            raise ConfigError(f"{p}: unexpected parameter {name}")
+        hf[_FAIR_ESM_NAMES[key] + name[len(key):]] = t
+    ffn = state["layers.0.fc1.weight"].shape[0]
+    vocab = state["embed_tokens.weight"].shape[0]
+    config = {"model_type": "esm", "architectures": ["EsmForMaskedLM"], "vocab_size": vocab, "hidden_size": dim,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": ffn,
+              "position_embedding_type": "rotary", "token_dropout": token_dropout, "emb_layer_norm_before": False,
+              "mask_token_id": 32, "pad_token_id": 1, "layer_norm_eps": 1e-5, "max_position_embeddings": 1026,
+              "hidden_act": "gelu", "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+    return config, hf
+
+
 def load_hf_directory(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as a dict, state dict) of a local Hugging Face model directory, e.g. facebook/esm2_t30_150M_UR50D
     saved with ``save_pretrained`` or cloned from the hub: ``model.safetensors`` (or its sharded index), else

@@ -48,7 +48,8 @@ def parse_layers(spec: str, n_layers: int, flag: str) -> list[int]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--esm", required=True, type=Path, help="Hugging Face ESM2 directory (config.json + weights)")
+    p.add_argument("--esm", required=True, type=Path, help="ESM2 weights: a Hugging Face directory (config.json + "
+                   "weights) or a fair-esm file (esm2_t30_150M_UR50D.pt, read without executing code)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--config", help="run config whose model section gives the MoE and memory choices")
     p.add_argument("--moe-layers", help="blocks whose FFN becomes a MoE, e.g. 3-29")
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from pipeline.checkpoint import EXPORTED_WEIGHTS, load_hf_directory
+    from pipeline.checkpoint import EXPORTED_WEIGHTS, load_esm2
     from pipeline.config import ConfigError, build_config, dump_yaml, load_config
     from pipeline.outputs import check_output_dir, has_file, replace_dir, staging_dir
     from pipeline.models.protlingo import (ProtLingo, ProtLingoConfig, config_from_hf, hf_to_protlingo,
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     try:
         check_output_dir(args.out, force=args.force, owned=has_file("export.json"), what="an export",
                          tool="upcycle_esm2.py")
-        hf_cfg, hf_state = load_hf_directory(args.esm)
+        hf_cfg, hf_state = load_esm2(args.esm)
         base = config_from_hf(hf_cfg)
         run = load_config(args.config) if args.config else build_config({"family": "protlingo"})
         if run.family != "protlingo":
