@@ -98,8 +98,20 @@ def gathered(out: Path, world: int, name: str) -> dict:
 
 
 def max_diff(got: dict, want: dict) -> float:
+    """Largest elementwise difference. The memory's W_q is compared up to scale: no gradient reaches it (its
+    addresses read only the signs of W_q h, Eq. 3-4), and the ZeRO optimizer's weight decay rescales it where the
+    single-process reference's torch optimizer skips a parameter without a gradient; a positive scale keeps every
+    sign, hence every address (docs/protlingo.md, "W_q")."""
     assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))[:4]
-    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+    def unit(k, t):
+        return t / t.norm() if k.endswith(".W_q.weight") else t
+    return max((unit(k, got[k]) - unit(k, want[k])).abs().max().item() for k in want)
+
+
+def parameters_of(state: dict) -> dict:
+    """A saved state dict without the memory's ``addressed`` flags (a buffer: each rank's own usage record)."""
+    return {k: v for k, v in state.items() if not k.endswith(".addressed")}
 
 
 def experts_of(state: dict, layer: int, e: int) -> torch.Tensor:
@@ -125,8 +137,9 @@ def test_expert_parallel_equals_single_process(worker_runs, world, stage):
         diff = max_diff(got, ref[step]["state"])  # every expert, router and shared expert; measured <= 1.2e-7
         assert diff <= 1e-6, (step, diff)
         rec = summaries[0]["recs"][step]
-        assert rec["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-6)
-        assert rec["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6)
+        # rel 1e-5: the memory table's sparse gradient is summed over the rows in another order (measured 2.5e-6)
+        assert rec["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5)
+        assert rec["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5)
     assert ref[0]["grad_norm"] > CLIP  # the clip bound: the norm is over every expert of every EP rank
     # Experts started as copies of expert 0; different tokens reached them, so they now differ.
     final = gathered(out, world, f"step{STEPS}")
@@ -140,11 +153,12 @@ def test_expert_parallel_equals_single_process(worker_runs, world, stage):
     assert all(s["restored"] and s["same_next_step"] for s in summaries)
     # The consolidated checkpoint (one file per expert + the non-expert module, fp32 masters) is the single-process
     # model: the gathered parameters exactly, the reference to 1e-6.
-    consolidated = load_state_dict(out / "ckpt" / "final")
+    saved = load_state_dict(out / "ckpt" / "final")
+    consolidated = parameters_of(saved)
     assert max_diff(consolidated, final) == 0.0
     assert max_diff(consolidated, ref[-1]["state"]) <= 1e-6
     model = initial_model(run_config(), seed=3)
-    model.load_state_dict(consolidated, strict=True)
+    model.load_state_dict(saved, strict=True)
 
 
 @pytest.mark.slow
@@ -154,7 +168,7 @@ def test_bf16_checkpoint_consolidates_fp32_masters(worker_runs):
     out = worker_runs(2, 2, bf16=True, steps=1)
     masters = gathered(out, 2, "fp32")
     saved = gathered(out, 2, "step1")  # the bf16 parameters, as floats
-    consolidated = load_state_dict(out / "ckpt" / "final")
+    consolidated = parameters_of(load_state_dict(out / "ckpt" / "final"))
     assert max_diff(consolidated, masters) == 0.0
     assert all(v.dtype == torch.float32 for v in consolidated.values())
     assert max_diff(consolidated, saved) > 0  # not the bf16 copies ...
@@ -179,7 +193,7 @@ def test_tampered_expert_file_is_refused(worker_runs, tmp_path):
 # ---- through the launcher: ZeRO-3 without EP, EP with --init-from, SIGKILL and resume, conversion ------------------
 PROTLINGO_YAML = """family: protlingo
 seed: 7
-model: {d_model: 32, n_layers: 2, n_heads: 4, d_ff: 64, moe_layers: [0, 1], num_experts: 4, memory_layers: [],
+model: {d_model: 32, n_layers: 2, n_heads: 4, d_ff: 64, moe_layers: [0, 1], num_experts: 4, memory_layers: [1],
         attn_backend: sdpa}
 data: {context_length: 64}
 objective: {lambda_aux: 0.01, lambda_z: 0.001}
