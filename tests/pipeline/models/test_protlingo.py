@@ -325,3 +325,15 @@ def test_memory_tables_get_their_own_lr_and_no_decay():
     assert {id(p) for p in tables["params"]} == {id(m.tables) for m in model.memory.values()}
     assert tables["lr"] == pytest.approx(0.02) and tables["weight_decay"] == 0.0
     assert groups["decay"]["lr"] == 0.002 and groups["decay"]["weight_decay"] == 0.1
+
+
+def test_protlingo_650m_config_counts():
+    """ESM2-650M upcycled the 150M way (launchers/configs/protlingo_650m.yaml): the counts its header states, equal
+    to the built model's (on the meta device)."""
+    cfg = load_config(REPO / "launchers" / "configs" / "protlingo_650m.yaml").model
+    assert (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.num_experts, len(cfg.moe_layers)) == (33, 1280, 5120, 4, 30)
+    with torch.device("meta"):
+        model = ProtLingo(cfg)
+        built = sum(p.numel() for p in model.parameters())
+    assert built == cfg.num_params() == 1_305_989_156
+    assert cfg.num_active_params() == 667_950_116 and cfg.num_buffer_values() == 6_000_000
