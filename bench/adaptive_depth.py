@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Acceptance 3 of issue 13: adaptive depth against a fixed depth on held-out masked reconstruction.
+r"""Acceptance 3 of issue 13: adaptive depth against a fixed depth on held-out masked reconstruction.
 
     python bench/adaptive_depth.py --export exports/eco_rna_demo \
         --data data/samples/rfam_nrc_heldout_sample.fasta.gz --fixed 8 --max-depth 8 --tol 1e-4 [--tol 1e-5 ...]

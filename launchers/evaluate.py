@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Evaluate a trained checkpoint across recurrent depths.
+r"""Evaluate a trained checkpoint across recurrent depths.
 
     python launchers/evaluate.py --checkpoint runs/eco_rna_demo --task reconstruction \
         --data data/samples/rfam_nrc_heldout_sample.fasta.gz --depths 1-8

@@ -60,7 +60,13 @@ def staging_dir(out: Path) -> Path:
     """A new, empty directory beside ``out`` (same filesystem, so the final rename is atomic), hidden and unique:
     two tools writing beside each other never share one, and nothing of the user's is ever cleared to make it."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    path = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    # mkdtemp makes it 0700; the finished directory gets the permissions of any directory made here (the umask's),
+    # so that others on a shared filesystem can read the exports they are told to use
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o777 & ~umask)
+    return path
 
 
 def replace_dir(new: Path, out: Path) -> None:

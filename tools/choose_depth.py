@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Choose the recurrent depth for a task on a validation set and write it into an export.
+r"""Choose the recurrent depth for a task on a validation set and write it into an export.
 
     python tools/choose_depth.py --export exports/eco_rna_demo --task reconstruction \
         --data data/samples/rfam_nrc_heldout_sample.fasta.gz [--depths 1-8] [--tolerance 0]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Export a DeepSpeed ZeRO (stage 1-3) checkpoint to one directory that pipeline.load_pretrained and the
+r"""Export a DeepSpeed ZeRO (stage 1-3) checkpoint to one directory that pipeline.load_pretrained and the
 transformers Auto classes load.
 
     python tools/convert_checkpoint.py --checkpoint runs/eco_rna_demo --output exports/demo --trust-checkpoint

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Turn a Hugging Face ESM2 directory into a ProtLingo export that training starts from (--init-from).
+r"""Turn a Hugging Face ESM2 directory into a ProtLingo export that training starts from (--init-from).
 
     python tools/upcycle_esm2.py --esm facebook_esm2_t30_150M_UR50D --out exports/protlingo_150m_init \
         --config launchers/configs/protlingo_150m.yaml

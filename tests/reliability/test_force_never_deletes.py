@@ -6,6 +6,7 @@ after the work (case 7: the final rename failed with EBUSY on every rerun)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,9 @@ def test_force_replaces_the_tools_own_output(tmp_path):
     assert subprocess.run(py + ["--seed", "1", "--force"], cwd=REPO, capture_output=True, timeout=120).returncode == 0
     assert digest(out).keys() == first.keys() and digest(out) != first
     assert [p.name for p in tmp_path.iterdir()] == ["esm"]  # nothing left beside it
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # readable by others as any new directory (was 0700)
 
 
 def _can_mount() -> bool:
