@@ -248,11 +248,15 @@ class TrainConfig:
     # and the last complete checkpoint: a frozen peer (SIGSTOP, swapping, a hung device) is otherwise waited on for
     # good. DeepSpeed's own default (10 min); raise it when a checkpoint save or the first step takes longer.
     collective_timeout: float = 600.0
+    # none | blocks: recompute every transformer block's activations in backward (pipeline/parallel/checkpointing.py)
+    activation_checkpointing: str = "none"
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
         _check(self.heartbeat_seconds > 0, "train.heartbeat_seconds", f"must be > 0, got {self.heartbeat_seconds}")
         _check(self.collective_timeout > 0, "train.collective_timeout", f"must be > 0, got {self.collective_timeout}")
+        _check(self.activation_checkpointing in ("none", "blocks"), "train.activation_checkpointing",
+               f"must be none or blocks, got {self.activation_checkpointing!r}")
         _check(self.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
         _check(self.grad_accum_steps >= 1, "train.grad_accum_steps", f"must be >= 1, got {self.grad_accum_steps}")
         _check(self.precision in ("auto", "fp32", "bf16"), "train.precision",

@@ -10,10 +10,12 @@ from typing import Callable
 from pipeline.errors import ConfigError
 from pipeline.data.tokenizer import SPM_PAD_ID
 from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig
+from pipeline.models.layers import SandwichBlock
 from pipeline.data.protein_tokenizer import PAD_ID as ESM_PAD_ID
 from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
-from pipeline.models.protlingo import ProtLingo, ProtLingoConfig
-from pipeline.models.recursive_gpt import RecursiveGPT, RecursiveGPTConfig, StandardGPT, StandardGPTConfig
+from pipeline.models.protlingo import EsmBlock, ProtLingo, ProtLingoConfig
+from pipeline.models.recursive_gpt import (DecoderBlock, RecursiveGPT, RecursiveGPTConfig, StandardGPT,
+                                           StandardGPTConfig)
 from pipeline.objectives import causal_lm
 from pipeline.objectives import eco_rna as eco_rna_objective
 from pipeline.objectives import protlingo as protlingo_objective
@@ -31,26 +33,29 @@ class Family:
     pad_id: int = 0
     packable: bool = False  # data.pack allowed: the objective masks attention and loss per packed document
     derive_metrics: Callable | None = None  # reduced step record -> extra metrics (e.g. routing entropy)
+    # The model's transformer block classes: what train.activation_checkpointing: blocks recomputes in backward
+    blocks: tuple = ()
 
 
 FAMILIES = {
     "eco_rna": Family("eco_rna", EcoRNAConfig, EcoRNA, eco_rna_objective.EcoRNAObjectiveConfig,
-                      eco_rna_objective.make_transform, eco_rna_objective.plan, eco_rna_objective.recurrent_loss),
+                      eco_rna_objective.make_transform, eco_rna_objective.plan, eco_rna_objective.recurrent_loss,
+                      blocks=(SandwichBlock,)),
     # The matched fixed-depth control (A.6): same data, masking and loss code; depth fixed, auxiliary terms off.
     "eco_rna_control": Family("eco_rna_control", FixedDepthConfig, FixedDepthMLM,
                               eco_rna_objective.FixedDepthObjectiveConfig, eco_rna_objective.make_transform,
-                              eco_rna_objective.plan, eco_rna_objective.recurrent_loss),
+                              eco_rna_objective.plan, eco_rna_objective.recurrent_loss, blocks=(SandwichBlock,)),
     # Paper 003: recursive causal decoder and its 12-layer standard baseline, causal LM on sentencepiece text.
     "recursive_gpt": Family("recursive_gpt", RecursiveGPTConfig, RecursiveGPT, causal_lm.CausalLMObjectiveConfig,
                             causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID,
-                            packable=True),
+                            packable=True, blocks=(DecoderBlock,)),
     # Paper 002: ESM2 continued pretraining with latent N-gram memory and an upcycled MoE, masked LM on UniRef.
     "protlingo": Family("protlingo", ProtLingoConfig, ProtLingo, protlingo_objective.ProtLingoObjectiveConfig,
                         protlingo_objective.make_transform, protlingo_objective.plan, protlingo_objective.loss,
-                        pad_id=ESM_PAD_ID, derive_metrics=protlingo_objective.derive_metrics),
+                        pad_id=ESM_PAD_ID, derive_metrics=protlingo_objective.derive_metrics, blocks=(EsmBlock,)),
     "standard_gpt": Family("standard_gpt", StandardGPTConfig, StandardGPT, causal_lm.CausalLMObjectiveConfig,
                            causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID,
-                            packable=True),
+                           packable=True, blocks=(DecoderBlock,)),
 }
 
 

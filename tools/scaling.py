@@ -37,8 +37,9 @@ Memory per GPU: weights, gradients, fp32 master weights and the two AdamW moment
 does; the gradient bucket (ZeRO-2: reduce_bucket_size elements); and an estimate of the activations autograd keeps
 at the configured microbatch: per token and differentiated block 6d + 2 d_kv + 3 d_ff (gated MLP; 2 d_ff for GELU)
 + 2d more for sandwich norms, in the activation dtype, plus fp32 logits and their gradient. Eco-RNA differentiates
-its prelude, coda and the last W core iterations only (truncated backprop). Not measured (no GPU here): treat the
-activation figure as +-30 %.
+its prelude, coda and the last W core iterations only (truncated backprop). With train.activation_checkpointing:
+blocks each differentiated block keeps only its input (d per token) and one block's activations exist at a time.
+Not measured (no GPU here): treat the activation figure as +-30 %.
 
 Step time: compute = training FLOPs of the GPU's batch (the configs' own train-FLOP counts; Eco-RNA over its depth
 law) / (--peak-tflops x --mfu), taken for the slowest rank (Eco-RNA's per-sequence depths make ranks unequal: the
@@ -208,6 +209,8 @@ def _activation_bytes(cfg, tokens: int, k_max: float, act_bytes: int) -> float:
         blocks = m.n_layers
     per_token_block = 6 * d + 2 * d_kv + (3 if gated else 2) * d_ff + (2 * d if sandwich else 0)
     logits = tokens * m.vocab_size * 4 * 2  # fp32 logits and their gradient
+    if cfg.train.activation_checkpointing == "blocks":  # each block keeps its input; one block's are rebuilt at a time
+        return (blocks * d + per_token_block) * tokens * act_bytes + logits
     return blocks * tokens * per_token_block * act_bytes + logits
 
 
