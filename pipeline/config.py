@@ -208,6 +208,17 @@ class OptimConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """train.profile: record ``steps`` optimizer steps from step ``start`` (1-based) with torch.profiler on rank 0."""
+    start: int = 2  # after the first step, which pays one-off costs (allocations, kernel selection)
+    steps: int = 2
+
+    def __post_init__(self):
+        _check(self.start >= 1, "train.profile.start", f"must be >= 1, got {self.start}")
+        _check(self.steps >= 1, "train.profile.steps", f"must be >= 1, got {self.steps}")
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 100  # optimizer steps
     micro_batch_size: int = 8  # sequences per rank per microbatch
@@ -250,6 +261,8 @@ class TrainConfig:
     collective_timeout: float = 600.0
     # none | blocks: recompute every transformer block's activations in backward (pipeline/parallel/checkpointing.py)
     activation_checkpointing: str = "none"
+    # {start: S, steps: N}: steps S .. S+N-1 recorded with torch.profiler on rank 0 (pipeline/profiling.py); null: off
+    profile: ProfileConfig | None = None
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")

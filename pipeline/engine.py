@@ -42,6 +42,7 @@ from pipeline.data.loader import (ShardStream, Source, StreamLayout, is_url_patt
                                   resolve_shards, saved_layout)
 from pipeline.families import get_family
 from pipeline.parallel import EP_KEY, check_parallelism, optimizer_groups, parallelize
+from pipeline.profiling import StepProfiler
 from pipeline.run_dir import (CHECKPOINT_FORMAT, COMPLETE, LATEST, RunDirLock, checkpoint_tags, damaged_files,
                               is_complete, mark_complete, resume_tag, rotate, set_aside_later_checkpoints,
                               write_atomic)
@@ -955,12 +956,14 @@ class Trainer:
         start_step, t_start, self.last_loss = self.step, time.perf_counter(), float("nan")
         interval = [0, 0]  # tokens computed, real tokens since the last logged step (padding_ratio)
         self._stop_seen = None  # when this rank first saw a stop request inside a step (_between)
+        profiler = StepProfiler(cfg.train.profile, self.run_dir, self.rank)
         self.collective = "the first step's collectives"  # what a collective timeout waited in (its error line)
         try:
             while self.step < cfg.train.max_steps:
                 if self._budget_spent():
                     self.stopped_by = "budget"
                     break  # resumed after the word or epoch budget was spent
+                profiler.before_step(self.step + 1)
                 t0 = self._beat = time.perf_counter()
                 n = cfg.train.grad_accum_steps
                 try:
@@ -984,6 +987,7 @@ class Trainer:
                     break
                 rec.update(self.mixture_metrics(self.step))
                 self.step += 1
+                profiler.after_step(self.step)
                 # Non-finite: a loss or gradient norm that is inf/NaN, or DeepSpeed's own overflow check skipping
                 # the update (it does on every ZeRO stage). The weights are then those of the last good step.
                 overflow = self.engine.skipped_steps > skipped_before
@@ -1080,6 +1084,7 @@ class Trainer:
                            f"killed, or the network between the nodes failed; the last complete checkpoint is {latest}: "
                            "start every node again with the same command to resume from it") from e
         finally:
+            profiler.close(self.step)  # a run that ends inside the window still writes what it recorded
             for f in (metrics_file, samples_file):
                 if f:
                     f.close()
