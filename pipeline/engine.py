@@ -415,7 +415,7 @@ class Trainer:
                                   "use --resume auto or another run_dir")
             return None
         if self.resume == "auto":
-            tag, self.resume_note = resume_tag(self.ckpt_dir)
+            tag, self.resume_note = resume_tag(self.ckpt_dir, check_files=True)
             return tag
         tag_dir = Path(self.resume)
         if not (tag_dir / "client_state.json").is_file():
@@ -1235,10 +1235,12 @@ def _first_difference(a, b, key: str) -> str:
 
 
 def _lost_peer(e: BaseException) -> bool:
-    """Whether a collective failed because a peer is gone: an error of gloo's TCP transport (connection reset or
-    closed by the peer, a receive that timed out) or torch's distributed backend and network errors (NCCL)."""
+    """Whether a collective failed because a peer is gone or silent: an error of gloo's TCP transport (connection
+    reset or closed by the peer, a receive that timed out, a pair closed by the timeout) or torch's distributed
+    backend and network errors (NCCL)."""
+    text = str(e)
     return isinstance(e, (dist.DistBackendError, dist.DistNetworkError)) or (
-        isinstance(e, RuntimeError) and "gloo/transport" in str(e))
+        isinstance(e, RuntimeError) and ("gloo/transport" in text or "timeout caused pair closure" in text))
 
 
 def _describe_save_error(e: BaseException, tag_dir: Path) -> str:

@@ -82,17 +82,18 @@ def read_latest(ckpt_dir: Path) -> str | None:
         return None
 
 
-def resume_tag(ckpt_dir: Path) -> tuple[str | None, str | None]:
+def resume_tag(ckpt_dir: Path, check_files: bool = False) -> tuple[str | None, str | None]:
     """(tag to resume from, a note when it is not what ``latest`` names).
 
     ``latest`` wins when it names a complete checkpoint; otherwise the newest complete checkpoint, and the note says
     why. A checkpoint directory whose checkpoints are all incomplete, or whose ``latest`` names a checkpoint that is
-    gone with no complete one left, is a ConfigError: never a fresh start over a run that has history.
+    gone with no complete one left, is a ConfigError: never a fresh start over a run that has history. With
+    ``check_files`` (a training resuming) a complete checkpoint with a torch file cut short counts as incomplete.
     """
     tags = checkpoint_tags(ckpt_dir)
     named = read_latest(ckpt_dir)
-    damaged = {}  # complete checkpoints with a file that cannot be read: skipped like incomplete ones
-    for t in tags:
+    damaged = {}  # (check_files: a training's resume) complete checkpoints with a file that cannot be read: skipped
+    for t in tags if check_files else ():  # like incomplete ones; tools reading a checkpoint report its file instead
         if is_complete(ckpt_dir / t) and (bad := damaged_files(ckpt_dir / t)):
             damaged[t] = bad[0]
     if named and named in tags and is_complete(ckpt_dir / named) and named not in damaged:
