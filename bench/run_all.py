@@ -37,6 +37,7 @@ BENCHES = [
     ("data", "bench/data.py", ("P2", "P3", "P3.steady", "P3w2")),
     ("padding", "bench/padding.py", ("P6",)),
     ("engine", "bench/engine.py", ("P4", "scaling")),
+    ("activation checkpointing", "bench/activation_checkpointing.py", ("AC.memory", "AC.step")),
 ]
 
 # ID -> (comparison, bound). P3w2 is data_prep with two workers against one gzip -dc: 0.5 of gzip's rate per worker
