@@ -11,6 +11,7 @@ r"""Evaluate a trained checkpoint across recurrent depths.
     python launchers/evaluate.py --checkpoint runs/protlingo --task proteingym \
         --data ../shared/data/eval/proteingym/BLAT_ECOLX_Jacquier_2013.csv \
         --reference ../shared/data/eval/proteingym/DMS_substitutions.csv   # or --data a folder of assays
+    python launchers/evaluate.py --checkpoint exports/protlingo --task mlm --data uniref50_heldout.fasta
 
 Without --depths a RecursiveGPT is evaluated at its trained recurrence R (the paper's BLiMP and LAMBADA numbers are at
 R = 16 or 24) and the Eco-RNA tasks at 1-8.
@@ -36,6 +37,9 @@ its mutated sequences. Windows of --window tokens (1024, ProteinGym's) for longe
 copies per forward pass; on a GPU when one is visible. Reports per-assay Spearman / AUC / MCC and their mean over
 assays; per-mutant scores go to OUTPUT_STEM-scores/DMS_ID.csv; MLflow gets the metrics at the checkpoint's step.
 
+mlm (pipeline/eval/mlm.py): held-out masked-LM loss, perplexity and accuracy of a protein masked LM (paper 002's
+ablation metric) on a FASTA or shard directory, each sequence masked once by the training transform (seeded).
+
 Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json), and, when the checkpoint's MLflow run can
 be reached (its run directory's store, or MLFLOW_TRACKING_URI), logs one nested run per evaluation under it (tags
 eval.task, eval.data, eval.checkpoint, eval.step): the metrics with step = K, the JSON and a metric-vs-depth plot, so
@@ -60,7 +64,7 @@ from pipeline.eval.cli import TRUST_FLAG, TRUST_HELP, check_depths, locate_check
 from pipeline.eval.cli import require_trust  # noqa: E402
 from pipeline.outputs import write_atomic  # noqa: E402
 
-TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym")
+TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym", "mlm")
 
 
 def default_depths(cfg) -> list[int]:
@@ -103,6 +107,41 @@ def run_reconstruction(trained, data: Path, depths, seed: int) -> dict:
                                  + (f"-{depths[-1]}" if len(depths) > 1 else ""))
     return {"sequences": len(seqs), "per_depth": {str(k): v for k, v in per_k.items()},
             "table": [(k, v["loss"], v["accuracy"]) for k, v in per_k.items()], "columns": ("K", "loss", "accuracy")}
+
+
+def run_mlm(trained, data: Path, seed: int, batch_size: int) -> dict:
+    """Held-out masked-LM loss and perplexity of a protein masked LM on ``data`` (FASTA or a shard directory)."""
+    from pipeline.eval.mlm import mlm_eval
+    from pipeline.eval.reconstruction import heldout_samples
+    from pipeline.families import get_family
+
+    model = proteingym_model(trained)  # the same check: a masked LM over the ESM-2 alphabet
+    cfg = trained.cfg
+    family = get_family(cfg.family)
+    seqs = read_proteins(data)
+    if not seqs:
+        raise ValueError(f"{data}: no sequence to evaluate (an empty file, or headers without sequence lines)")
+    res = mlm_eval(model, cfg, heldout_samples(seqs, family.make_transform(cfg), seed), family.pad_id, batch_size)
+    return {"sequences": len(seqs), **res, "table": [(res["tokens"], res["loss"], res["perplexity"], res["accuracy"])],
+            "columns": ("masked", "loss", "perplexity", "accuracy")}
+
+
+def read_proteins(path: Path) -> list:
+    """Protein token arrays (ESM-2 ids) of a FASTA file or a shard directory (every cluster member)."""
+    from pipeline.data.protein_tokenizer import ProteinTokenizer
+    from pipeline.data.shards import load_manifest, read_clusters, read_shard
+
+    if path.is_dir():
+        manifest = load_manifest(path)
+        if manifest.layout == "clusters":
+            return [t for s in manifest.shards for _, members, _ in read_clusters(path / s.path, s.samples)
+                    for t in members]
+        return [t for s in manifest.shards for _, t, _ in read_shard(path / s.path, s.samples)]
+    from data_prep.fasta import iter_fasta
+
+    tok = ProteinTokenizer()
+    return [tok.encode(r.seq.upper()) for r in iter_fasta(path, lambda seq: tok.invalid_positions(seq.upper()))
+            if len(r.seq)]
 
 
 def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) -> dict:
@@ -327,10 +366,15 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path) -> tu
     child = start_eval_run(client, run_id, trained, task, data)
     cols, rows = result["columns"], result["table"]
     now_ms = int(time.time() * 1000)
-    metrics = [Metric(f"eval/{task}/{name.strip('|')}", float(row[j]), now_ms, int(row[0]))
+    depth_axis = cols[0] == "K"  # mlm has one row and no depth: step 0, no plot
+    metrics = [Metric(f"eval/{task}/{name.strip('|')}", float(row[j]), now_ms, int(row[0]) if depth_axis else 0)
                for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
     for b in range(0, len(metrics), 1000):
         client.log_batch(child, metrics=metrics[b:b + 1000])
+    client.log_artifact(child, str(out), "eval")
+    if not depth_axis:
+        client.set_terminated(child)
+        return child, run_id
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ks = [r[0] for r in rows]
     ax.plot(ks, [r[1] for r in rows], marker="o")
@@ -341,7 +385,6 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path) -> tu
     png = out.with_name(f"{out.stem}-vs-depth.png")
     fig.savefig(png, dpi=120)
     plt.close(fig)
-    client.log_artifact(child, str(out), "eval")
     client.log_artifact(child, str(png), "eval")
     client.set_terminated(child)
     return child, run_id
@@ -362,7 +405,8 @@ def main(argv=None) -> int:
                    "required for a folder)")
     p.add_argument("--window", type=int, default=1024, help="proteingym: tokens per window incl. <cls>/<eos> "
                    "(ProteinGym's optimal window, 1024)")
-    p.add_argument("--batch-size", type=int, default=32, help="proteingym: masked copies per forward pass")
+    p.add_argument("--batch-size", type=int, default=32, help="proteingym: masked copies per forward pass; mlm: "
+                   "sequences per forward pass")
     p.add_argument("--spm", type=Path, default=None, help="blimp/lambada: sentencepiece model "
                    "(default: the export's tokenizer.model, else tokenizer.model beside the training shards)")
     p.add_argument("--blimp-method", default="full", choices=("full", "one_prefix", "two_prefix"))
@@ -371,8 +415,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     try:  # the checks that need no model first: a bad flag fails in a fraction of a second, before torch loads
-        if args.task == "proteingym" and args.depths:  # a masked LM has one depth: a sweep would repeat one number
-            raise ValueError("--depths does not apply to --task proteingym (one forward depth per model)")
+        if args.task in ("proteingym", "mlm") and args.depths:  # one depth: a sweep would repeat one number
+            raise ValueError(f"--depths does not apply to --task {args.task} (one forward depth per model)")
         if args.reference is not None and args.task != "proteingym":
             raise ValueError("--reference is for --task proteingym (rnagym: --reference-sheet)")
         depths = parse_depths(args.depths) if args.depths else None  # parsed first: a bad --depths fails early
@@ -390,9 +434,11 @@ def main(argv=None) -> int:
             check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)
         require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
         trained = load_trained_model(tag_dir)
-        if args.task != "proteingym":  # proteingym has no depth axis
+        if args.task not in ("proteingym", "mlm"):  # these have no depth axis
             depths = depths or default_depths(trained.cfg)
-        if args.task == "proteingym":
+        if args.task == "mlm":
+            result = run_mlm(trained, data, args.seed, args.batch_size)
+        elif args.task == "proteingym":
             result = run_proteingym(proteingym_model(trained), data, args.reference, args.window, args.batch_size)
         elif args.task == "reconstruction":
             result = run_reconstruction(trained, data, depths, args.seed)
