@@ -115,6 +115,8 @@ def report_fatal(rank: int, message: str, rank_specific: bool):
     if not rank_specific:
         if rank == 0 or os.environ.get("LOCAL_RANK") == "0":
             print(f"error: {message}", file=sys.stderr, flush=True)
+        else:  # the launcher kills the other ranks as soon as one exits: give the one that prints time to print
+            time.sleep(1.0)
         return
     line = f"[rank {rank}] error: {message}"
     print(line, file=sys.stderr, flush=True)
