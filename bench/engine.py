@@ -247,4 +247,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.engine import exit_process  # after DeepSpeed: see its docstring
+
+    exit_process(main())

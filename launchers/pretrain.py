@@ -143,12 +143,8 @@ def _distributed() -> bool:
 if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a fatal signal (SIGSEGV, SIGABRT) prints every thread's Python stack
     code = main()
-    if code != 0:  # a failed rank leaves as before: an early exit here would let the launcher kill rank 0 before it
-        sys.exit(code)  # has printed the error line that only rank 0 prints
-    # The run is over: checkpoints, logs and the MLflow run are closed, the process group is destroyed. Leave without
-    # the interpreter's finalization: at that stage the destructors of torch's and gloo's C++ threads have aborted a
-    # finished rank now and then ("terminate called without an active exception", SIGABRT), which the launcher then
-    # reports as a failed run (twice in some thousand CI launches, only after the run had ended).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if code != 0:
+        sys.exit(code)  # a failed rank exits normally: its error line must get out (pipeline.engine.exit_process)
+    from pipeline.engine import exit_process
+
+    exit_process(0)

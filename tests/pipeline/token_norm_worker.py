@@ -73,3 +73,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    from pipeline.engine import exit_process  # after DeepSpeed: see its docstring
+
+    exit_process(0)
