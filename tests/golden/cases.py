@@ -5,6 +5,7 @@ checked against the numbers today's code produced (test_golden.py; regenerate wi
 Paths are relative to the repository root (launches run there): the checkpoints written here resume on any clone."""
 from __future__ import annotations
 
+import tarfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,3 +42,25 @@ CHECKPOINTED = ("eco_rna_zero2", "protlingo_zero2", "recursive_gpt_zero2", "stan
 
 def overrides(name: str, run_dir: str, steps: int = STEPS) -> list:
     return [*CASES[name][2], *COMMON, f"run_dir={run_dir}", f"train.max_steps={steps}"]
+
+
+ARCHIVE = HERE / "checkpoints.tar"  # the CHECKPOINTED cases' step-3 checkpoints, one folder each (make_golden.py)
+
+
+def unpack_checkpoint(name: str, checkpoints_dir: Path) -> Path:
+    """Extract case ``name``'s committed checkpoint (``latest`` + its tag dir) into ``checkpoints_dir`` (a run dir's
+    checkpoints/, created) and return it. Kept as one archive: a checkpoint tree in the repository would look like a
+    run's output; tarfile's "data" filter refuses members that would leave the folder."""
+    checkpoints_dir = Path(checkpoints_dir)
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(ARCHIVE) as tar:
+        members = [m for m in tar.getmembers() if m.name == name or m.name.startswith(f"{name}/")]
+        if not members:
+            raise KeyError(f"{ARCHIVE}: no checkpoint of {name}")
+        tar.extractall(checkpoints_dir.parent / ".golden-unpack", members=members, filter="data")
+    src = checkpoints_dir.parent / ".golden-unpack" / name
+    for item in src.iterdir():
+        item.rename(checkpoints_dir / item.name)
+    src.rmdir()
+    (checkpoints_dir.parent / ".golden-unpack").rmdir()
+    return checkpoints_dir

@@ -8,7 +8,8 @@
    of this repository's own Python sources with a 512-piece sentencepiece model; committed, so later data_prep
    changes cannot move them.
 2. For every case in cases.py: 5 steps on 2 processes through the launcher; tests/golden/CASE.json holds each step's
-   loss and grad norm. The CHECKPOINTED cases also keep their step-3 checkpoint in tests/golden/checkpoints/CASE.
+   loss and grad norm. The CHECKPOINTED cases also keep their step-3 checkpoint, together in
+   tests/golden/checkpoints.tar.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -57,7 +59,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         build_data(tmp)
-        shutil.rmtree(HERE / "checkpoints", ignore_errors=True)
+        saved = tmp / "checkpoints"
         for name, (config, ds_config, _) in CASES.items():
             run_dir = tmp / name
             r = run_pretrain(2, ds_config, overrides(name, str(run_dir)), ["--config", config])
@@ -70,10 +72,13 @@ def main() -> int:
                 {"step": m["step"], "loss": m["loss"], "grad_norm": m["grad_norm"]} for m in steps]}
             (HERE / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
             if name in CHECKPOINTED:
-                dest = HERE / "checkpoints" / name
+                dest = saved / name
                 shutil.copytree(run_dir / "checkpoints" / f"step{SAVED:08d}", dest / f"step{SAVED:08d}")
                 (dest / "latest").write_text(f"step{SAVED:08d}")
             print(f"{name}: losses {[round(m['loss'], 4) for m in steps]}")
+        with tarfile.open(HERE / "checkpoints.tar", "w") as tar:
+            for name in CHECKPOINTED:
+                tar.add(saved / name, arcname=name)
     return 0
 
 

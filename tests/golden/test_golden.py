@@ -6,12 +6,11 @@ The data (tests/golden/data) and the checkpoints are committed; make_golden.py r
 The comparison is to 1e-6 relative (a moved operation changes the last bits, a changed computation far more); on the
 machine that wrote the numbers the runs are bit-identical, which the printed line reports."""
 import json
-import shutil
 
 import pytest
 
 from conftest import read_jsonl, run_pretrain
-from golden.cases import CASES, CHECKPOINTED, HERE, SAVED, STEPS, overrides
+from golden.cases import CASES, CHECKPOINTED, HERE, SAVED, STEPS, overrides, unpack_checkpoint
 
 
 def golden(name: str) -> list:
@@ -40,7 +39,7 @@ def test_five_steps_give_the_golden_losses(name, tmp_path):
 def test_an_old_checkpoint_resumes_to_the_golden_steps(name, tmp_path):
     """The committed step-3 checkpoint (DeepSpeed shards, client state, config as today's code writes them)."""
     config, ds_config, _ = CASES[name]
-    shutil.copytree(HERE / "checkpoints" / name, tmp_path / "run" / "checkpoints")
+    unpack_checkpoint(name, tmp_path / "run" / "checkpoints")
     r = run_pretrain(2, ds_config, overrides(name, str(tmp_path / "run")), ["--config", config], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"step{SAVED:08d} at step {SAVED}" in r.stdout, r.stdout[-2000:]

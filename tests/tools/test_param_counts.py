@@ -3,9 +3,8 @@ built model with --build), and the export line of convert_checkpoint.py gives th
 ``num_parameters()`` counts, the buffers (ProtLingo's memory usage flags) beside them. It said 14,487,395 for the
 ProtLingo demo where num_parameters() says 14,447,395: the 40,000 were the boolean ``memory.*.addressed`` flags."""
 import re
-import shutil
 
-from golden.cases import HERE as GOLDEN
+from golden.cases import unpack_checkpoint
 from tools import convert_checkpoint, params
 
 
@@ -23,7 +22,7 @@ def test_the_export_line_counts_what_num_parameters_counts(tmp_path, capsys):
     from transformers import AutoModelForMaskedLM
 
     run = tmp_path / "run"
-    shutil.copytree(GOLDEN / "checkpoints" / "protlingo_zero2", run / "checkpoints")
+    unpack_checkpoint("protlingo_zero2", run / "checkpoints")
     assert convert_checkpoint.main(["--checkpoint", str(run), "--output", str(tmp_path / "export"),
                                     "--trust-checkpoint"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]

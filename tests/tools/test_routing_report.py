@@ -5,13 +5,12 @@ distribution, and the JSON and PNG are written."""
 import gzip
 import json
 import math
-import shutil
 
 import pytest
 import torch
 
 from conftest import REPO
-from golden.cases import HERE as GOLDEN
+from golden.cases import unpack_checkpoint
 from tools import convert_checkpoint, routing_report
 
 SAMPLE = REPO / "data" / "samples" / "uniref90_clusters_sample.fasta.gz"
@@ -19,7 +18,7 @@ SAMPLE = REPO / "data" / "samples" / "uniref90_clusters_sample.fasta.gz"
 
 def test_routing_report_of_an_export(tmp_path, capsys):
     run = tmp_path / "run"
-    shutil.copytree(GOLDEN / "checkpoints" / "protlingo_zero2", run / "checkpoints")
+    unpack_checkpoint("protlingo_zero2", run / "checkpoints")
     export = tmp_path / "export"
     assert convert_checkpoint.main(["--checkpoint", str(run), "--output", str(export), "--trust-checkpoint"]) == 0
     fasta = tmp_path / "p.fa"
