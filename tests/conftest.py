@@ -70,6 +70,15 @@ def run_launch(cmd: list, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def kill_group(proc: subprocess.Popen):
+    """SIGKILL every process of a launch started with ``start_new_session=True`` (if any is left) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_pretrain(nproc: int, ds_config: str, overrides: list, extra: list = (), timeout: int = 600):
     return run_launch(deepspeed_cmd(nproc, ds_config, overrides, extra), timeout)
 

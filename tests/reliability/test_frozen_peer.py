@@ -2,7 +2,6 @@
 waits at most train.collective_timeout seconds; then the live rank exits with one line naming the timeout, the
 collective, the step and the last complete checkpoint, within the timeout + 30 s. (The frozen rank itself cannot act;
 DeepSpeed's launcher then stops it.)"""
-import os
 import signal
 import subprocess
 import threading
@@ -10,7 +9,7 @@ import time
 
 import psutil
 
-from conftest import REPO, TINY, deepspeed_cmd, launch_env, read_jsonl
+from conftest import REPO, TINY, deepspeed_cmd, kill_group, launch_env, read_jsonl
 
 TIMEOUT = 15
 
@@ -51,11 +50,7 @@ def test_a_frozen_peer_ends_the_run_within_the_collective_timeout(sample_shards,
                 frozen.send_signal(signal.SIGCONT)
             except psutil.NoSuchProcess:
                 pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_group(proc)
     out = "".join(lines)
     assert took < TIMEOUT + 30, (took, out[-3000:])
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()

@@ -9,7 +9,7 @@ import subprocess
 import threading
 import time
 
-from conftest import REPO, TINY, deepspeed_cmd, launch_env, run_pretrain
+from conftest import REPO, TINY, deepspeed_cmd, kill_group, launch_env, run_pretrain
 
 
 def test_a_step_larger_than_the_training_set_is_refused_at_once(sample_shards, tmp_path):
@@ -48,11 +48,7 @@ def test_sigterm_inside_a_long_step_stops_within_seconds(sample_shards, tmp_path
         reader.join(60)  # the output ends when the last process of the launch (the rank) has exited
         took = time.monotonic() - sent
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        kill_group(proc)
     out = "".join(lines)
     assert took < 10, (took, out[-3000:])
     print(f"stopped {took:.1f} s after SIGTERM")
