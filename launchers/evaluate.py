@@ -37,6 +37,10 @@ its mutated sequences. Windows of --window tokens (1024, ProteinGym's) for longe
 copies per forward pass; on a GPU when one is visible. Reports per-assay Spearman / AUC / MCC and their mean over
 assays; per-mutant scores go to OUTPUT_STEM-scores/DMS_ID.csv; MLflow gets the metrics at the checkpoint's step.
 
+validation (pipeline/validation.py): the metrics the training logs as val/... every eval.every steps, computed
+the same way on --data (shard directories, comma-separated): the checkpoint's eval.max_samples, eval.batch_size and
+eval.depths (--depths overrides), seeded by --seed (training uses eval.seed, 0 by default).
+
 mlm (pipeline/eval/mlm.py): held-out masked-LM loss, perplexity and accuracy of a protein masked LM (paper 002's
 ablation metric) on a FASTA or shard directory, each sequence masked once by the training transform (seeded).
 
@@ -64,7 +68,7 @@ from pipeline.eval.cli import TRUST_FLAG, TRUST_HELP, check_depths, locate_check
 from pipeline.eval.cli import require_trust  # noqa: E402
 from pipeline.outputs import write_atomic  # noqa: E402
 
-TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym", "mlm")
+TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym", "mlm", "validation")
 
 
 def default_depths(cfg) -> list[int]:
@@ -79,14 +83,10 @@ def default_depths(cfg) -> list[int]:
 
 def read_sequences(path: Path, molecule: str) -> list[np.ndarray]:
     """A FASTA (.gz) file or a shard directory -> uint8 token arrays."""
-    from pipeline.data.shards import load_manifest, read_clusters, read_shard
+    from pipeline.data.shards import shard_sequences
 
     if path.is_dir():
-        manifest = load_manifest(path)
-        if manifest.layout == "clusters":  # every member of every cluster
-            return [t for s in manifest.shards for _, members, _ in read_clusters(path / s.path, s.samples)
-                    for t in members]
-        return [t for s in manifest.shards for _, t, _ in read_shard(path / s.path, s.samples)]
+        return shard_sequences(path)  # every member of every cluster of a clusters layout
     from data_prep.fasta import iter_fasta
     from pipeline.data.tokenizer import NucleotideTokenizer
 
@@ -126,17 +126,37 @@ def run_mlm(trained, data: Path, seed: int, batch_size: int) -> dict:
             "columns": ("masked", "loss", "perplexity", "accuracy")}
 
 
+def run_validation(trained, dirs: list[Path], depths, seed: int) -> dict:
+    """The training's validation (pipeline/validation.py) of a checkpoint, in one process."""
+    import dataclasses
+
+    import torch
+
+    from pipeline import validation
+    from pipeline.families import get_family
+
+    cfg = trained.cfg
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, seed=seed, depths=depths or cfg.eval.depths))
+    family = get_family(cfg.family)
+    if family.validate is None:
+        raise ValueError(f"--task validation: the {cfg.family} family has no validation")
+    for d in dirs:
+        if not d.is_dir():
+            raise ValueError(f"{d}: --task validation reads shard directories (data_prep's output)")
+    batches = validation.heldout_batches(cfg, family, [str(d) for d in dirs])
+    metrics = validation.evaluate(trained.model, cfg, family, batches, torch.device("cpu"))
+    metrics.pop("val/seconds")
+    return {"metrics": metrics, "table": [(sum(len(b.sample_ids) for b in batches), *metrics.values())],
+            "columns": ("sequences", *metrics)}
+
+
 def read_proteins(path: Path) -> list:
     """Protein token arrays (ESM-2 ids) of a FASTA file or a shard directory (every cluster member)."""
     from pipeline.data.protein_tokenizer import ProteinTokenizer
-    from pipeline.data.shards import load_manifest, read_clusters, read_shard
+    from pipeline.data.shards import shard_sequences
 
     if path.is_dir():
-        manifest = load_manifest(path)
-        if manifest.layout == "clusters":
-            return [t for s in manifest.shards for _, members, _ in read_clusters(path / s.path, s.samples)
-                    for t in members]
-        return [t for s in manifest.shards for _, t, _ in read_shard(path / s.path, s.samples)]
+        return shard_sequences(path)
     from data_prep.fasta import iter_fasta
 
     tok = ProteinTokenizer()
@@ -395,7 +415,8 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, or an export")
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
-                   "blimp: JSONL or dir; lambada: text or JSONL; proteingym: assay CSV or dir")
+                   "blimp: JSONL or dir; lambada: text or JSONL; proteingym: assay CSV or dir; validation: shard dirs, "
+                   "comma-separated")
     p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
                    "recursive_gpt, 1-8 for eco_rna); capped at 4 x the deepest training depth (a cap never below 8)")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
@@ -421,8 +442,9 @@ def main(argv=None) -> int:
             raise ValueError("--reference is for --task proteingym (rnagym: --reference-sheet)")
         depths = parse_depths(args.depths) if args.depths else None  # parsed first: a bad --depths fails early
         data = Path(args.data)
-        if not data.exists():
-            raise FileNotFoundError(f"{data}: no such file or directory")
+        for d in ([Path(x) for x in args.data.split(",")] if args.task == "validation" else [data]):
+            if not d.exists():
+                raise FileNotFoundError(f"{d}: no such file or directory")
         if args.spm is not None and not args.spm.is_file():
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
         if args.output is not None and not args.output.parent.is_dir():
@@ -434,9 +456,11 @@ def main(argv=None) -> int:
             check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)
         require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
         trained = load_trained_model(tag_dir)
-        if args.task not in ("proteingym", "mlm"):  # these have no depth axis
+        if args.task not in ("proteingym", "mlm", "validation"):  # these have no depth axis (validation: eval.depths)
             depths = depths or default_depths(trained.cfg)
-        if args.task == "mlm":
+        if args.task == "validation":
+            result = run_validation(trained, [Path(x) for x in args.data.split(",")], depths, args.seed)
+        elif args.task == "mlm":
             result = run_mlm(trained, data, args.seed, args.batch_size)
         elif args.task == "proteingym":
             result = run_proteingym(proteingym_model(trained), data, args.reference, args.window, args.batch_size)
@@ -464,6 +488,9 @@ def main(argv=None) -> int:
         if result["skipped"]:
             print(f"note: not in {args.reference}, not scored: {', '.join(result['skipped'])}", file=sys.stderr)
         print(f"wrote {write_proteingym_scores(result, out)}/")
+    elif args.task == "validation":
+        width = max(map(len, result["metrics"]))
+        print("\n".join(f"{k:<{width}} {v:.6f}" for k, v in result["metrics"].items()))
     else:
         print(" | ".join(f"{c:>10}" for c in cols))
         for row in result["table"]:

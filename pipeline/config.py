@@ -141,6 +141,10 @@ class DataConfig:
     # Check each shard's sha256 against the manifest the first time a rank opens it (a corrupt or swapped shard
     # fails with one error line instead of training on wrong data). Sources without a manifest are not checked.
     verify: bool = True
+    # Held-out shard directories read by the validation on a cadence (eval.every; pipeline/validation.py). null: the
+    # val/ split that `data_prep --val-fraction` writes beside the training shards (DIR/val for DIR/train), when it
+    # exists. Not a resume invariant: which set is validated on does not change what is trained on.
+    val_shards: list[str] | None = None
 
     def __post_init__(self):
         _check(self.molecule in ("rna", "dna"), "data.molecule", f"must be 'rna' or 'dna', got {self.molecule!r}")
@@ -294,8 +298,15 @@ class CheckpointConfig:
     keep_last: int = 3  # older step checkpoints are deleted; 0 keeps all. Milestones (below) are never deleted
     at_words: list[int] = field(default_factory=list)  # milestones: save when the running words total first reaches each
     at_steps: list[int] = field(default_factory=list)  # milestones: save at each of these optimizer steps
+    # A validation metric (e.g. val/loss, val/loss_K4; its name in metrics.jsonl): every evaluation that improves
+    # it saves a checkpoint and points checkpoints/best at it; keep_last never deletes the one best names.
+    keep_best: str | None = None
+    best_mode: str = "min"  # min (losses) | max (accuracies)
 
     def __post_init__(self):
+        _check(self.keep_best is None or self.keep_best.startswith("val/"), "checkpoint.keep_best",
+               f"must name a validation metric (val/...), got {self.keep_best!r}")
+        _check(self.best_mode in ("min", "max"), "checkpoint.best_mode", f"must be min or max, got {self.best_mode!r}")
         _check(self.every_steps >= 1, "checkpoint.every_steps", f"must be >= 1, got {self.every_steps}")
         _check(self.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0, got {self.keep_last}")
         _check(all(s >= 1 for s in self.at_steps), "checkpoint.at_steps", f"steps must be >= 1, got {self.at_steps}")
@@ -317,12 +328,33 @@ class TrackingConfig:
                f"must be > 0, got {self.timeout_s}")
 
 
+@dataclass
+class EvalConfig:
+    """Validation on a cadence (pipeline/validation.py): the family's held-out metrics on data.val_shards."""
+
+    every: int = 0  # optimizer steps between validations (and after the last step); 0 = no validation
+    max_samples: int | None = 1000  # the first N sequences of the validation shards (manifest order); null = all
+    batch_size: int = 16  # sequences per forward pass, per rank
+    seed: int = 0  # crops, masks and (Eco-RNA) the initial-state table: the same set on every evaluation
+    depths: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # Eco-RNA: the K read out (one trajectory)
+
+    def __post_init__(self):
+        _check(self.every >= 0, "eval.every", f"must be >= 0 (0 = off), got {self.every}")
+        _check(self.max_samples is None or self.max_samples >= 1, "eval.max_samples",
+               f"must be >= 1 or null, got {self.max_samples}")
+        _check(self.batch_size >= 1, "eval.batch_size", f"must be >= 1, got {self.batch_size}")
+        _check(self.seed >= 0, "eval.seed", f"must be >= 0, got {self.seed}")
+        _check(bool(self.depths) and all(k >= 1 for k in self.depths), "eval.depths",
+               f"must be a non-empty list of depths >= 1, got {self.depths}")
+
+
 SECTIONS = {
     "data": DataConfig,
     "optim": OptimConfig,
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "tracking": TrackingConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -338,6 +370,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -352,6 +385,8 @@ class RunConfig:
                                     micro_batch_size=self.train.micro_batch_size,
                                     context_length=self.data.context_length)
         _check(why is None, "data.length_window", why or "")
+        _check(self.checkpoint.keep_best is None or self.eval.every > 0, "checkpoint.keep_best",
+               "needs validation: set eval.every")
 
     def check_world_size(self, world_size: int):
         """Batch arithmetic: global = micro x accumulation x world size."""

@@ -43,12 +43,14 @@ from pipeline.data.loader import (ShardStream, Source, StreamLayout, is_url_patt
 from pipeline.families import get_family
 from pipeline.parallel import EP_KEY, check_parallelism, optimizer_groups, parallelize
 from pipeline.profiling import StepProfiler
-from pipeline.run_dir import (CHECKPOINT_FORMAT, COMPLETE, LATEST, RunDirLock, checkpoint_tags, damaged_files,
+from pipeline.run_dir import (BEST, CHECKPOINT_FORMAT, COMPLETE, LATEST, RunDirLock, checkpoint_tags, damaged_files,
                               is_complete, mark_complete, resume_tag, rotate, set_aside_later_checkpoints,
                               write_atomic)
 from pipeline.run_dir import read_latest as read_latest_tag
 from pipeline.run_log import current as current_run_log
 from pipeline.tracking import Tracker, broadcast_object, resolve_run_id
+from pipeline import validation
+from pipeline.validation import check_validation, heldout_batches
 
 CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations",  # logged as total/<name>
               "skipped", "nonfinite")
@@ -316,6 +318,7 @@ class Trainer:
                 raise ConfigError(f"{key}: {spec} has {n} shards, fewer than the {self.loader_layout.streams} loader "
                                   f"streams ({self.loader_layout.describe()})")
         self._check_step_fits(world_size)
+        self.val_dirs = check_validation(cfg, self.family)  # [] without eval.every; refused like the train shards
         # A run that has checkpoints of its own continues from them; init_from only seeds its first start.
         self.init_source = self._check_init_source() if cfg.train.init_from and not self.resume_tag else None
         self.init_from_record = str(self.init_source.resolve()) if self.init_source else None  # kept on resume
@@ -521,6 +524,7 @@ class Trainer:
         self.step, self.batches_consumed, run_id = 0, 0, None
         self.cumulative = {}  # running totals over the whole run (all ranks): tokens, words, FLOPs, ...
         self.best = None  # (loss, step) of the lowest finite logged loss
+        self.val_best = None  # (value, step) of the best checkpoint.keep_best metric so far
         self.horizon = schedule_horizon(self.cfg, self.dataset_samples)
         parent = None
         if self.resume_tag:
@@ -540,6 +544,7 @@ class Trainer:
                 aside = set_aside_later_checkpoints(self.ckpt_dir, self.resume_tag)
                 if aside:
                     print(f"note: the checkpoints after {self.resume_tag} were moved to {aside}", flush=True)
+                    self._repoint_best()
                 write_atomic(self.ckpt_dir / LATEST, self.resume_tag)
             write_atomic(self.run_dir / "config.yaml", dump_yaml(self.cfg))
             write_atomic(self.run_dir / "ds_config.json", json.dumps(self.ds_config, indent=1))
@@ -561,6 +566,13 @@ class Trainer:
         elif self.batches_consumed:  # a checkpoint from before loader state_dicts: the count alone
             self.dataset.load_state_dict({"batches_consumed": self.batches_consumed})
         self.data = make_loader(self.dataset, self.cfg.data.num_workers)
+        self.val_batches = heldout_batches(self.cfg, self.family, self.val_dirs) if self.val_dirs else None
+        self.val_history = []  # rank 0: the validation records of metrics.jsonl, for the plot
+        if self.rank == 0 and self.val_dirs and (self.run_dir / "metrics.jsonl").is_file():
+            for ln in (self.run_dir / "metrics.jsonl").read_text().splitlines():
+                rec = json.loads(ln)
+                if any(k.startswith("val/") for k in rec):
+                    self.val_history.append({k: v for k, v in rec.items() if k == "step" or k.startswith("val/")})
 
     def _check_ranks_agree(self):
         """Every rank runs the same run on the same storage, or every rank raises the same ConfigError.
@@ -661,6 +673,7 @@ class Trainer:
         self.step, self.batches_consumed = client["step"], client["batches_consumed"]
         self.cumulative = dict(client.get("cumulative", {}))
         self.best = tuple(client["best"]) if client.get("best") else None
+        self.val_best = tuple(client["val_best"]) if client.get("val_best") else None
         self.horizon = self._resumed_horizon(client, saved["config"])
         self.init_from_record = client.get("init_from")
         if self.rank == 0:
@@ -734,7 +747,8 @@ class Trainer:
         for key in RESUME_INVARIANTS:
             a, b = _get_path(saved, key), _get_path(ours, key)
             if key == "data":  # checking digests, or how many workers read the streams, does not change what is read
-                a, b = ({k: v for k, v in (x or {}).items() if k not in ("verify", "num_workers")} for x in (a, b))
+                a, b = ({k: v for k, v in (x or {}).items() if k not in ("verify", "num_workers", "val_shards")}
+                        for x in (a, b))
                 a.setdefault("loader_streams", None)  # checkpoints from before the key dealt ranks x workers
             if key == "train.grad_accum_steps" and saved_world and saved_world != self.world_size:
                 mb = _get_path(ours, "train.micro_batch_size")
@@ -834,8 +848,9 @@ class Trainer:
             keep = [ln for ln in f.read_text().splitlines() if ln and json.loads(ln)["step"] <= self.step]
             write_atomic(f, "".join(ln + "\n" for ln in keep))
 
-    def save(self, milestone: bool = False):
-        """Checkpoint this step; ``milestone`` checkpoints (checkpoint.at_steps / at_words) survive keep_last.
+    def save(self, milestone: bool = False, best: bool = False):
+        """Checkpoint this step; ``milestone`` checkpoints (checkpoint.at_steps / at_words) survive keep_last;
+        ``best``: this step is the best by checkpoint.keep_best, ``best`` names it (and rotation keeps it).
 
         Order: every rank's shards, then (rank 0) client_state.json and config.yaml, then the COMPLETE marker, then
         ``latest``, then rotation. A failure at any point leaves ``latest`` on the previous complete checkpoint.
@@ -849,6 +864,7 @@ class Trainer:
                   "cumulative": self.cumulative, "loader": loader, "mlflow_run_id": self.tracker.run_id,
                   "mlflow_tracking_uri": self.tracker.uri, "milestone": milestone, "schedule": self.horizon,
                   "best": list(self.best) if self.best else None,
+                  "val_best": list(self.val_best) if self.val_best else None,
                   "init_from": self.init_from_record, "config": self.cfg.to_dict()}
         if self.rank == 0 and tag_dir.exists():
             # The same tag from an abandoned timeline (after a rollback) or a save that died: never let its old
@@ -873,6 +889,8 @@ class Trainer:
                 write_atomic(tag_dir / "config.yaml", dump_yaml(self.cfg))
                 mark_complete(tag_dir)
                 write_atomic(self.ckpt_dir / LATEST, tag)
+                if best:
+                    write_atomic(self.ckpt_dir / BEST, tag)
                 rotate(self.ckpt_dir, self.cfg.checkpoint.keep_last, tag)
                 if self.universal_dir is not None:  # this run's own checkpoint is the resume point now
                     shutil.rmtree(self.universal_dir.parent, ignore_errors=True)
@@ -884,6 +902,52 @@ class Trainer:
             raise CheckpointWriteError(f"{failed}; {LATEST} still names "
                                        f"{read_latest_tag(self.ckpt_dir) or 'no checkpoint'}")
         self.last_saved = tag
+
+    def _repoint_best(self):
+        """After a rollback: ``best`` names the resumed timeline's best checkpoint (client_state val_best), or
+        nothing when that one is gone."""
+        best = read_latest_tag(self.ckpt_dir, BEST)
+        if best is None or (self.ckpt_dir / best).is_dir():
+            return
+        tag = f"step{self.val_best[1]:08d}" if self.val_best else None
+        if tag and (self.ckpt_dir / tag).is_dir():
+            write_atomic(self.ckpt_dir / BEST, tag)
+        else:
+            (self.ckpt_dir / BEST).unlink()
+
+    def validate(self, train_seconds: float) -> dict:
+        """The validation metrics of the current weights (every rank; pipeline/validation.py), logged to MLflow,
+        printed, and (rank 0) plotted into RUN_DIR/validation.png."""
+        val = validation.evaluate(self.engine.module, self.cfg, self.family, self.val_batches, self.device,
+                                  self.rank, self.world)
+        self.val_seconds += val["val/seconds"]
+        val["val/time_share"] = self.val_seconds / max(train_seconds + self.val_seconds, 1e-9)
+        self.tracker.log_metrics(val, self.step)
+        if self.rank == 0:
+            shown = " | ".join(f"{k.removeprefix('val/')} {v:.4f}" for k, v in val.items()
+                               if k.startswith(("val/loss", "val/accuracy", "val/perplexity")))
+            print(f"validation at step {self.step}: {shown} | {val['val/seconds']:.1f} s "
+                  f"({100 * val['val/time_share']:.1f}% of the run's time)", flush=True)
+            self.val_history.append({"step": self.step, **val})
+            plot = validation.plot_history(self.val_history, self.run_dir / "validation.png")
+            if plot is not None:
+                self.tracker.log_artifact(plot)
+        return val
+
+    def _improves_best(self, val: dict) -> bool:
+        """Whether ``val`` improves checkpoint.keep_best (then self.val_best is this step)."""
+        key, mode = self.cfg.checkpoint.keep_best, self.cfg.checkpoint.best_mode
+        if key is None:
+            return False
+        if key not in val:
+            raise ConfigError(f"checkpoint.keep_best: {key} is not a validation metric of this run (it has "
+                              f"{', '.join(k for k in val if k not in ('val/seconds', 'val/time_share'))})")
+        v = val[key]
+        if not math.isfinite(v) or (self.val_best is not None
+                                    and not (v < self.val_best[0] if mode == "min" else v > self.val_best[0])):
+            return False
+        self.val_best = (v, self.step)
+        return True
 
     def _budget_spent(self) -> bool:
         t, c = self.cfg.train, self.cumulative
@@ -958,6 +1022,7 @@ class Trainer:
         self._stop_seen = None  # when this rank first saw a stop request inside a step (_between)
         profiler = StepProfiler(cfg.train.profile, self.run_dir, self.rank)
         self.collective = "the first step's collectives"  # what a collective timeout waited in (its error line)
+        self.val_seconds = 0.0  # this attempt's validation time (val/time_share)
         try:
             while self.step < cfg.train.max_steps:
                 if self._budget_spent():
@@ -1011,6 +1076,12 @@ class Trainer:
                         self.cumulative[k] = self.cumulative.get(k, 0.0) + rec[k]
                         rec[f"total/{k}"] = self.cumulative[k]
                 self.last_loss = rec["loss"]
+                new_best = False
+                if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == cfg.train.max_steps):
+                    self.collective = f"the validation after step {self.step}"
+                    val = self.validate(time.perf_counter() - t_start - self.val_seconds)
+                    rec.update(val)
+                    new_best = streak == 0 and self._improves_best(val)  # a checkpoint is written below
                 if not rec["nonfinite"] and math.isfinite(rec["loss"]) and (self.best is None
                                                                             or rec["loss"] < self.best[0]):
                     self.best = (rec["loss"], self.step)
@@ -1030,7 +1101,8 @@ class Trainer:
                           f"update skipped ({streak} in a row, train.max_nonfinite_steps "
                           f"{cfg.train.max_nonfinite_steps})", flush=True)
                 if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
-                    self.tracker.log_metrics({k: v for k, v in rec.items() if k != "step"}, self.step)
+                    self.tracker.log_metrics({k: v for k, v in rec.items() if k != "step" and not k.startswith("val/")},
+                                             self.step)
                     interval = [0, 0]
                     if self.rank == 0:
                         print(f"step {self.step}/{cfg.train.max_steps} | loss {rec['loss']:.4f} | lr {lr:.3e} | "
@@ -1046,11 +1118,11 @@ class Trainer:
                 stop = self._stop_requested()
                 self.collective = f"the checkpoint save of step {self.step}"
                 periodic = (self.step % cfg.checkpoint.every_steps == 0 or self.step == cfg.train.max_steps
-                            or milestone or budget_spent or stop)
+                            or milestone or budget_spent or stop or new_best)
                 if periodic and streak == 0:  # never checkpoint a model in a non-finite streak
                     if samples_file:
                         samples_file.flush()
-                    self.save(milestone)
+                    self.save(milestone, best=new_best)
                 if budget_spent:
                     self.stopped_by = "budget"
                     if self.rank == 0:

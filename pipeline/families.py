@@ -35,27 +35,51 @@ class Family:
     derive_metrics: Callable | None = None  # reduced step record -> extra metrics (e.g. routing entropy)
     # The model's transformer block classes: what train.activation_checkpointing: blocks recomputes in backward
     blocks: tuple = ()
+    # Validation (pipeline/validation.py): (model, Batch, RunConfig) -> (stats, totals) of one held-out batch, stats
+    # name -> (numerator, denominator) and totals name -> number, both summed over batches and ranks; a stat named
+    # "loss" also gives val/perplexity, and derive_metrics applies to the totals. None: no validation (eval.every
+    # is refused).
+    validate: Callable | None = None
+
+
+def objective_validation(loss: Callable, plan: Callable, loss_stat: str, training_state: tuple = ()) -> Callable:
+    """A family's validation by its training objective, without gradient: its stats and totals on the held-out
+    batch (stat ``loss_stat`` reported as "loss"; stats ending in one of ``training_state`` describe the training
+    so far, not the batch, and are left out). The plan is drawn for step 0: these objectives draw nothing."""
+    def validate(model, batch, cfg) -> tuple[dict, dict]:
+        out = loss(model, batch, cfg, plan(batch, cfg, step=0, stream=0, index=0))
+        stats = {("loss" if k == loss_stat else k): v for k, v in out.stats.items()
+                 if not k.endswith(training_state)}
+        return stats, out.totals
+
+    return validate
 
 
 FAMILIES = {
     "eco_rna": Family("eco_rna", EcoRNAConfig, EcoRNA, eco_rna_objective.EcoRNAObjectiveConfig,
                       eco_rna_objective.make_transform, eco_rna_objective.plan, eco_rna_objective.recurrent_loss,
-                      blocks=(SandwichBlock,)),
+                      blocks=(SandwichBlock,), validate=eco_rna_objective.validate),
     # The matched fixed-depth control (A.6): same data, masking and loss code; depth fixed, auxiliary terms off.
     "eco_rna_control": Family("eco_rna_control", FixedDepthConfig, FixedDepthMLM,
                               eco_rna_objective.FixedDepthObjectiveConfig, eco_rna_objective.make_transform,
-                              eco_rna_objective.plan, eco_rna_objective.recurrent_loss, blocks=(SandwichBlock,)),
+                              eco_rna_objective.plan, eco_rna_objective.recurrent_loss, blocks=(SandwichBlock,),
+                              validate=eco_rna_objective.validate),
     # Paper 003: recursive causal decoder and its 12-layer standard baseline, causal LM on sentencepiece text.
     "recursive_gpt": Family("recursive_gpt", RecursiveGPTConfig, RecursiveGPT, causal_lm.CausalLMObjectiveConfig,
                             causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID,
-                            packable=True, blocks=(DecoderBlock,)),
+                            packable=True, blocks=(DecoderBlock,),
+                            validate=objective_validation(causal_lm.loss, causal_lm.plan, "lm_loss")),
     # Paper 002: ESM2 continued pretraining with latent N-gram memory and an upcycled MoE, masked LM on UniRef.
     "protlingo": Family("protlingo", ProtLingoConfig, ProtLingo, protlingo_objective.ProtLingoObjectiveConfig,
                         protlingo_objective.make_transform, protlingo_objective.plan, protlingo_objective.loss,
-                        pad_id=ESM_PAD_ID, derive_metrics=protlingo_objective.derive_metrics, blocks=(EsmBlock,)),
+                        pad_id=ESM_PAD_ID, derive_metrics=protlingo_objective.derive_metrics, blocks=(EsmBlock,),
+                        # "rows_addressed": the rows this rank's training forwards ever read (a buffer)
+                        validate=objective_validation(protlingo_objective.loss, protlingo_objective.plan,
+                                                      "mlm_loss", training_state=("/rows_addressed",))),
     "standard_gpt": Family("standard_gpt", StandardGPTConfig, StandardGPT, causal_lm.CausalLMObjectiveConfig,
                            causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID,
-                           packable=True, blocks=(DecoderBlock,)),
+                           packable=True, blocks=(DecoderBlock,),
+                           validate=objective_validation(causal_lm.loss, causal_lm.plan, "lm_loss")),
 }
 
 

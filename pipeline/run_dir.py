@@ -29,6 +29,7 @@ from pipeline.config import ConfigError
 from pipeline.outputs import write_atomic  # noqa: F401 - re-exported
 
 LATEST = "latest"
+BEST = "best"  # checkpoint.keep_best: the tag of the best checkpoint by a validation metric, outside rotation
 COMPLETE = "COMPLETE"
 CHECKPOINT_FORMAT = 2  # client_state.json["format"]: 2 = written with a COMPLETE marker
 
@@ -74,10 +75,10 @@ def damaged_files(tag_dir: Path) -> list[Path]:
     return bad
 
 
-def read_latest(ckpt_dir: Path) -> str | None:
-    """What ``latest`` names (stripped), or None when it is missing or empty."""
+def read_latest(ckpt_dir: Path, pointer: str = LATEST) -> str | None:
+    """What ``latest`` (or another pointer file, ``best``) names (stripped), or None when it is missing or empty."""
     try:
-        return (ckpt_dir / LATEST).read_text().strip() or None
+        return (ckpt_dir / pointer).read_text().strip() or None
     except OSError:
         return None
 
@@ -134,12 +135,12 @@ def rotate(ckpt_dir: Path, keep_last: int, current: str) -> list[str]:
     """Delete old rotating checkpoints so that ``keep_last`` complete ones remain; returns the deleted tags.
 
     Only checkpoints up to ``current`` (the one just written) are considered (a rollback sets later ones aside first,
-    ``set_aside_later_checkpoints``). Milestones (client_state ``milestone``) are never rotated; ``current`` and the tag ``latest``
-    names are never deleted. Incomplete checkpoints older than the kept ones go with them.
+    ``set_aside_later_checkpoints``). Milestones (client_state ``milestone``) are never rotated; ``current`` and the tags ``latest``
+    and ``best`` name are never deleted. Incomplete checkpoints older than the kept ones go with them.
     """
     if not keep_last:
         return []
-    protected = {current, read_latest(ckpt_dir)}
+    protected = {current, read_latest(ckpt_dir), read_latest(ckpt_dir, BEST)}
     timeline = [t for t in checkpoint_tags(ckpt_dir) if tag_step(t) <= tag_step(current)]
     rotating = [t for t in timeline if not (read_client(ckpt_dir / t) or {}).get("milestone")]
     kept = [t for t in rotating if is_complete(ckpt_dir / t)][-keep_last:]

@@ -493,6 +493,22 @@ def read_shard(path: str | Path, expected_samples: int | None = None) -> list[tu
     return [(key, tokens, meta) for key, tokens, _, meta in _read_samples(Path(path), expected_samples, False)]
 
 
+def shard_sequences(directory: str | Path, limit: int | None = None) -> list[np.ndarray]:
+    """Every sequence of a shard directory in manifest order (a clusters layout: every member of every cluster),
+    the first ``limit`` of them when given: the held-out sets of evaluation and validation."""
+    directory = Path(directory)
+    manifest = load_manifest(directory)
+    out: list[np.ndarray] = []
+    for s in manifest.shards:
+        if limit is not None and len(out) >= limit:
+            break
+        if manifest.layout == "clusters":
+            out += [t for _, members, _ in read_clusters(directory / s.path, s.samples) for t in members]
+        else:
+            out += [t for _, t, _ in read_shard(directory / s.path, s.samples)]
+    return out if limit is None else out[:limit]
+
+
 def read_clusters(path: str | Path, expected_samples: int | None = None
                   ) -> list[tuple[str, list[np.ndarray], dict]]:
     """All samples of a cluster shard as (key, member token arrays in the cluster's order, meta), in file order;

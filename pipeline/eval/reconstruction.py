@@ -12,13 +12,8 @@ import torch.nn.functional as F
 from pipeline.data.loader import collate
 from pipeline.data.tokenizer import PAD_ID
 from pipeline.models.eco_rna import initial_state
+from pipeline.objectives.eco_rna import reconstruction_sums, state_table  # noqa: F401 (state_table re-exported)
 from pipeline.objectives.masking import IGNORE_INDEX
-
-
-def state_table(cfg_model, length: int, seed: int) -> torch.Tensor:
-    """The evaluation initial-state table [length, d], N(0, sigma_init^2), fixed by ``seed``."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(length, cfg_model.d_model, generator=g) * cfg_model.sigma_init
 
 
 def heldout_samples(sequences: list, transform, seed: int) -> list[dict]:
@@ -31,18 +26,15 @@ def heldout_samples(sequences: list, transform, seed: int) -> list[dict]:
     return out
 
 
-def _batches(cfg, samples: list[dict], batch_size: int, seed: int, desc: str | None):
-    """(batch, s0 [B, L, d] from the seed-fixed table, supervised mask [B, L], labels [n_sup]) per batch."""
-    table = state_table(cfg.model, cfg.data.context_length, seed)
+def _batches(samples: list[dict], batch_size: int, desc: str | None):
+    """Collated batches of ``batch_size`` samples in order; ``desc``: a progress bar over them on stderr."""
     starts = range(0, len(samples), batch_size)
     if desc is not None:
         from pipeline.eval.cli import progress
 
         starts = progress(starts, desc=desc, unit="batch")
     for i in starts:
-        b = collate(samples[i:i + batch_size], pad_id=PAD_ID)
-        sup = b.labels != IGNORE_INDEX
-        yield b, initial_state(cfg.model, b.attention_mask, table=table), sup, b.labels[sup]
+        yield collate(samples[i:i + batch_size], pad_id=PAD_ID)
 
 
 def _add(acc: list, logits: torch.Tensor, labels: torch.Tensor):
@@ -67,9 +59,10 @@ def reconstruction_sweep(model, cfg, samples: list[dict], depths: list[int], bat
     sum(depths). ``desc``: a progress bar over the batches on stderr.
     """
     sums = {k: [0.0, 0, 0] for k in depths}  # K -> [CE sum, correct, supervised tokens]
-    for b, s0, sup, labels in _batches(cfg, samples, batch_size, seed, desc):
-        for k, logits in model.logits_at_depths(b.input_ids, b.attention_mask, depths, s0).items():
-            _add(sums[k], logits[sup], labels)
+    table = state_table(cfg.model, cfg.data.context_length, seed)
+    for batch in _batches(samples, batch_size, desc):
+        for k, acc in reconstruction_sums(model, batch, depths, table).items():
+            sums[k] = [a + b for a, b in zip(sums[k], acc)]
     return {k: _summary(acc) for k, acc in sums.items()}
 
 
@@ -80,9 +73,12 @@ def reconstruction_adaptive(model, cfg, samples: list[dict], tol: float, max_dep
     (``EcoRNA.adaptive``: until its relative displacement is < ``tol``, at most ``max_depth``), on the same crops,
     masks and initial states; plus "depths" (per sample, in order) and "row_iterations" (core row-applications)."""
     acc, depths, row_iterations = [0.0, 0, 0], [], 0
-    for b, s0, sup, labels in _batches(cfg, samples, batch_size, seed, desc):
-        out = model.adaptive(b.input_ids, b.attention_mask, s0, tol, max_depth)
-        _add(acc, out.logits[sup], labels)
+    table = state_table(cfg.model, cfg.data.context_length, seed)
+    for b in _batches(samples, batch_size, desc):
+        sup = b.labels != IGNORE_INDEX
+        out = model.adaptive(b.input_ids, b.attention_mask, initial_state(cfg.model, b.attention_mask, table=table),
+                             tol, max_depth)
+        _add(acc, out.logits[sup], b.labels[sup])
         depths += out.depths.tolist()
         row_iterations += out.row_iterations
     return {**_summary(acc), "depths": depths, "row_iterations": row_iterations}

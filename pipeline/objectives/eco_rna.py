@@ -208,3 +208,37 @@ def recurrent_loss(model, batch, cfg, p: Plan) -> LossOutput:
         if k >= 2:
             stats[f"displacement/K{k:02d}"] = (float(r[rows_k].detach().sum()), int(rows_k.sum()))
     return LossOutput(S + m * aux, m, stats, totals)
+
+
+def state_table(cfg_model, length: int, seed: int) -> torch.Tensor:
+    """The evaluation initial-state table [length, d], N(0, sigma_init^2), fixed by ``seed``: position-indexed, so a
+    sequence's initial state does not depend on the batch (or rank) it is evaluated in."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(length, cfg_model.d_model, generator=g) * cfg_model.sigma_init
+
+
+@torch.no_grad()
+def reconstruction_sums(model, batch, depths, table: torch.Tensor) -> dict[int, list]:
+    """{K: [CE sum, correct, supervised tokens]} of one batch read out at every K in ``depths`` from one trajectory
+    (``EcoRNA.logits_at_depths``: max(depths) core calls); the initial state from the seed-fixed ``table`` [C, d]."""
+    model_cfg = model.cfg
+    s0 = initial_state(model_cfg, batch.attention_mask.cpu(), table=table).to(batch.input_ids.device)
+    sup = batch.labels != IGNORE_INDEX
+    labels = batch.labels[sup]
+    out = {}
+    for k, logits in model.logits_at_depths(batch.input_ids, batch.attention_mask, depths, s0).items():
+        logits = logits[sup].float()
+        out[k] = [float(F.cross_entropy(logits, labels, reduction="sum")), int((logits.argmax(-1) == labels).sum()),
+                  int(labels.numel())]
+    return out
+
+
+def validate(model, batch, cfg) -> tuple[dict, dict]:
+    """Validation (pipeline/validation.py): held-out reconstruction loss and accuracy at each K of eval.depths, the
+    same computation as ``launchers/evaluate.py --task reconstruction --seed eval.seed``. (stats, totals) of one
+    batch: stats name -> (numerator, denominator), summed over batches and ranks before dividing."""
+    table = state_table(cfg.model, cfg.data.context_length, cfg.eval.seed)
+    stats = {}
+    for k, (ce, correct, n) in reconstruction_sums(model, batch, cfg.eval.depths, table).items():
+        stats[f"loss_K{k}"], stats[f"accuracy_K{k}"] = (ce, n), (correct, n)
+    return stats, {}

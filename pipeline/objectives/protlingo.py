@@ -88,6 +88,7 @@ def loss(model, batch, cfg, p: Plan) -> LossOutput:
     for layer, mem in out.memory.items():
         stats[f"memory/L{layer:02d}/gate_mean"] = (float(mem.gate_sum), mem.tokens)
         stats[f"memory/L{layer:02d}/rows_addressed"] = (mem.rows_addressed, rows)  # mean over ranks of their own
+        stats[f"memory/L{layer:02d}/rows_per_batch"] = (mem.distinct_addresses, rows)  # this microbatch's share
         stats[f"memory/L{layer:02d}/collisions"] = (mem.distinct_keys - mem.distinct_addresses, mem.distinct_keys)
     return LossOutput(sum_loss=ce + m * aux, num_tokens=m, stats=stats, totals=totals)
 

@@ -1,0 +1,168 @@
+"""Validation on a cadence (pipeline/validation.py, eval.* and checkpoint.keep_best): real 2-process launches on the
+val split data_prep --val-fraction writes, compared with launchers/evaluate.py on the same checkpoint and set, across
+world sizes and ZeRO stages, through a kill and resume; and the checks at start."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SAMPLE_FASTA, TINY, deepspeed_cmd, launch_and_kill, read_jsonl, run_pretrain
+from golden.cases import CASES, REL
+
+DEPTHS = [1, 2, 4]
+# 208 validation sequences in batches of 16: 13 batches, so rank 1 of 2 runs one lockstep pass it does not count.
+ECO = [*TINY, "train.max_steps=6", "eval.every=2", "eval.max_samples=null", "eval.batch_size=16",
+       f"eval.depths=[{','.join(map(str, DEPTHS))}]", "checkpoint.every_steps=3", "checkpoint.keep_last=1",
+       # the highest loss is the "best": the first evaluation's checkpoint, which keep_last 1 would otherwise delete
+       "checkpoint.keep_best=val/loss_K4", "checkpoint.best_mode=max", "tracking.enabled=false",
+       "optim.lr=3e-3"]
+
+
+def val_records(run_dir) -> dict:
+    """{step: {val/...}} of a run's metrics.jsonl (asserting no step is logged twice)."""
+    recs = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "val/seconds" in m]
+    steps = [m["step"] for m in recs]
+    assert len(steps) == len(set(steps)), f"an evaluation was logged twice: {steps}"
+    return {m["step"]: {k: v for k, v in m.items() if k.startswith("val/")} for m in recs}
+
+
+def same(a: dict, b: dict, keys=None, rel=1e-6):
+    keys = keys or [k for k in b if k not in ("val/seconds", "val/time_share")]
+    assert keys
+    for k in keys:
+        assert a[k] == pytest.approx(b[k], rel=rel, abs=1e-9), (k, a[k], b[k])
+
+
+def evaluate_cli(checkpoint, data, out, *extra) -> dict:
+    """launchers/evaluate.py --task validation in its own process: {metric: value} from its JSON (``out``)."""
+    import json
+
+    r = subprocess.run([sys.executable, "launchers/evaluate.py", "--checkpoint", str(checkpoint), "--task",
+                        "validation", "--data", str(data), "--trust-checkpoint", "--no-mlflow", "--output", str(out),
+                        *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(out.read_text())["metrics"]
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+    out = tmp_path_factory.mktemp("val") / "rna"
+    subprocess.run([sys.executable, "-m", "data_prep", "rnacentral", "--input", str(SAMPLE_FASTA), "--output",
+                    str(out), "--shard-size", "300", "--val-fraction", "0.1"], cwd=REPO, check=True,
+                   capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def eco_run(split, tmp_path_factory):
+    run = tmp_path_factory.mktemp("eco") / "run"
+    r = run_pretrain(2, "ds_configs/zero2.json", [*ECO, f"run_dir={run}", f"data.train_shards={split}/train"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+@pytest.mark.slow
+def test_eco_rna_validates_every_2_steps_as_evaluate_does_and_keeps_best(eco_run, split):
+    from launchers.evaluate import run_reconstruction
+    from pipeline.checkpoint import load_trained_model
+
+    val = val_records(eco_run)
+    assert sorted(val) == [2, 4, 6]
+    assert set(val[6]) >= {f"val/{m}_K{k}" for m in ("loss", "accuracy") for k in DEPTHS}
+    # the same numbers as evaluate.py's reconstruction runner on the same checkpoint and set (all 208 sequences)
+    per_k = run_reconstruction(load_trained_model(eco_run), split / "val", DEPTHS, seed=0)["per_depth"]
+    assert per_k["1"]["tokens"] > 1000
+    same(val[6], {f"val/{m}_K{k}": per_k[str(k)][m] for k in DEPTHS for m in ("loss", "accuracy")})
+    assert val[2]["val/loss_K4"] > val[6]["val/loss_K4"]  # it learns (and so step 2 is the "best" of mode max)
+    ckpts = eco_run / "checkpoints"
+    assert (ckpts / "best").read_text().strip() == "step00000002"
+    # keep_last 1 kept the latest and the best; steps 3 and 4 (periodic, and step 4 not an improvement) are gone
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step00000002", "step00000006"]
+    assert (eco_run / "validation.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_the_same_weights_give_the_same_validation_on_any_world_size_and_zero_stage(eco_run, split, tmp_path):
+    """--init-from the finished run, one step at lr 1e-12 (Adam moves a weight by about lr: the weights stay the
+    checkpoint's far below the tolerance), validation after it: every layout must give evaluate.py's single-process
+    numbers."""
+    want = evaluate_cli(eco_run / "checkpoints" / "step00000006", split / "val", tmp_path / "eval.json", "--depths",
+                        "1,2,4")
+    for nproc, ds in ((1, "zero2"), (2, "zero1"), (2, "zero3")):
+        run = tmp_path / f"{ds}-{nproc}"
+        r = run_pretrain(nproc, f"ds_configs/{ds}.json",
+                         [*ECO, f"run_dir={run}", f"data.train_shards={split}/train", f"train.init_from={eco_run}",
+                          "optim.lr=1e-12", "train.max_steps=1", "eval.every=1", "checkpoint.keep_best=null"])
+        assert r.returncode == 0, (ds, nproc, r.stderr[-3000:])
+        same(val_records(run)[1], want)
+
+
+@pytest.mark.slow
+def test_kill_and_resume_neither_repeats_nor_skips_an_evaluation(eco_run, split, tmp_path):
+    """Killed after step 5 (checkpoint at 3, evaluation at 4 done): the resumed run redoes steps 4-6 and logs each
+    evaluation once, with the uninterrupted run's values; best still names step 2."""
+    run = tmp_path / "run"
+    over = [*ECO, f"run_dir={run}", f"data.train_shards={split}/train"]
+    launch_and_kill(deepspeed_cmd(2, "ds_configs/zero2.json", over), run / "metrics.jsonl", at_step=5)
+    assert 4 in val_records(run)
+    r = run_pretrain(2, "ds_configs/zero2.json", over)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = val_records(run), val_records(eco_run)
+    assert sorted(got) == [2, 4, 6]
+    for step in (2, 4, 6):
+        same(got[step], want[step])
+    assert (run / "checkpoints" / "best").read_text().strip() == "step00000002"
+
+
+FAMILY_CASES = {  # golden tiny config, validation set (the committed shard set itself), its max_samples
+    "protlingo": ("protlingo_zero2", "protein", "null"),  # all 284 proteins
+    "recursive_gpt": ("recursive_gpt_zero2", "text", "60"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FAMILY_CASES))
+def test_each_family_validates_as_evaluate_does(family, tmp_path):
+    case, data, limit = FAMILY_CASES[family]
+    config, ds, over = CASES[case]
+    run, val_dir = tmp_path / "run", REPO / REL / "data" / data
+    r = run_pretrain(2, ds, [*over, f"run_dir={run}", "train.max_steps=6", "train.log_every=1", "eval.every=2",
+                             "eval.batch_size=8", f"eval.max_samples={limit}", f"data.val_shards=[{val_dir}]",
+                             "checkpoint.every_steps=6", "tracking.enabled=false"], ["--config", config])
+    assert r.returncode == 0, r.stderr[-3000:]
+    val = val_records(run)
+    assert sorted(val) == [2, 4, 6]
+    assert val[6]["val/perplexity"] == pytest.approx(2.718281828459045 ** val[6]["val/loss"], rel=1e-9)
+    assert val[2]["val/loss"] > val[6]["val/loss"]
+    same(val[6], evaluate_cli(run / "checkpoints" / "step00000006", val_dir, tmp_path / "eval.json"))
+    if family == "protlingo":
+        # routing and memory usage on the held-out set
+        assert {"val/moe/L00/entropy", "val/moe/L00/effective_experts", "val/memory/L01/rows_per_batch"} <= set(val[6])
+        assert not any(k.endswith("rows_addressed") for k in val[6])  # training state, not the held-out set
+        assert 0 < val[6]["val/moe/L00/entropy"] <= 1
+        # and paper 002's ablation metric, evaluate.py --task mlm (pipeline/eval/mlm.py), on the same proteins
+        from launchers.evaluate import run_mlm
+        from pipeline.checkpoint import load_trained_model
+
+        mlm = run_mlm(load_trained_model(run), val_dir, seed=0, batch_size=32)
+        assert mlm["loss"] == pytest.approx(val[6]["val/loss"], rel=1e-6)
+
+
+def test_validation_is_refused_at_start_when_it_cannot_run(tmp_path):
+    from pipeline.config import ConfigError, load_config
+    from pipeline.families import get_family
+    from pipeline.validation import check_validation
+
+    eco = REPO / "launchers" / "configs" / "eco_rna_demo.yaml"
+    with pytest.raises(ConfigError, match="checkpoint.keep_best: needs validation"):
+        load_config(eco, ["checkpoint.keep_best=val/loss_K4"])
+    with pytest.raises(ConfigError, match="checkpoint.keep_best: must name a validation metric"):
+        load_config(eco, ["checkpoint.keep_best=loss", "eval.every=2"])
+    cfg = load_config(eco, ["eval.every=2", f"data.train_shards={REL}/data/rna"])
+    with pytest.raises(ConfigError, match=r"data.val_shards: eval.every is set but there is no validation set"):
+        check_validation(cfg, get_family(cfg.family))
+    # protein shards for an RNA model: refused like training shards, naming the key
+    cfg = load_config(eco, ["eval.every=2", f"data.val_shards=[{REPO / REL / 'data' / 'protein'}]"])
+    with pytest.raises(ConfigError, match=r"data.val_shards: .*holds ESM-2 amino-acid tokens"):
+        check_validation(cfg, get_family(cfg.family))
+    assert check_validation(load_config(eco), get_family("eco_rna")) == []  # eval.every 0: nothing read
