@@ -322,10 +322,14 @@ class TrackingConfig:
     # Bound in seconds on any single tracking call (start run, log metrics, log artifact): a hung tracking server
     # must not stall training.
     timeout_s: float = 10.0
+    # Steps between the step records sent to MLflow (sent from a background thread; metrics.jsonl has every step).
+    # train.log_every is the console's cadence.
+    every: int = 1
 
     def __post_init__(self):
         _check(math.isfinite(self.timeout_s) and self.timeout_s > 0, "tracking.timeout_s",
                f"must be > 0, got {self.timeout_s}")
+        _check(self.every >= 1, "tracking.every", f"must be >= 1, got {self.every}")
 
 
 @dataclass

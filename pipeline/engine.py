@@ -1100,9 +1100,11 @@ class Trainer:
                     print(f"warning: step {self.step}: non-finite loss {rec['loss']} / grad norm {rec['grad_norm']}: "
                           f"update skipped ({streak} in a row, train.max_nonfinite_steps "
                           f"{cfg.train.max_nonfinite_steps})", flush=True)
-                if self.step % cfg.train.log_every == 0 or self.step == cfg.train.max_steps:
+                last = self.step == cfg.train.max_steps
+                if self.step % cfg.tracking.every == 0 or last:  # validation metrics went with validate()
                     self.tracker.log_metrics({k: v for k, v in rec.items() if k != "step" and not k.startswith("val/")},
                                              self.step)
+                if self.step % cfg.train.log_every == 0 or last:
                     interval = [0, 0]
                     if self.rank == 0:
                         print(f"step {self.step}/{cfg.train.max_steps} | loss {rec['loss']:.4f} | lr {lr:.3e} | "

@@ -83,6 +83,9 @@ STATE_FILE = "tracking_state.json"
 SPOOL_DIR = "tracking_spool"
 PENDING = "pending:"
 RUN_KEY_TAG = "pipeline.run_key"
+# The MLflow 3 UI files an experiment without this tag under GenAI (traces, "Evaluation runs"); tagged as model
+# development, its runs are listed as training runs with their metric charts.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 SPOOL_MAX_BYTES = 8 << 20
 MAX_PENDING = 10_000  # metric records held in memory while the store is down (metrics.jsonl keeps every step)
 BATCH_METRICS = 1000  # MLflow's log_batch limit
@@ -243,14 +246,19 @@ class Store:
 
     def experiment_id(self, name: str, artifact_location: str | None) -> str:
         exp = self.client.get_experiment_by_name(name)
-        if exp is not None:
-            return exp.experiment_id
-        try:
-            return self.client.create_experiment(name, artifact_location=artifact_location)
-        except Exception as e:
-            if _code(e) == "RESOURCE_ALREADY_EXISTS":  # created meanwhile by another job
-                return self.client.get_experiment_by_name(name).experiment_id
-            raise
+        if exp is None:
+            try:
+                exp_id = self.client.create_experiment(name, artifact_location=artifact_location,
+                                                       tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            except Exception as e:
+                if _code(e) != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                exp = self.client.get_experiment_by_name(name)  # created meanwhile by another job
+            else:
+                return exp_id
+        if EXPERIMENT_KIND_TAG not in exp.tags:  # an experiment made elsewhere: tagged once, a user's kind is kept
+            self.client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        return exp.experiment_id
 
     def exists(self, run_id: str) -> bool:
         try:
@@ -410,7 +418,8 @@ def replay(store: Store, run_id: str, records: list, anchors: list, skip_steps: 
 
 
 def logged_cadence(records: list, log_every: int, max_steps: int | None) -> list:
-    """The records the engine passes to log_metrics: every log_every-th step, train.max_steps and the last one."""
+    """The records the engine passes to log_metrics: every tracking.every-th step (runs from before that key:
+    train.log_every), train.max_steps and the last one."""
     if not records:
         return []
     last = max(r["step"] for r in records)
@@ -742,9 +751,9 @@ class Tracker:
                           "tags")
         # Steps <= r an earlier attempt could not send are in metrics.jsonl (the engine truncated it to <= r).
         records = [x for x in read_metrics_jsonl(self.run_dir / "metrics.jsonl") if x["step"] <= r]
-        log_every = int(self._params_now.get("train.log_every", "1") or 1)
+        every = int(self._params_now.get("tracking.every") or self._params_now.get("train.log_every") or 1)
         max_steps = self._params_now.get("train.max_steps", "")
-        records = logged_cadence(records, log_every, int(max_steps) if max_steps.isdigit() else None)
+        records = logged_cadence(records, every, int(max_steps) if max_steps.isdigit() else None)
         confirmed = self._state.get("confirmed_step", {}).get(self.uri, -1)
         if records and (self._state.get("dropped") or confirmed < max(x["step"] for x in records)):
             sent = []

@@ -10,7 +10,7 @@ latest checkpoint).
 The run is the journal's run in that store, else the one tagged ``pipeline.run_key`` with the journal's key, else a
 new one (so ``--tracking-uri`` may name another store than the training's). A step is sent only if the store has no
 value of its probe key (``loss``) at that step, so running it twice sends nothing the second time. Steps sent are
-those the engine logs (every train.log_every-th, train.max_steps and the last), all of them with --all-steps.
+those the engine logs (every tracking.every-th, train.max_steps and the last), all of them with --all-steps.
 Run it when the training is not running (a live tracker sends the same steps itself).
 
 Prints one line; exit status 0, or 1 with one ``error:`` line (store unreachable, unreadable run directory).
@@ -107,8 +107,9 @@ def sync(run_dir: Path, uri: str | None = None, all_steps: bool = False, status:
 
         records = read_metrics_jsonl(metrics_path)
         if not all_steps:
-            train = config.get("train") or {}
-            records = logged_cadence(records, int(train.get("log_every") or 1), train.get("max_steps"))
+            train, tracking = config.get("train") or {}, config.get("tracking") or {}
+            every = tracking.get("every") or train.get("log_every") or 1  # before tracking.every: the console's
+            records = logged_cadence(records, int(every), train.get("max_steps"))
         sent, there = replay(store, run_id, records, state.get("anchors", []))
         if sent:
             cs = state.setdefault("confirmed_step", {})

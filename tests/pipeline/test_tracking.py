@@ -163,6 +163,9 @@ def test_resume_keeps_one_value_per_step_and_tags_config_changes(tmp_path):
     assert run.data.tags["config.changed_at_step_8"] == "train.max_steps"
     assert run.data.tags["resumed_at_step_8.kept_steps"] == "9-10"
     assert len(client(uri).search_runs([run.info.experiment_id])) == 1
+    # the MLflow 3 UI lists the experiment's runs as model-training runs, not under GenAI's "Evaluation runs"
+    assert client(uri).get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == \
+        "custom_model_development"
 
 
 def test_pending_run_is_created_by_the_resumed_job(tmp_path):
@@ -200,7 +203,7 @@ def test_resume_in_a_store_without_the_run_is_a_config_error(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 def test_mlflow_sync_replays_an_offline_run_idempotently(tmp_path):
     run_dir = tmp_path / "run"
-    cfg = make_cfg(run_dir, closed_port_uri(), 10.0, "train.log_every=5", "train.max_steps=12")
+    cfg = make_cfg(run_dir, closed_port_uri(), 10.0, "tracking.every=5", "train.max_steps=12")
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     tracker = Tracker(cfg, run_dir, 0, None, None)
@@ -214,7 +217,7 @@ def test_mlflow_sync_replays_an_offline_run_idempotently(tmp_path):
     assert res["created"] and res["sent"] == [5, 10, 12] and res["artifacts"] == 1 and res["status"] == "FINISHED"
     assert res["changed"] == []  # config.yaml is the config the params came from
     run = client(uri).get_run(res["run_id"])
-    assert run.data.params["train.log_every"] == "5" and run.info.status == "FINISHED"
+    assert run.data.params["tracking.every"] == "5" and run.info.status == "FINISHED"
     assert [a.path for a in client(uri).list_artifacts(res["run_id"])] == ["config.yaml"]
     again = mlflow_sync.sync(run_dir, uri)
     assert (again["run_id"], again["created"], again["sent"], again["there"]) == (res["run_id"], False, [], 3)
