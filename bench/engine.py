@@ -49,9 +49,20 @@ SAMPLE_FASTA = REPO / "data" / "samples" / "rfam_nrc_train_sample.fasta.gz"
 
 P4_MODEL = ["model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=1024", "model.n_prelude=1",
             "model.n_core=2", "model.n_coda=1", "objective.k_cap=8"]
+# eco_rna_80m.yaml's token-budget batching (max_tokens_per_microbatch 16384, length_window 8192) is turned off: with it
+# the "8 rows" would be 64 rows of 256 tokens and a step 25-40 s (tests/bench/test_bench_batches.py).
 P4_RUN = ["data.context_length=256", "data.num_workers=0", "data.shuffle_buffer=0", "train.micro_batch_size=8",
-          "train.grad_accum_steps=1", "optim.warmup_steps=2", "train.log_every=5", "train.max_steps=1000000",
-          "checkpoint.every_steps=1000000"]
+          "train.max_tokens_per_microbatch=null", "data.length_window=0",
+          "train.grad_accum_steps=1", "optim.warmup_steps=2", "train.log_every=5", "tracking.every=5",
+          "train.max_steps=1000000", "checkpoint.every_steps=1000000"]
+
+
+def p4_config(shards: Path, run_dir: Path):
+    """P4's RunConfig: eco_rna_80m.yaml's objective on the small model and batch of the module docstring."""
+    from pipeline.config import load_config
+
+    return load_config(REPO / "launchers" / "configs" / "eco_rna_80m.yaml",
+                       P4_MODEL + P4_RUN + [f"data.train_shards={shards}", f"run_dir={run_dir}"])
 
 
 def model_text(cfg) -> str:
@@ -73,11 +84,9 @@ def build_shards(out: Path) -> Path:
 def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: int = 1) -> dict:
     import torch
 
-    from pipeline.config import load_config
     from pipeline.engine import Trainer, param_groups, shutdown_distributed, train_step
 
-    cfg = load_config(REPO / "launchers" / "configs" / "eco_rna_80m.yaml",
-                      P4_MODEL + P4_RUN + [f"data.train_shards={shards}", f"run_dir={run_dir}"])
+    cfg = p4_config(shards, run_dir)
     trainer = Trainer(cfg, str(REPO / "ds_configs" / "zero2.json"), resume="never")
     trainer.setup()  # DeepSpeed ZeRO-2 engine, loader, tracker: the real path
     try:
@@ -165,14 +174,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SCALING_CONFIG = REPO / "launchers" / "configs" / "eco_rna_demo.yaml"
+
+
+def scaling_overrides(shards: Path, run_dir: Path, steps: int) -> list[str]:
+    return [f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={steps}",
+            "train.log_every=1000000", f"checkpoint.every_steps={steps + 1}", "tracking.enabled=false"]
+
+
 def launch(nproc: int, shards: Path, run_dir: Path, steps: int) -> list:
-    """One training by the real launcher; its metrics.jsonl records."""
-    overrides = [f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={steps}",
-                 "train.log_every=1000000", f"checkpoint.every_steps={steps + 1}", "tracking.enabled=false"]
+    """One training by the real launcher (the demo config); its metrics.jsonl records."""
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
            str(free_port()), str(REPO / "launchers" / "pretrain.py"), "--ds_config",
-           str(REPO / "ds_configs" / "zero2.json")]
-    for o in overrides:
+           str(REPO / "ds_configs" / "zero2.json"), "--config", str(SCALING_CONFIG)]
+    for o in scaling_overrides(shards, run_dir, steps):
         cmd += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)

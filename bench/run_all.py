@@ -38,6 +38,7 @@ BENCHES = [
     ("padding", "bench/padding.py", ("P6",)),
     ("engine", "bench/engine.py", ("P4", "scaling")),
     ("activation checkpointing", "bench/activation_checkpointing.py", ("AC.memory", "AC.step")),
+    ("validation", "bench/validation.py", ("VAL.overhead", "VAL.per_eval")),
 ]
 
 # ID -> (comparison, bound). P3w2 is data_prep with two workers against one gzip -dc: 0.5 of gzip's rate per worker
