@@ -189,11 +189,13 @@ def format_table(runs: list) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths)) + "  " + row[5] for row in rows]
     lines.insert(1, "-" * (sum(widths) + 2 * 5 + 11))
     lines.append("")
-    lines.append(f"{'bench':<12}{'script':<22}{'wall s':>8}  status")
+    wn = max(len("bench"), *(len(r.name) for r in runs)) + 2
+    ws = max(len("script"), *(len(r.script) for r in runs)) + 2
+    lines.append(f"{'bench':<{wn}}{'script':<{ws}}{'wall s':>8}  status")
     for r in runs:
         status = "ok" if not r.failed else "FAILED: " + "; ".join(r.problems)
-        lines.append(f"{r.name:<12}{r.script:<22}{r.seconds:>8.1f}  {status}")
-    lines.append(f"{'total':<34}{sum(r.seconds for r in runs):>8.1f}")
+        lines.append(f"{r.name:<{wn}}{r.script:<{ws}}{r.seconds:>8.1f}  {status}")
+    lines.append(f"{'total':<{wn + ws}}{sum(r.seconds for r in runs):>8.1f}")
     misses = [f.id for r in runs for f in r.figures if check_target(f.id, f.value) == "MISS"]
     if misses:
         lines.append(f"figures missing their target: {', '.join(misses)}")
