@@ -916,13 +916,13 @@ class Trainer:
             (self.ckpt_dir / BEST).unlink()
 
     def validate(self, train_seconds: float) -> dict:
-        """The validation metrics of the current weights (every rank; pipeline/validation.py), logged to MLflow,
-        printed, and (rank 0) plotted into RUN_DIR/validation.png."""
+        """The validation metrics of the current weights (every rank; pipeline/validation.py), printed and (rank 0)
+        plotted into RUN_DIR/validation.png. They go to MLflow with the step's record: the tracker sends one record
+        per step (pipeline/tracking.py)."""
         val = validation.evaluate(self.engine.module, self.cfg, self.family, self.val_batches, self.device,
                                   self.rank, self.world)
         self.val_seconds += val["val/seconds"]
         val["val/time_share"] = self.val_seconds / max(train_seconds + self.val_seconds, 1e-9)
-        self.tracker.log_metrics(val, self.step)
         if self.rank == 0:
             shown = " | ".join(f"{k.removeprefix('val/')} {v:.4f}" for k, v in val.items()
                                if k.startswith(("val/loss", "val/accuracy", "val/perplexity")))
@@ -1076,11 +1076,12 @@ class Trainer:
                         self.cumulative[k] = self.cumulative.get(k, 0.0) + rec[k]
                         rec[f"total/{k}"] = self.cumulative[k]
                 self.last_loss = rec["loss"]
-                new_best = False
+                new_best = validated = False
                 if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == cfg.train.max_steps):
                     self.collective = f"the validation after step {self.step}"
                     val = self.validate(time.perf_counter() - t_start - self.val_seconds)
                     rec.update(val)
+                    validated = True
                     new_best = streak == 0 and self._improves_best(val)  # a checkpoint is written below
                 if not rec["nonfinite"] and math.isfinite(rec["loss"]) and (self.best is None
                                                                             or rec["loss"] < self.best[0]):
@@ -1101,9 +1102,8 @@ class Trainer:
                           f"update skipped ({streak} in a row, train.max_nonfinite_steps "
                           f"{cfg.train.max_nonfinite_steps})", flush=True)
                 last = self.step == cfg.train.max_steps
-                if self.step % cfg.tracking.every == 0 or last:  # validation metrics went with validate()
-                    self.tracker.log_metrics({k: v for k, v in rec.items() if k != "step" and not k.startswith("val/")},
-                                             self.step)
+                if self.step % cfg.tracking.every == 0 or last or validated:
+                    self.tracker.log_metrics({k: v for k, v in rec.items() if k != "step"}, self.step)
                 if self.step % cfg.train.log_every == 0 or last:
                     interval = [0, 0]
                     if self.rank == 0:

@@ -419,11 +419,12 @@ def replay(store: Store, run_id: str, records: list, anchors: list, skip_steps: 
 
 def logged_cadence(records: list, log_every: int, max_steps: int | None) -> list:
     """The records the engine passes to log_metrics: every tracking.every-th step (runs from before that key:
-    train.log_every), train.max_steps and the last one."""
+    train.log_every), train.max_steps, the last one and every step with a validation."""
     if not records:
         return []
     last = max(r["step"] for r in records)
-    return [r for r in records if r["step"] % max(1, log_every) == 0 or r["step"] in (max_steps, last)]
+    return [r for r in records if r["step"] % max(1, log_every) == 0 or r["step"] in (max_steps, last)
+            or any(k.startswith("val/") for k in r)]  # and every validation
 
 
 # ----------------------------------------------------------------------------------------------------------------

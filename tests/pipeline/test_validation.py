@@ -56,7 +56,8 @@ def split(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eco_run(split, tmp_path_factory):
     run = tmp_path_factory.mktemp("eco") / "run"
-    r = run_pretrain(2, "ds_configs/zero2.json", [*ECO, f"run_dir={run}", f"data.train_shards={split}/train"])
+    r = run_pretrain(2, "ds_configs/zero2.json", [*ECO, f"run_dir={run}", f"data.train_shards={split}/train",
+                                                  "tracking.enabled=true"])  # MLflow in RUN_DIR/mlflow.db
     assert r.returncode == 0, r.stderr[-3000:]
     return run
 
@@ -79,6 +80,15 @@ def test_eco_rna_validates_every_2_steps_as_evaluate_does_and_keeps_best(eco_run
     # keep_last 1 kept the latest and the best; steps 3 and 4 (periodic, and step 4 not an improvement) are gone
     assert sorted(p.name for p in ckpts.glob("step*")) == ["step00000002", "step00000006"]
     assert (eco_run / "validation.png").stat().st_size > 0
+    # MLflow: every step's loss (the validation steps' too: one record per step) and the validation with its plot
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{eco_run / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    run_id = run.info.run_id
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3, 4, 5, 6]
+    assert sorted(m.step for m in client.get_metric_history(run_id, "val/loss_K4")) == [2, 4, 6]
+    assert "validation.png" in [a.path for a in client.list_artifacts(run_id)]
 
 
 @pytest.mark.slow
