@@ -124,20 +124,48 @@ def test_kill_and_resume_neither_repeats_nor_skips_an_evaluation(eco_run, split,
     assert (run / "checkpoints" / "best").read_text().strip() == "step00000002"
 
 
-FAMILY_CASES = {  # golden tiny config, validation set (the committed shard set itself), its max_samples
-    "protlingo": ("protlingo_zero2", "protein", "null"),  # all 284 proteins
-    "recursive_gpt": ("recursive_gpt_zero2", "text", "60"),
+def protein_split(tmp_path):
+    """300 UniRef90 sample records through data_prep uniref --val-fraction 0.2 (DIR/train, DIR/val)."""
+    import gzip
+
+    fa = tmp_path / "p.fa"
+    text = gzip.decompress((REPO / "data" / "samples" / "uniref90_clusters_sample.fasta.gz").read_bytes()).decode()
+    fa.write_text(">" + ">".join(text.split(">")[1:301]))
+    out = tmp_path / "protein"
+    subprocess.run([sys.executable, "-m", "data_prep", "uniref", "--input", str(fa), "--output", str(out),
+                    "--shard-size", "60", "--max-length", "1000", "--val-fraction", "0.2"], cwd=REPO, check=True,
+                   capture_output=True)
+    return out
+
+
+def text_split(tmp_path):
+    """Lines of this repository's sources through data_prep babylm --val-fraction 0.1, with the golden text set's
+    512-piece sentencepiece model (the tiny config's vocabulary)."""
+    corpus = tmp_path / "corpus.txt"
+    lines = "".join(p.read_text() for p in sorted((REPO / "pipeline").glob("*.py"))).splitlines()
+    corpus.write_text("\n".join(ln for ln in lines[:3000] if ln.strip()) + "\n")
+    out = tmp_path / "text"
+    subprocess.run([sys.executable, "-m", "data_prep", "babylm", "--spm", str(REPO / REL / "data" / "text" /
+                    "tokenizer.model"), "--input", str(corpus), "--output", str(out), "--shard-size", "500",
+                    "--val-fraction", "0.1"], cwd=REPO, check=True, capture_output=True)
+    return out
+
+
+FAMILY_CASES = {  # the golden tiny config; its data split by data_prep --val-fraction; eval.max_samples
+    "protlingo": ("protlingo_zero2", protein_split, "null"),
+    "recursive_gpt": ("recursive_gpt_zero2", text_split, "60"),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILY_CASES))
 def test_each_family_validates_as_evaluate_does(family, tmp_path):
-    case, data, limit = FAMILY_CASES[family]
+    case, make_split, limit = FAMILY_CASES[family]
     config, ds, over = CASES[case]
-    run, val_dir = tmp_path / "run", REPO / REL / "data" / data
-    r = run_pretrain(2, ds, [*over, f"run_dir={run}", "train.max_steps=6", "train.log_every=1", "eval.every=2",
-                             "eval.batch_size=8", f"eval.max_samples={limit}", f"data.val_shards=[{val_dir}]",
+    split = make_split(tmp_path)
+    run, val_dir = tmp_path / "run", split / "val"  # val/ is found beside train/
+    r = run_pretrain(2, ds, [*over, f"run_dir={run}", f"data.train_shards={split / 'train'}", "train.max_steps=6",
+                             "train.log_every=1", "eval.every=2", "eval.batch_size=8", f"eval.max_samples={limit}",
                              "checkpoint.every_steps=6", "tracking.enabled=false"], ["--config", config])
     assert r.returncode == 0, r.stderr[-3000:]
     val = val_records(run)
@@ -150,7 +178,7 @@ def test_each_family_validates_as_evaluate_does(family, tmp_path):
         assert {"val/moe/L00/entropy", "val/moe/L00/effective_experts", "val/memory/L01/rows_per_batch"} <= set(val[6])
         assert not any(k.endswith("rows_addressed") for k in val[6])  # training state, not the held-out set
         assert 0 < val[6]["val/moe/L00/entropy"] <= 1
-        # and paper 002's ablation metric, evaluate.py --task mlm (pipeline/eval/mlm.py), on the same proteins
+        # and paper 002's ablation metric, evaluate.py --task mlm (pipeline/eval/mlm.py), on the same proteins (all)
         from launchers.evaluate import run_mlm
         from pipeline.checkpoint import load_trained_model
 
