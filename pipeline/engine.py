@@ -50,7 +50,6 @@ from pipeline.run_dir import read_latest as read_latest_tag
 from pipeline.run_log import current as current_run_log
 from pipeline.tracking import Tracker, broadcast_object, resolve_run_id
 from pipeline import validation
-from pipeline.validation import check_validation, heldout_batches
 
 CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations",  # logged as total/<name>
               "skipped", "nonfinite")
@@ -318,7 +317,7 @@ class Trainer:
                 raise ConfigError(f"{key}: {spec} has {n} shards, fewer than the {self.loader_layout.streams} loader "
                                   f"streams ({self.loader_layout.describe()})")
         self._check_step_fits(world_size)
-        self.val_dirs = check_validation(cfg, self.family)  # [] without eval.every; refused like the train shards
+        self.val_dirs = validation.check_validation(cfg, self.family)  # refused like the train shards
         # A run that has checkpoints of its own continues from them; init_from only seeds its first start.
         self.init_source = self._check_init_source() if cfg.train.init_from and not self.resume_tag else None
         self.init_from_record = str(self.init_source.resolve()) if self.init_source else None  # kept on resume
@@ -566,7 +565,8 @@ class Trainer:
         elif self.batches_consumed:  # a checkpoint from before loader state_dicts: the count alone
             self.dataset.load_state_dict({"batches_consumed": self.batches_consumed})
         self.data = make_loader(self.dataset, self.cfg.data.num_workers)
-        self.val_batches = heldout_batches(self.cfg, self.family, self.val_dirs) if self.val_dirs else None
+        self.val_batches = (validation.heldout_batches(self.cfg, self.family, self.val_dirs) if self.val_dirs
+                            else None)
         self.val_history = []  # rank 0: the validation records of metrics.jsonl, for the plot
         if self.rank == 0 and self.val_dirs and (self.run_dir / "metrics.jsonl").is_file():
             for ln in (self.run_dir / "metrics.jsonl").read_text().splitlines():
