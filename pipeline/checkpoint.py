@@ -294,9 +294,18 @@ def load_trained_model(path: str | Path) -> TrainedModel:
     return TrainedModel(cfg, model, tag_dir, {} if is_export(tag_dir) else read_client_state(tag_dir))
 
 
+def is_foreign_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a checkpoint of another code base: a single file (fair-esm's ``.pt``) or a Hugging Face
+    directory (config.json without this pipeline's config.yaml); not a run, checkpoint or export of this one."""
+    p = Path(path)
+    return p.is_file() or ((p / "config.json").is_file() and not (p / "config.yaml").is_file()
+                           and not (p / "client_state.json").is_file())
+
+
 def load_esm2(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, state dict under Hugging Face ``EsmForMaskedLM`` names) of an ESM2 checkpoint on disk: a
-    Hugging Face directory, or the fair-esm file most ESM2 users have (``esm2_t30_150M_UR50D.pt``)."""
+    Hugging Face directory, or the fair-esm file most ESM2 users have (``esm2_t30_150M_UR50D.pt``). The foreign
+    checkpoints ``train.init_from`` reads (``Family.import_weights`` converts them)."""
     p = Path(path)
     if p.is_file():
         return load_fair_esm(p)

@@ -241,7 +241,9 @@ class TrainConfig:
     # Start a new run from another run's weights (staged training, an upcycled ESM2): a run directory, a checkpoint
     # tag directory or an export (model.safetensors + config.yaml). Used only when this run has no checkpoint of its
     # own; once it has one, --resume auto continues from that. Step, learning-rate schedule, loader and MLflow run
-    # start anew; the model config must match the source's. --init-from on the command line overrides it.
+    # start anew; the model config must match the source's. --init-from on the command line overrides it. A family
+    # with Family.import_weights also starts from another code base's checkpoint (ProtLingo: an ESM2 Hugging Face
+    # directory or fair-esm .pt, upcycled at start).
     init_from: str | None = None
     # Also load the source's AdamW moments (a DeepSpeed checkpoint of the same world size and ZeRO stage); this run's
     # own lr, betas, eps, weight decay and schedule apply from step 0 either way.

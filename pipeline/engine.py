@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint import (check_same_model, is_export, load_state_dict, load_weights_into, read_client_state,
-                                 resolve_tag_dir, zero12_optimizer_state)
+from pipeline.checkpoint import (check_same_model, is_export, is_foreign_checkpoint, load_esm2, load_state_dict,
+                                 load_weights_into, read_client_state, resolve_tag_dir, zero12_optimizer_state)
 from pipeline.config import ConfigError, RunConfig, dump_yaml, load_yaml
 from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.data.compat import check_shards_fit
@@ -436,8 +436,27 @@ class Trainer:
         return tag_dir.name
 
     def _check_init_source(self) -> Path:
-        """Resolve train.init_from and check, before anything starts, that this run can start from it."""
+        """Resolve train.init_from and check, before anything starts, that this run can start from it. A foreign
+        checkpoint (a Hugging Face directory, a fair-esm .pt) is read and converted here, by the family
+        (Family.import_weights), into self.foreign_state."""
         t = self.cfg.train
+        self.foreign_state = None
+        if is_foreign_checkpoint(t.init_from):
+            src = Path(t.init_from)
+            if self.family.import_weights is None:
+                raise ConfigError(f"train.init_from: {src} is not a run, checkpoint or export of this pipeline (a "
+                                  f"Hugging Face directory or a single file), and the {self.cfg.family} family "
+                                  "starts from none of another code base")
+            if t.init_from_optimizer:
+                raise ConfigError(f"train.init_from_optimizer: {src} is a foreign checkpoint (weights only); set it "
+                                  "to false")
+            torch.manual_seed(self.cfg.seed)  # the fresh parts (routers, memory): setup's initial weights
+            fresh = self.family.build_model(self.cfg.model).state_dict()
+            try:
+                self.foreign_state = self.family.import_weights(*load_esm2(src), self.cfg.model, fresh)
+            except ValueError as e:  # ConfigError is one; a config that is not the checkpoint's backbone
+                raise ConfigError(f"train.init_from: {src}: {e}") from None
+            return src
         try:
             src = resolve_tag_dir(t.init_from)
         except ConfigError as e:
@@ -504,7 +523,9 @@ class Trainer:
         model = self.family.build_model(self.cfg.model)
         init_weights_only = self.init_source is not None and not self.cfg.train.init_from_optimizer
         if init_weights_only:  # fp32 weights from any world size, ZeRO stage and EP size, or from an export
-            load_weights_into(model, load_state_dict(self.init_source), self.init_source)
+            state = self.foreign_state if self.foreign_state is not None else load_state_dict(self.init_source)
+            load_weights_into(model, state, self.init_source)
+            self.foreign_state = None
         # The full model is built and loaded on every rank; EP then keeps this rank's experts (and MegaBlocks, on
         # CUDA, replaces the expert computation) before the optimizer sees the parameters. EP's expert parameters go
         # into DeepSpeed's MoE groups (optimizer_groups), which ZeRO partitions over the expert-data-parallel group.
@@ -652,6 +673,8 @@ class Trainer:
 
     def _parent_tags(self, src: Path) -> dict:
         """MLflow tags linking this run to the run it started from."""
+        if is_foreign_checkpoint(src):
+            return {"parent_checkpoint": str(src.resolve()), "init_from_optimizer": "False"}
         client = read_client_state(src)
         tags = {"parent_checkpoint": str(src.resolve()), "init_from_optimizer": str(self.cfg.train.init_from_optimizer)}
         if client.get("mlflow_run_id"):  # a run started offline holds 'pending:<key>' until its journal knows more

@@ -13,7 +13,7 @@ from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig
 from pipeline.models.layers import SandwichBlock
 from pipeline.data.protein_tokenizer import PAD_ID as ESM_PAD_ID
 from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
-from pipeline.models.protlingo import EsmBlock, ProtLingo, ProtLingoConfig
+from pipeline.models.protlingo import EsmBlock, ProtLingo, ProtLingoConfig, state_from_esm2
 from pipeline.models.recursive_gpt import (DecoderBlock, RecursiveGPT, RecursiveGPTConfig, StandardGPT,
                                            StandardGPTConfig)
 from pipeline.objectives import causal_lm
@@ -40,6 +40,10 @@ class Family:
     # "loss" also gives val/perplexity, and derive_metrics applies to the totals. None: no validation (eval.every
     # is refused).
     validate: Callable | None = None
+    # train.init_from a foreign checkpoint (pipeline.checkpoint.is_foreign_checkpoint: a Hugging Face directory or a
+    # fair-esm .pt, read as (config.json dict, Hugging Face state dict)): (config, state, model config, a fresh
+    # model's state dict) -> this family's state dict, ValueError naming what does not fit. None: refused.
+    import_weights: Callable | None = None
 
 
 def objective_validation(loss: Callable, plan: Callable, loss_stat: str, training_state: tuple = ()) -> Callable:
@@ -75,7 +79,8 @@ FAMILIES = {
                         pad_id=ESM_PAD_ID, derive_metrics=protlingo_objective.derive_metrics, blocks=(EsmBlock,),
                         # "rows_addressed": the rows this rank's training forwards ever read (a buffer)
                         validate=objective_validation(protlingo_objective.loss, protlingo_objective.plan,
-                                                      "mlm_loss", training_state=("/rows_addressed",))),
+                                                      "mlm_loss", training_state=("/rows_addressed",)),
+                        import_weights=state_from_esm2),  # ESM2 (HF or fair-esm), upcycled exactly
     "standard_gpt": Family("standard_gpt", StandardGPTConfig, StandardGPT, causal_lm.CausalLMObjectiveConfig,
                            causal_lm.make_transform, causal_lm.plan, causal_lm.loss, pad_id=SPM_PAD_ID,
                            packable=True, blocks=(DecoderBlock,),

@@ -70,8 +70,8 @@ def main(argv=None) -> int:
     from pipeline.checkpoint import EXPORTED_WEIGHTS, load_esm2
     from pipeline.config import ConfigError, build_config, dump_yaml, load_config
     from pipeline.outputs import check_output_dir, has_file, replace_dir, staging_dir
-    from pipeline.models.protlingo import (ProtLingo, ProtLingoConfig, config_from_hf, hf_to_protlingo,
-                                           upcycle_state_dict)
+    from pipeline.models.protlingo import (NOT_BACKBONE, ProtLingo, ProtLingoConfig, backbone_mismatch, config_from_hf,
+                                           hf_to_protlingo, upcycle_state_dict)
 
     try:
         check_output_dir(args.out, force=args.force, owned=has_file("export.json"), what="an export",
@@ -82,16 +82,12 @@ def main(argv=None) -> int:
         if run.family != "protlingo":
             raise ConfigError(f"{args.config}: family is {run.family}, not protlingo")
         fields = dataclasses.asdict(run.model)
-        backbone = {f.name for f in dataclasses.fields(ProtLingoConfig)} - {
-            "moe_layers", "num_experts", "moe_shared_hidden", "moe_backend", "router_init_std", "memory_layers",
-            "memory_bits", "memory_radius", "memory_dim", "memory_latent", "memory_table_size", "attn_backend",
-            "init_std"}
         if args.config:  # the config's backbone must be this checkpoint's
-            for name in sorted(backbone):
-                if fields[name] != getattr(base, name):
-                    raise ConfigError(f"{args.config}: model.{name} is {fields[name]!r} but {args.esm}/config.json "
-                                      f"gives {getattr(base, name)!r}")
-        fields.update({name: getattr(base, name) for name in backbone})
+            why = backbone_mismatch(run.model, hf_cfg)
+            if why:
+                raise ConfigError(f"{args.config}: {why.replace('the checkpoint', str(args.esm))}")
+        fields.update({f.name: getattr(base, f.name) for f in dataclasses.fields(ProtLingoConfig)
+                       if f.name not in NOT_BACKBONE})
         if args.moe_layers is not None:
             fields["moe_layers"] = parse_layers(args.moe_layers, base.n_layers, "--moe-layers")
         if args.memory_layers is not None:

@@ -36,6 +36,7 @@ one at ``<layer>.ffn.shared`` (no 'expert' in its name): the layout DeepSpeed's 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -574,6 +575,32 @@ def upcycle_ffn(dense: dict, prefix: str, cfg: ProtLingoConfig, perturb: float =
                 t += torch.randn(t.shape, generator=generator, dtype=t.dtype) * (perturb * float(t.std()))
             out[f"{prefix}deepspeed_moe.experts.deepspeed_experts.{e}.{name}"] = t
     return out
+
+
+# The ProtLingoConfig fields an ESM2 checkpoint fixes (config_from_hf); the rest (MoE, memory, kernels) are choices.
+NOT_BACKBONE = ("moe_layers", "num_experts", "moe_shared_hidden", "moe_backend", "router_init_std", "memory_layers",
+                "memory_bits", "memory_radius", "memory_dim", "memory_latent", "memory_table_size", "attn_backend",
+                "init_std")
+
+
+def backbone_mismatch(cfg: ProtLingoConfig, hf_config: dict) -> str | None:
+    """The first backbone field where ``cfg`` differs from an ESM2 ``config.json``: "model.NAME is A but the
+    checkpoint gives B"; None when they agree."""
+    base = config_from_hf(hf_config)
+    for name in sorted(f.name for f in dataclasses.fields(ProtLingoConfig) if f.name not in NOT_BACKBONE):
+        if getattr(cfg, name) != getattr(base, name):
+            return f"model.{name} is {getattr(cfg, name)!r} but the checkpoint gives {getattr(base, name)!r}"
+    return None
+
+
+def state_from_esm2(hf_config: dict, hf_state: dict, cfg: ProtLingoConfig, fresh: dict) -> dict:
+    """A state dict for ``cfg`` from a dense ESM2 checkpoint (config.json dict, Hugging Face names): the backbone
+    copied, MoE layers upcycled exactly (every routed expert = shared + routed == the dense FFN), routers and memory
+    from ``fresh``. ValueError naming the first field when the checkpoint is not ``cfg``'s backbone."""
+    why = backbone_mismatch(cfg, hf_config)
+    if why:
+        raise ValueError(why)
+    return upcycle_state_dict(hf_to_protlingo(hf_state, cfg.n_layers), cfg, fresh)
 
 
 def upcycle_state_dict(dense: dict, cfg: ProtLingoConfig, fresh: dict, perturb: float = 0.0,

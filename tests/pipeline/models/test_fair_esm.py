@@ -77,3 +77,34 @@ def test_a_pickle_with_code_is_refused(tmp_path):
     path.write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="not a readable torch checkpoint"):
         load_fair_esm(path)
+
+
+@pytest.mark.slow
+def test_init_from_a_fair_esm_checkpoint_starts_where_its_upcycled_export_does(fair_checkpoint, tmp_path):
+    """train.init_from a fair-esm .pt (the family's import_weights: backbone copied, MoE upcycled exactly, routers and
+    memory fresh from the run's seed) trains step for step as train.init_from the export tools/upcycle_esm2.py
+    writes from the same file (seed 0, no perturbation); a config that is not the file's backbone is refused."""
+    from conftest import losses, run_pretrain
+    from golden.cases import CASES, REL
+
+    path, _ = fair_checkpoint
+    config = tmp_path / "protlingo_t2.yaml"  # the demo's choices on the file's backbone (2 blocks of 64)
+    config.write_text(f"inherit: {REPO / CASES['protlingo_zero2'][0]}\nmodel:\n  d_model: 64\n  n_layers: 2\n"
+                      "  n_heads: 4\n  d_ff: 256\n  moe_shared_hidden: 128\n  moe_layers: [0, 1]\n  num_experts: 4\n"
+                      "  memory_layers: [1]\n")
+    export = tmp_path / "export"
+    assert upcycle_esm2.main(["--esm", str(path), "--out", str(export), "--config", str(config), "--seed", "0"]) == 0
+    over = [f"data.train_shards={REL}/data/protein", "data.context_length=64", "train.micro_batch_size=4",
+            "optim.warmup_steps=2", "train.max_steps=3", "train.log_every=1", "checkpoint.every_steps=3",
+            "tracking.enabled=false", "seed=0"]
+    got = {}
+    for name, src in (("export", export), ("fair", path)):
+        r = run_pretrain(1, "ds_configs/zero2.json", [*over, f"run_dir={tmp_path / name}", f"train.init_from={src}"],
+                         ["--config", str(config)])
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[name] = losses(tmp_path / name)
+    assert got["fair"] == got["export"] and len(got["fair"]) == 3, got
+    r = run_pretrain(1, "ds_configs/zero2.json", [*over, "model.d_ff=128", "model.moe_shared_hidden=64",
+                                                  f"run_dir={tmp_path / 'bad'}", f"train.init_from={path}"],
+                     ["--config", str(config)])
+    assert r.returncode == 2 and "model.d_ff is 128 but the checkpoint gives 256" in r.stderr, r.stderr[-2000:]
