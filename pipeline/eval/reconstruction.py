@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline.data.loader import collate
 from pipeline.data.tokenizer import PAD_ID
 from pipeline.models.eco_rna import initial_state
-from pipeline.objectives.eco_rna import reconstruction_sums, state_table  # noqa: F401 (state_table re-exported)
+from pipeline.objectives.eco_rna import (reconstruction_sums, state_table,  # noqa: F401 (state_table re-exported)
+                                         supervised_sums)
 from pipeline.objectives.masking import IGNORE_INDEX
 
 
@@ -35,14 +35,6 @@ def _batches(samples: list[dict], batch_size: int, desc: str | None):
         starts = progress(starts, desc=desc, unit="batch")
     for i in starts:
         yield collate(samples[i:i + batch_size], pad_id=PAD_ID)
-
-
-def _add(acc: list, logits: torch.Tensor, labels: torch.Tensor):
-    """acc [CE sum, correct, supervised tokens] += those of logits [n_sup, V] against labels [n_sup]."""
-    logits = logits.float()
-    acc[0] += float(F.cross_entropy(logits, labels, reduction="sum"))
-    acc[1] += int((logits.argmax(-1) == labels).sum())
-    acc[2] += int(labels.numel())
 
 
 def _summary(acc: list) -> dict:
@@ -78,7 +70,7 @@ def reconstruction_adaptive(model, cfg, samples: list[dict], tol: float, max_dep
         sup = b.labels != IGNORE_INDEX
         out = model.adaptive(b.input_ids, b.attention_mask, initial_state(cfg.model, b.attention_mask, table=table),
                              tol, max_depth)
-        _add(acc, out.logits[sup], b.labels[sup])
+        acc = [x + y for x, y in zip(acc, supervised_sums(out.logits[sup], b.labels[sup]))]
         depths += out.depths.tolist()
         row_iterations += out.row_iterations
     return {**_summary(acc), "depths": depths, "row_iterations": row_iterations}

@@ -6,6 +6,7 @@ Z_acc, the supervised-token count of the whole optimizer step over every rank an
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -212,9 +213,22 @@ def recurrent_loss(model, batch, cfg, p: Plan) -> LossOutput:
 
 def state_table(cfg_model, length: int, seed: int) -> torch.Tensor:
     """The evaluation initial-state table [length, d], N(0, sigma_init^2), fixed by ``seed``: position-indexed, so a
-    sequence's initial state does not depend on the batch (or rank) it is evaluated in."""
+    sequence's initial state does not depend on the batch (or rank) it is evaluated in. Cached (validation asks for
+    it at every batch); callers only read it."""
+    return _state_table(cfg_model.d_model, cfg_model.sigma_init, length, seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _state_table(d: int, sigma: float, length: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(length, cfg_model.d_model, generator=g) * cfg_model.sigma_init
+    return torch.randn(length, d, generator=g) * sigma
+
+
+def supervised_sums(logits: torch.Tensor, labels: torch.Tensor) -> list:
+    """[CE sum, correct, count] of logits [n, V] against labels [n] (fp32)."""
+    logits = logits.float()
+    return [float(F.cross_entropy(logits, labels, reduction="sum")), int((logits.argmax(-1) == labels).sum()),
+            int(labels.numel())]
 
 
 @torch.no_grad()
@@ -225,12 +239,8 @@ def reconstruction_sums(model, batch, depths, table: torch.Tensor) -> dict[int, 
     s0 = initial_state(model_cfg, batch.attention_mask.cpu(), table=table).to(batch.input_ids.device)
     sup = batch.labels != IGNORE_INDEX
     labels = batch.labels[sup]
-    out = {}
-    for k, logits in model.logits_at_depths(batch.input_ids, batch.attention_mask, depths, s0).items():
-        logits = logits[sup].float()
-        out[k] = [float(F.cross_entropy(logits, labels, reduction="sum")), int((logits.argmax(-1) == labels).sum()),
-                  int(labels.numel())]
-    return out
+    return {k: supervised_sums(logits[sup], labels)
+            for k, logits in model.logits_at_depths(batch.input_ids, batch.attention_mask, depths, s0).items()}
 
 
 def validate(model, batch, cfg) -> tuple[dict, dict]:
