@@ -5,7 +5,7 @@
         [--config CONFIG] [--set key=value ...] [--nproc 2] [--steps 3] [--shards DIR] [--out DIR]
 
 Launches ``--nproc`` ranks (DeepSpeed's launcher, gloo on CPU) that train every case (a ds_config, with overrides of
-its own for --case) in turn, each built exactly as launchers/pretrain.py builds a run (pipeline.engine.Trainer: the
+its own for --case) in turn, each built exactly as launchers/pretrain.py builds a run (pipeline.train.Trainer: the
 model, ZeRO, expert parallelism, the loader), for ``--steps`` optimizer steps through the engine's own
 ``train_step``, with every torch.distributed collective counted (CollectiveCounter). The first step of each case is
 left out (ZeRO-3 records its module trace there). It prints, per case and step, the bytes per rank that were counted
@@ -155,7 +155,7 @@ def worker(args) -> int:
     import gc
 
     from pipeline.config import load_config
-    from pipeline.engine import Trainer, shutdown_distributed, train_step
+    from pipeline.train import Trainer, shutdown_distributed, train_step
 
     records = []
     for case in json.loads(Path(args.cases).read_text()):
@@ -172,7 +172,7 @@ def worker(args) -> int:
             counter.phase("forward")
             rec = train_step(trainer.engine, trainer.family, cfg, micro, step, trainer.device)
             counter.phase("after")
-            trainer.step += 1
+            trainer.state.step += 1
             per_step.append({"totals": counter.totals(), "sync": _sync_values(trainer, micro, step),
                              "loss": rec["loss"]})
         trainer.tracker.finish("FINISHED")
@@ -326,6 +326,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.engine import exit_process  # after DeepSpeed: see its docstring
+    from pipeline.train import exit_process  # after DeepSpeed: see its docstring
 
     exit_process(main())

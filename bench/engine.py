@@ -3,7 +3,7 @@
 
     python bench/engine.py [--quick] [--steps 12 --warmup 3] [--skip-p4] [--skip-scaling]
 
-P4 (one process, gloo, world size 1): the project's real training step, built by pipeline/engine.py's Trainer from
+P4 (one process, gloo, world size 1): the project's real training step, built by pipeline/train's Trainer from
 launchers/configs/eco_rna_80m.yaml's objective and ds_configs/zero2.json (ZeRO-2, fp32 on CPU), against a plain loop
 over the same model (same initial weights), the same microbatches, the same loss function (the family's plan and
 loss: depth sampling, wavefront, auxiliary terms) and torch.optim.AdamW with the same parameter groups and gradient
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import socket
 import statistics
@@ -84,13 +83,13 @@ def build_shards(out: Path) -> Path:
 def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: int = 1) -> dict:
     import torch
 
-    from pipeline.engine import Trainer, param_groups, shutdown_distributed, train_step
+    from pipeline.train import Trainer, param_groups, shutdown_distributed
 
     cfg = p4_config(shards, run_dir)
     trainer = Trainer(cfg, str(REPO / "ds_configs" / "zero2.json"), resume="never")
     trainer.setup()  # DeepSpeed ZeRO-2 engine, loader, tracker: the real path
     try:
-        family, engine, device = trainer.family, trainer.engine, trainer.device
+        family, engine = trainer.family, trainer.engine
         # One thread on both sides: on a shared 2-core host a multi-threaded step stalls at every parallel region
         # whenever another process holds a core (steps measured 10x slower), which buries the overhead in noise.
         torch.set_num_threads(threads)
@@ -105,22 +104,17 @@ def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: in
         clip = cfg.optim.grad_clip
         total = warmup + steps
         batches = [[next(trainer.data) for _ in range(cfg.train.grad_accum_steps)] for _ in range(total)]
-        trainer.batches_consumed += total * cfg.train.grad_accum_steps
+        for cb in trainer.callbacks:
+            cb.on_fit_start(trainer)
 
         def engine_step(i):
-            micro = batches[i]
-            lr = trainer.set_lr()
-            skipped_before = engine.skipped_steps
-            rec = train_step(engine, family, cfg, micro, trainer.step, device)
-            rec.update(trainer.mixture_metrics(trainer.step))
-            trainer.step += 1
-            overflow = engine.skipped_steps > skipped_before
-            rec["nonfinite"] = int((overflow or not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])))
-                                   and rec["supervised_tokens"] > 0)
-            rec["lr"] = lr
-            if trainer.step % cfg.train.log_every == 0:
-                trainer.tracker.log_metrics({k: v for k, v in rec.items() if k != "step"}, trainer.step)
-            trainer._stop_requested()
+            # Trainer.fit's step on the pre-drawn batches (the plain side gets the same): the step with its
+            # bookkeeping, then every callback (metrics, mixture all-reduce, tracker, console, stop flag, saves).
+            trainer.step_started = time.perf_counter()
+            trainer.mid_step.start(trainer.state.step + 1)
+            trainer.micro = batches[i]
+            rec = trainer.run_step(batches[i])
+            trainer.after_step(rec)
             return rec
 
         def plain_step(i):
@@ -159,8 +153,9 @@ def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: in
                 "cpu_ratio": statistics.median(cpu_ratios), "model": model_text(cfg),
                 "k_max": k_max, "n_params": sum(p.numel() for p in plain.parameters())}
     finally:
-        trainer.tracker.finish("FINISHED")
         trainer.stop.restore()
+        for cb in trainer.callbacks:  # closes the files, finishes the tracker, prints the summary
+            cb.on_fit_end(trainer, "FINISHED")
         trainer.lock.release()
         shutdown_distributed()
 
@@ -262,6 +257,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.engine import exit_process  # after DeepSpeed: see its docstring
+    from pipeline.train import exit_process  # after DeepSpeed: see its docstring
 
     exit_process(main())

@@ -7,7 +7,7 @@ Tokens computed = rows x padded length summed over microbatches (what the model 
 attention-mask sum. Shards are built in a temp dir by the real ``python -m data_prep rnacentral`` CLI (1,000 records
 a shard) from the RNAcentral ncRNA test set in ../shared/data (6,001 records, 16-11,420 nt), or, when that is absent,
 the shipped Rfam sample (2,107 records, with a note: shorter records, so less padding to remove). Every setup loads
-a shipped config, points it at those shards, and builds its loader with the engine's own Trainer.build_dataset (the
+a shipped config, points it at those shards, and builds its loader with the training's own RunPlan.build_dataset (the
 family's transform: framing, random crop to data.context_length, masking; its pad id; every data.* key), one loader
 stream (data.num_workers 0; each worker stream batches alike), rank 0 of 1. A setup with length windows is measured
 over whole windows (its first N x data.length_window draws), the others over at least as many samples.
@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.config import load_config  # noqa: E402
 from pipeline.data.loader import StreamLayout, make_loader  # noqa: E402
-from pipeline.engine import Trainer  # noqa: E402
+from pipeline.train import RunPlan  # noqa: E402
 from pipeline.families import get_family  # noqa: E402
 
 RNACENTRAL = REPO.parent / "shared" / "data" / "rna" / "rnacentral_ncrna6_testset.fasta"
@@ -73,10 +73,10 @@ def build_shards(fasta: Path, out: Path) -> Path:
 def measure(config: str, overrides: list, shards: Path, windows: int) -> tuple[float, int, int, int]:
     """(tokens computed / real tokens, samples, microbatches, length_window) of one setup's loader."""
     cfg = load_config(CONFIGS / config, [*overrides, f"data.train_shards={shards}", "data.num_workers=0"])
-    # the engine's own construction: Trainer.build_dataset reads cfg, rank, family and the stream layout only
+    # the training's own construction: RunPlan.build_dataset reads cfg, family and the stream layout only
     layout = StreamLayout.fresh(1, 0, cfg.data.num_workers, cfg.data.loader_streams)
-    dataset = Trainer.build_dataset(SimpleNamespace(cfg=cfg, rank=0, family=get_family(cfg.family),
-                                                    loader_layout=layout))
+    dataset = RunPlan.build_dataset(SimpleNamespace(cfg=cfg, family=get_family(cfg.family), loader_layout=layout),
+                                    rank=0)
     W = cfg.data.length_window
     target = windows * (W or 8192)
     computed = real = samples = batches = 0

@@ -109,19 +109,19 @@ def main(argv=None) -> int:
         # --init-from is train.init_from (validated with the rest); JSON quoting keeps any path a YAML string.
         extra = [f"train.init_from={json.dumps(args.init_from)}"] if args.init_from is not None else []
         cfg = load_config(args.config, [*args.overrides, *extra])
-        from pipeline import engine
+        from pipeline import train
 
         if args.dry_run:
             world, local, origin = planned_world(args.world_size, args.nproc_per_node)
-            print(engine.dry_run(cfg, args.ds_config, args.resume, args.allow_config_change, world, local, origin),
+            print(train.dry_run(cfg, args.ds_config, args.resume, args.allow_config_change, world, local, origin),
                   flush=True)
             return 0
-        engine.run(cfg, args.ds_config, args.resume, args.allow_config_change)
+        train.run(cfg, args.ds_config, args.resume, args.allow_config_change)
     except (ConfigError, ShardError, FileNotFoundError) as e:
         run_log.report_fatal(rank, str(e), rank_specific=_distributed())
         return 2
     except Exception as e:  # noqa: BLE001 - every rank's fatal error reaches the console, one line each
-        from pipeline.engine import CheckpointWriteError, PeerLost, TrainingStopped
+        from pipeline.train import CheckpointWriteError, PeerLost, TrainingStopped
 
         explained = isinstance(e, (CheckpointWriteError, TrainingStopped, PeerLost))  # their line says what to do
         if not explained:
@@ -144,7 +144,7 @@ if __name__ == "__main__":
     faulthandler.enable(all_threads=True)  # a fatal signal (SIGSEGV, SIGABRT) prints every thread's Python stack
     code = main()
     if code != 0:
-        sys.exit(code)  # a failed rank exits normally: its error line must get out (pipeline.engine.exit_process)
-    from pipeline.engine import exit_process
+        sys.exit(code)  # a failed rank exits normally: its error line must get out (pipeline.distributed.exit_process)
+    from pipeline.train import exit_process
 
     exit_process(0)

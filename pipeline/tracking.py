@@ -74,9 +74,9 @@ import time
 import uuid
 from pathlib import Path
 
-import torch.distributed as dist
 
 from pipeline.config import ConfigError
+from pipeline.distributed import broadcast_object
 from pipeline.outputs import write_atomic
 
 STATE_FILE = "tracking_state.json"
@@ -107,14 +107,6 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def config_params(cfg_dict: dict) -> dict:
     """The flattened config as MLflow params (strings)."""
     return {k: str(v) for k, v in _flatten(cfg_dict).items()}
-
-
-def broadcast_object(obj, src: int = 0):
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def tracking_uri(cfg, run_dir: Path) -> str:

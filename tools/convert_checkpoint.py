@@ -99,7 +99,7 @@ def resolve_checkpoint(path: Path, tag: str) -> Path:
     """The checkpoint --checkpoint and --tag name: ``path`` itself (--tag latest) or the tag dir ``tag`` of the run's
     checkpoints/ dir. ConfigError listing the tags there for an unknown one."""
     from pipeline.config import ConfigError
-    from pipeline.run_dir import checkpoint_tags
+    from pipeline.checkpoint.layout import checkpoint_tags
 
     if tag == "latest":
         return path

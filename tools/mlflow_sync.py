@@ -47,9 +47,9 @@ def read_config(run_dir: Path) -> dict:
 
 
 def latest_client_state(run_dir: Path) -> dict:
-    """The client state of the checkpoint a resume would take (pipeline/run_dir.py), {} when there is none."""
+    """The client state of the checkpoint a resume would take (pipeline/checkpoint/layout.py), {} when there is none."""
     from pipeline.config import ConfigError
-    from pipeline.run_dir import read_client, resume_tag
+    from pipeline.checkpoint.layout import read_client, resume_tag
 
     try:
         tag, _ = resume_tag(run_dir / "checkpoints")

@@ -3,7 +3,7 @@
 Removes the ``/dev/shm/deepspeed_allreduce_buffer_*`` segments that DeepSpeed runs on CPU left behind and that no
 live process still maps. DeepSpeed's CPU backend creates one 69 MB segment per rank and never unlinks it; /dev/shm is
 RAM, so a machine that ran many trainings (a CI host, a laptop) slowly runs out of memory. Our engine no longer
-creates them (``pipeline.engine.init_distributed``); this reclaims what older runs, or other DeepSpeed programs,
+creates them (``pipeline.distributed.init_distributed``); this reclaims what older runs, or other DeepSpeed programs,
 leaked. Only segments owned by the calling user are touched, and one that any process maps (a training in
 progress) is kept. Prints one line: how many segments and bytes were reclaimed.
 """

@@ -127,6 +127,7 @@ def locate_checkpoint(path) -> tuple[Path, object, dict]:
     """(tag dir, RunConfig, client state or export metadata) of a run dir, checkpoints/ dir, tag dir or export,
     read without loading any weights; every error names the file or directory at fault."""
     from pipeline.checkpoint import EXPORTED_WEIGHTS, is_export, resolve_tag_dir
+    from pipeline.checkpoint.layout import load_client
     from pipeline.config import ConfigError, build_config, load_yaml
 
     p = Path(path)
@@ -146,15 +147,10 @@ def locate_checkpoint(path) -> tuple[Path, object, dict]:
         cfg = build_config(raw)
     except ConfigError as e:
         raise ConfigError(f"{config_file}: {e}") from None
-    export = is_export(tag_dir)
-    meta_file = tag_dir / ("export.json" if export else "client_state.json")
-    if meta_file.is_file():
-        meta = _read_json(meta_file)
-    elif export:
-        meta = {}  # an export written by hand (model.safetensors + config.yaml) has no provenance
-    else:
-        raise ConfigError(f"{meta_file}: missing (an incomplete checkpoint)")
-    return tag_dir, cfg, meta
+    if not is_export(tag_dir):
+        return tag_dir, cfg, load_client(tag_dir, raw=True)
+    meta_file = tag_dir / "export.json"  # an export written by hand (model.safetensors + config.yaml) has none
+    return tag_dir, cfg, _read_json(meta_file) if meta_file.is_file() else {}
 
 
 def require_trust(tag_dir: Path, trusted: bool):

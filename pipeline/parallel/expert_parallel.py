@@ -154,7 +154,7 @@ def apply_expert_parallel(model: nn.Module, ep_size: int, zero_stage: int = 2) -
 
 
 def moe_param_groups(param_groups: list[dict]) -> list[dict]:
-    """The engine's named AdamW groups (``pipeline.engine.param_groups``) with the expert parameters moved into
+    """The engine's named AdamW groups (``pipeline.train.param_groups``) with the expert parameters moved into
     groups of their own (``moe: True``, ``name: ep_size_{ep}``): ZeRO-1/2 partition those over the
     expert-data-parallel group. DeepSpeed's own split; every input group needs a distinct ``name``."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer

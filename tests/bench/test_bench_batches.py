@@ -6,12 +6,12 @@ import itertools
 from bench import engine as engine_bench
 from pipeline.config import load_config
 from pipeline.data.loader import make_loader
-from pipeline.engine import Trainer
+from pipeline.train import RunPlan
 
 
 def first_batches(cfg, n: int = 6) -> list:
-    trainer = Trainer(cfg, "ds_configs/zero2.json", resume="never")  # config and shard checks only, no DeepSpeed
-    return list(itertools.islice(make_loader(trainer.build_dataset(rank=0), 0), n))
+    plan = RunPlan(cfg, "ds_configs/zero2.json", resume="never")  # config and shard checks only, no DeepSpeed
+    return list(itertools.islice(make_loader(plan.build_dataset(rank=0), 0), n))
 
 
 def test_engine_p4_steps_are_one_microbatch_of_8_rows_of_at_most_256_tokens(sample_shards, tmp_path):

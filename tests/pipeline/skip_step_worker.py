@@ -18,7 +18,7 @@ def main():
 
     import deepspeed
 
-    from pipeline.engine import init_distributed, lr_lambda, param_groups, train_step
+    from pipeline.train import init_distributed, lr_lambda, param_groups, train_step
     from pipeline.families import get_family
 
     init_distributed()
@@ -47,6 +47,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    from pipeline.engine import exit_process  # after DeepSpeed: see its docstring
+    from pipeline.train import exit_process  # after DeepSpeed: see its docstring
 
     exit_process(0)

@@ -115,7 +115,7 @@ def test_init_from_optimizer_needs_init_from():
 
 
 def test_eco_rna_identity_maps_are_not_decayed():
-    from pipeline.engine import param_groups
+    from pipeline.train import param_groups
     from pipeline.families import get_family
 
     cfg = load_config(None)
@@ -155,7 +155,7 @@ def test_stage_a_keeps_the_checkpoints_table_1_reads():
 
 
 def test_lr_scale_names_a_models_group():
-    from pipeline.engine import param_groups
+    from pipeline.train import param_groups
     from pipeline.families import get_family
 
     cfg = load_config(None, ["optim.lr_scale={memory_tables: 10}"])

@@ -1,4 +1,4 @@
-"""Run-directory rules (pipeline/run_dir.py): which checkpoint a resume takes, rotation, the lock."""
+"""Run-directory rules (pipeline/checkpoint/layout.py): which checkpoint a resume takes, rotation, the lock."""
 import json
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from pipeline.config import ConfigError
-from pipeline.run_dir import (COMPLETE, LATEST, RunDirLock, checkpoint_tags, is_complete, mark_complete, resume_tag,
+from pipeline.checkpoint.layout import (COMPLETE, LATEST, RunDirLock, checkpoint_tags, is_complete, mark_complete, resume_tag,
                               rotate, set_aside_later_checkpoints)
 
 
@@ -101,7 +101,7 @@ def test_lock_refuses_a_second_holder_and_names_it(tmp_path):
     first = RunDirLock(tmp_path)
     first.acquire()
     # flock locks belong to the open file description: a second process is refused, as a second training is.
-    code = ("import sys; sys.path.insert(0, '.'); from pipeline.run_dir import RunDirLock; from pathlib import Path\n"
+    code = ("import sys; sys.path.insert(0, '.'); from pipeline.checkpoint.layout import RunDirLock; from pathlib import Path\n"
             f"try:\n    RunDirLock(Path({str(tmp_path)!r})).acquire()\nexcept Exception as e:\n    print(e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "in use by another training" in out and f"pid {os.getpid()}" in out

@@ -1,10 +1,10 @@
-"""The learning-rate schedule (pipeline/engine.py): its horizon, fixed at a run's first start, and its factor."""
+"""The learning-rate schedule (pipeline/train/optim.py): its horizon, fixed at a run's first start, and its factor."""
 import math
 
 import pytest
 
 from pipeline.config import load_config
-from pipeline.engine import lr_factor, lr_lambda, schedule_horizon
+from pipeline.train import lr_factor, lr_lambda, schedule_horizon
 
 
 def test_horizon_follows_the_budget_the_run_has():

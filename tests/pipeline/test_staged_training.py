@@ -10,7 +10,7 @@ import pytest
 
 from conftest import REPO, TINY, deepspeed_cmd, launch_and_kill, read_jsonl, run_pretrain
 from pipeline.config import ConfigError, dump_yaml, load_config
-from pipeline.engine import Trainer, lr_lambda
+from pipeline.train import RunPlan, lr_lambda
 
 
 def overrides(shards, run_dir, steps, *more):
@@ -120,9 +120,9 @@ def test_resume_refuses_another_runs_checkpoint(sample_shards, tmp_path):
     cfg = load_config(None, overrides(sample_shards, tmp_path / "b", 3))
     other = fake_checkpoint(tmp_path / "a" / "checkpoints" / "step00000003", cfg)
     with pytest.raises(ConfigError, match=r"not a checkpoint of this run .* --init-from starts a new run"):
-        Trainer(cfg, str(REPO / "ds_configs" / "zero2.json"), resume=str(other))
+        RunPlan(cfg, str(REPO / "ds_configs" / "zero2.json"), resume=str(other))
     with pytest.raises(ConfigError, match=r"--resume .*: not a checkpoint directory"):
-        Trainer(cfg, str(REPO / "ds_configs" / "zero2.json"), resume=str(tmp_path / "nowhere"))
+        RunPlan(cfg, str(REPO / "ds_configs" / "zero2.json"), resume=str(tmp_path / "nowhere"))
 
 
 def test_init_from_errors_name_the_key(sample_shards, tmp_path):
@@ -132,12 +132,12 @@ def test_init_from_errors_name_the_key(sample_shards, tmp_path):
     export = fake_checkpoint(tmp_path / "export", load_config(None, base), export=True)
 
     with pytest.raises(ConfigError, match=r"^train.init_from: .*nowhere: not a checkpoint"):
-        Trainer(load_config(None, base + [f"train.init_from={tmp_path / 'nowhere'}"]), ds)
+        RunPlan(load_config(None, base + [f"train.init_from={tmp_path / 'nowhere'}"]), ds)
     with pytest.raises(ConfigError, match=r"^model.d_ff: 96 differs from 128 of checkpoint"):
-        Trainer(load_config(None, base + [f"train.init_from={src}", "model.d_ff=96"]), ds)
+        RunPlan(load_config(None, base + [f"train.init_from={src}", "model.d_ff=96"]), ds)
     with pytest.raises(ConfigError, match=r"^train.init_from_optimizer: .* is an export"):
-        Trainer(load_config(None, base + [f"train.init_from={export}", "train.init_from_optimizer=true"]), ds)
+        RunPlan(load_config(None, base + [f"train.init_from={export}", "train.init_from_optimizer=true"]), ds)
     with pytest.raises(ConfigError, match=r"^train.init_from_optimizer: .* written by 2 ranks, this run has 1"):
-        Trainer(load_config(None, base + [f"train.init_from={src}", "train.init_from_optimizer=true"]), ds)
+        RunPlan(load_config(None, base + [f"train.init_from={src}", "train.init_from_optimizer=true"]), ds)
     # Weights alone load from any world size: no error.
-    assert Trainer(load_config(None, base + [f"train.init_from={src}"]), ds).init_source == src
+    assert RunPlan(load_config(None, base + [f"train.init_from={src}"]), ds).init_source == src

@@ -211,17 +211,17 @@ def test_a_rollback_points_best_at_the_resumed_timelines_best(tmp_path):
     (client_state val_best) when that checkpoint exists, and nothing when it does not."""
     from types import SimpleNamespace
 
-    from pipeline.engine import Trainer
+    from pipeline.checkpoint.io import Checkpointer
 
     ckpts = tmp_path / "checkpoints"
     for tag in ("step00000002", "step00000004"):
         (ckpts / tag).mkdir(parents=True)
     (ckpts / "best").write_text("step00000006")  # moved to abandoned_after_step00000004_*
-    Trainer._repoint_best(SimpleNamespace(ckpt_dir=ckpts, val_best=(1.5, 2)))
+    Checkpointer._repoint_best(SimpleNamespace(ckpt_dir=ckpts), (1.5, 2))
     assert (ckpts / "best").read_text().strip() == "step00000002"
     (ckpts / "best").write_text("step00000006")
-    Trainer._repoint_best(SimpleNamespace(ckpt_dir=ckpts, val_best=(1.5, 3)))  # step 3 not kept
+    Checkpointer._repoint_best(SimpleNamespace(ckpt_dir=ckpts), (1.5, 3))  # step 3 not kept
     assert not (ckpts / "best").exists()
     (ckpts / "best").write_text("step00000004")  # still there: left alone
-    Trainer._repoint_best(SimpleNamespace(ckpt_dir=ckpts, val_best=(1.5, 2)))
+    Checkpointer._repoint_best(SimpleNamespace(ckpt_dir=ckpts), (1.5, 2))
     assert (ckpts / "best").read_text().strip() == "step00000004"

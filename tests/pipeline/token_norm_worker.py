@@ -50,7 +50,7 @@ def main():
     import deepspeed
     import torch.distributed as dist
 
-    from pipeline.engine import init_distributed, shutdown_distributed, train_step
+    from pipeline.train import init_distributed, shutdown_distributed, train_step
 
     init_distributed()
     rank = dist.get_rank()
@@ -73,6 +73,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    from pipeline.engine import exit_process  # after DeepSpeed: see its docstring
+    from pipeline.train import exit_process  # after DeepSpeed: see its docstring
 
     exit_process(0)

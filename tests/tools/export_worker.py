@@ -1,5 +1,5 @@
 """Worker for test_export_hf: real 2-process trainings of tiny models of every family through the engine
-(pipeline.engine.Trainer: deepspeed.initialize, AdamW, the real loader on real shards), 2 steps each on one ZeRO
+(pipeline.train.Trainer: deepspeed.initialize, AdamW, the real loader on real shards), 2 steps each on one ZeRO
 stage, checkpointed by the Trainer as any run is; then the logits of the model the DeepSpeed engine holds after its
 last step on a fixed input, computed on every rank through the engine (under ZeRO-3 the parameters are partitioned:
 each forward gathers them, a collective) and written by rank 0 to RUN_DIR/engine_logits.pt.
@@ -106,7 +106,7 @@ def main():
 
     import torch.distributed as dist
 
-    from pipeline.engine import Trainer, init_distributed, shutdown_distributed
+    from pipeline.train import Trainer, init_distributed, shutdown_distributed
 
     init_distributed()
     shards = {"rna": args.rna, "protein": args.protein, "text": args.text}
@@ -117,7 +117,7 @@ def main():
         trainer = Trainer(cfg, ds_config)
         try:
             trainer.setup()
-            trainer.train()
+            trainer.fit()
             trainer.engine.eval()
             ids, mask = fixed_input(cfg)
             result = engine_logits(trainer.engine, cfg, ids, mask)  # every rank: a collective under ZeRO-3 and EP
@@ -132,6 +132,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    from pipeline.engine import exit_process  # after DeepSpeed: see its docstring
+    from pipeline.train import exit_process  # after DeepSpeed: see its docstring
 
     exit_process(0)

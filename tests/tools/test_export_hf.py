@@ -3,7 +3,7 @@ every family load with pipeline.load_pretrained and with the transformers Auto c
 and give the logits of the model the DeepSpeed engine held after its last step, on the same input (fp32, <= 1e-6;
 measured: 0 for the pipeline-format exports, <= 2.4e-7 for EsmForMaskedLM, which computes attention its own way).
 
-export_worker.py trains every model for 2 steps through pipeline.engine.Trainer and writes the engine's logits;
+export_worker.py trains every model for 2 steps through pipeline.train.Trainer and writes the engine's logits;
 tools/convert_checkpoint.py runs in this process (DeepSpeed is imported once). Fast tests below need no training:
 the HF classes against the pipeline modules, Eco-RNA's hidden states, generate, the trained mean depth.
 """

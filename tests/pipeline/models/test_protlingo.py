@@ -314,7 +314,7 @@ def test_config_errors_name_the_field():
 
 
 def test_memory_tables_get_their_own_lr_and_no_decay():
-    from pipeline.engine import param_groups
+    from pipeline.train import param_groups
 
     model = ProtLingo(tiny_cfg(memory_layers=[0, 1], memory_radius=1))
     optim = load_config(None, ["family=protlingo", "optim.lr=0.002", "optim.weight_decay=0.1",

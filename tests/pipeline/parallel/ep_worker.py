@@ -64,7 +64,7 @@ def step_batches(cfg, step: int, world: int, micro=2, batch=3):
 
 
 def make_optimizer(model, cfg):
-    from pipeline.engine import param_groups
+    from pipeline.train import param_groups
     from pipeline.parallel import optimizer_groups
 
     return torch.optim.SGD(optimizer_groups(model, param_groups(model, cfg.optim)), lr=cfg.optim.lr)
@@ -102,7 +102,7 @@ def main():
     import deepspeed
     import torch.distributed as dist
 
-    from pipeline.engine import init_distributed, shutdown_distributed, train_step
+    from pipeline.train import init_distributed, shutdown_distributed, train_step
     from pipeline.parallel.expert_parallel import apply_expert_parallel
 
     init_distributed()
@@ -157,6 +157,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    from pipeline.engine import exit_process  # after DeepSpeed: see its docstring
+    from pipeline.train import exit_process  # after DeepSpeed: see its docstring
 
     exit_process(0)

@@ -20,7 +20,7 @@ from conftest import REPO, free_port, launch_and_kill, read_jsonl, run_launch
 from ep_worker import CLIP, initial_model, make_optimizer, run_config, step_batches
 from pipeline.checkpoint import load_state_dict, load_trained_model
 from pipeline.config import ConfigError, load_config
-from pipeline.engine import Trainer
+from pipeline.train import RunPlan
 from pipeline.families import get_family
 from pipeline.parallel import check_expert_parallel, check_parallelism, resolve_moe_backend
 
@@ -336,7 +336,7 @@ def test_expert_parallel_errors_name_the_key(protlingo_yaml, tmp_path, monkeypat
     # The engine refuses EP with ZeRO-3 in Trainer.__init__, before any process group or shard is touched.
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=r"^train\.expert_parallel_size: 2 needs ZeRO stage 1 or 2"):
-        Trainer(cfg, str(REPO / "ds_configs" / "zero3.json"))
+        RunPlan(cfg, str(REPO / "ds_configs" / "zero3.json"))
 
 
 def test_moe_backend_megablocks_needs_cuda_and_the_package(protlingo_yaml):

@@ -9,8 +9,8 @@ Layout::
 
 A checkpoint is complete when its ``COMPLETE`` marker exists and its ``client_state.json`` parses: the marker is
 written after every rank's shards and the client state, so a kill at any moment of a save leaves either a complete
-checkpoint or one that resume skips. Checkpoints written before the marker existed (``client_state.json`` without a
-``format`` key) count as complete when their client state parses.
+checkpoint or one that resume skips. Checkpoints written before the marker existed count as complete when their
+client state parses (pipeline/checkpoint/migrate.py).
 
 Nothing here writes or deletes outside ``RUN_DIR``.
 """
@@ -25,13 +25,14 @@ import time
 import zipfile
 from pathlib import Path
 
-from pipeline.config import ConfigError
+from pipeline.checkpoint import migrate
+from pipeline.errors import ConfigError
 from pipeline.outputs import write_atomic  # noqa: F401 - re-exported
 
 LATEST = "latest"
 BEST = "best"  # checkpoint.keep_best: the tag of the best checkpoint by a validation metric, outside rotation
 COMPLETE = "COMPLETE"
-CHECKPOINT_FORMAT = 2  # client_state.json["format"]: 2 = written with a COMPLETE marker
+CHECKPOINT_FORMAT = migrate.CURRENT_FORMAT  # client_state.json["format"]
 
 
 def tag_step(tag: str) -> int:
@@ -45,20 +46,40 @@ def checkpoint_tags(ckpt_dir: Path) -> list[str]:
     return sorted((p.name for p in ckpt_dir.iterdir() if p.is_dir() and tag_step(p.name) >= 0), key=tag_step)
 
 
-def read_client(tag_dir: Path) -> dict | None:
-    """The parsed client_state.json, or None when it is missing, truncated or not an object."""
+CLIENT_STATE = "client_state.json"
+
+
+def load_client(tag_dir: Path, raw: bool = False) -> dict:
+    """The checkpoint's client_state.json in the current form (pipeline/checkpoint/migrate.py; ``raw``: as written);
+    a ConfigError naming the file when it is missing, truncated or not an object. The one reader of that file."""
+    path = Path(tag_dir) / CLIENT_STATE
     try:
-        client = json.loads((tag_dir / "client_state.json").read_text())
-    except (OSError, ValueError):
+        client = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing (an incomplete checkpoint)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}): a truncated or damaged "
+                          "checkpoint") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(client, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return client if raw else migrate.client_state(client)
+
+
+def read_client(tag_dir: Path, raw: bool = False) -> dict | None:
+    """``load_client``, or None when the file is missing, truncated or not an object (an incomplete checkpoint)."""
+    try:
+        return load_client(tag_dir, raw)
+    except ConfigError:
         return None
-    return client if isinstance(client, dict) else None
 
 
 def is_complete(tag_dir: Path) -> bool:
-    client = read_client(tag_dir)
+    client = read_client(tag_dir, raw=True)
     if client is None:
         return False
-    return (tag_dir / COMPLETE).is_file() or "format" not in client
+    return (tag_dir / COMPLETE).is_file() or migrate.complete_without_marker(client)
 
 
 def damaged_files(tag_dir: Path) -> list[Path]:

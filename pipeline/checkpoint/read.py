@@ -18,7 +18,7 @@ import torch
 
 from pipeline.config import ConfigError, RunConfig, build_config, load_yaml
 from pipeline.families import get_family
-from pipeline.run_dir import resume_tag
+from pipeline.checkpoint.layout import read_client, resume_tag
 
 EXPORTED_WEIGHTS = "model.safetensors"
 
@@ -33,7 +33,7 @@ class TrainedModel:
 
 def latest_tag(ckpt_dir: Path) -> str | None:
     """The checkpoint to continue from or evaluate: what ``latest`` names if complete, else the newest complete one
-    (pipeline/run_dir.py), with a note on stderr when it is not what ``latest`` names."""
+    (pipeline/checkpoint/layout.py), with a note on stderr when it is not what ``latest`` names."""
     tag, note = resume_tag(Path(ckpt_dir))
     if note:
         print(f"note: {note}", file=sys.stderr, flush=True)
@@ -72,10 +72,12 @@ def export_state_names(state: dict, export_dir: Path) -> dict[str, torch.Tensor]
 
 
 def read_client_state(tag_dir: Path) -> dict:
-    """A DeepSpeed checkpoint's client_state.json (step, world size, MLflow run, ...); {} for an export, whose
-    export.json holds the same provenance."""
-    f = tag_dir / ("export.json" if is_export(tag_dir) else "client_state.json")
-    return json.loads(f.read_text()) if f.is_file() else {}
+    """A DeepSpeed checkpoint's client state in the current form (step, world size, MLflow run, ...; layout.py's
+    read_client); an export's export.json, which holds the same provenance; {} when there is neither."""
+    if is_export(tag_dir):
+        f = tag_dir / "export.json"
+        return json.loads(f.read_text()) if f.is_file() else {}
+    return read_client(tag_dir) or {}
 
 
 def check_same_model(saved: dict, cfg: RunConfig, source: Path):
@@ -131,11 +133,11 @@ def _first_line(e: Exception) -> str:
 
 # ---- MoE checkpoints (DeepSpeed MoE layers, any expert-parallel size) ------------------------------------------------
 EXPERT_FILES = "layer_*_expert_*_mp_rank_00_model_states.pt"  # engine._save_moe_checkpoint: one file per expert
-_EXPERT_KEY = re.compile(r"^(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
+EXPERT_KEY = re.compile(r"^(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+)(\..+)$")
 _SHARD_RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
-def _load_ds_file(path: Path) -> dict:
+def load_ds_file(path: Path) -> dict:
     """``torch.load(weights_only=True)`` of a DeepSpeed checkpoint file. The ZeRO-1/2 optimizer shards pickle three
     DeepSpeed classes (its loss scaler, the ZeRO stage enum, the fragment addresses): those are allowed by name, so
     nothing else in the file can execute code."""
@@ -153,7 +155,7 @@ def _load_ds_file(path: Path) -> dict:
 
 def _global_expert_name(name: str, ep_rank: int, num_local: int) -> str:
     """``...deepspeed_experts.<local>.w`` of EP rank ``ep_rank`` -> ``...deepspeed_experts.<global>.w``."""
-    m = _EXPERT_KEY.match(name)
+    m = EXPERT_KEY.match(name)
     if not m:
         raise ValueError(f"expert parameter {name!r} has no deepspeed_experts.<id> segment")
     return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}"
@@ -169,7 +171,7 @@ def zero12_optimizer_state(tag_dir: Path) -> tuple[dict[str, dict[str, torch.Ten
     world size and EP size, in the single-process model's names (experts under their global ids): what a run needs
     to continue on another layout when DeepSpeed's universal checkpoint cannot carry it (expert parallelism)."""
     tag_dir = Path(tag_dir)
-    model_states = _load_ds_file(tag_dir / "mp_rank_00_model_states.pt")
+    model_states = load_ds_file(tag_dir / "mp_rank_00_model_states.pt")
     full, steps = _zero12_full_states(tag_dir, model_states, ("fp32", "exp_avg", "exp_avg_sq"))
     if not full["fp32"]:
         raise ConfigError(f"{tag_dir}: no ZeRO-1/2 optimizer shards (a ZeRO-0 or ZeRO-3 checkpoint)")
@@ -198,7 +200,7 @@ def _zero12_full_states(tag_dir: Path, model_states: dict, keys: tuple) -> tuple
     if len(shards) != world:
         raise ConfigError(f"{tag_dir}: {len(shards)} ZeRO optimizer shards, but the checkpoint was written by {world} "
                           "ranks (an incomplete checkpoint)")
-    optim = [_load_ds_file(f)["optimizer_state_dict"] for f in shards]
+    optim = [load_ds_file(f)["optimizer_state_dict"] for f in shards]
     stage = int(optim[0]["zero_stage"])
     if stage not in (1, 2):
         raise ConfigError(f"{tag_dir}: MoE checkpoint of ZeRO stage {stage}; expert parallelism runs on stage 1-2")
@@ -253,10 +255,10 @@ def _moe_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
     module_file = tag_dir / "mp_rank_00_model_states.pt"
     if not module_file.is_file():
         raise ConfigError(f"{tag_dir}: MoE checkpoint without mp_rank_00_model_states.pt")
-    model_states = _load_ds_file(module_file)
+    model_states = load_ds_file(module_file)
     saved = dict(model_states["module"])
     for f in sorted(tag_dir.glob(EXPERT_FILES)):
-        saved.update(_load_ds_file(f))  # keys already carry the global expert id
+        saved.update(load_ds_file(f))  # keys already carry the global expert id
     masters = _zero12_fp32_masters(tag_dir, model_states)
     state = {}
     for k, v in saved.items():

@@ -1,0 +1,181 @@
+"""Where a training starts: the checkpoint a resume continues (and on which layout), the checks that keep a resumed
+run on the data the uninterrupted run would have seen, and train.init_from's source. Pure resolution: nothing here
+starts DeepSpeed or writes a file, so the dry run goes through the same checks."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from pipeline.checkpoint.layout import COMPLETE, checkpoint_tags, damaged_files, is_complete, resume_tag
+from pipeline.checkpoint.read import (check_same_model, is_export, is_foreign_checkpoint, load_esm2,
+                                      read_client_state, resolve_tag_dir)
+from pipeline.config import ConfigError, RunConfig, load_yaml
+from pipeline.parallel import EP_KEY
+
+# What a resumed run must share with its checkpoint to see the data the uninterrupted run would have seen
+# (--allow-config-change overrides): the seed, the batch arithmetic and the data spec.
+RESUME_INVARIANTS = ("seed", "train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size",
+                     "train.max_tokens_per_microbatch", "data")
+
+
+def find_resume_tag(resume: str, ckpt_dir: Path) -> tuple[str | None, str | None]:
+    """(the tag --resume RESUME continues in ``ckpt_dir``, a note when it is not what ``latest`` names)."""
+    if resume == "never":
+        if checkpoint_tags(ckpt_dir):
+            raise ConfigError(f"--resume never: {ckpt_dir} already holds checkpoints; "
+                              "use --resume auto or another run_dir")
+        return None, None
+    if resume == "auto":
+        return resume_tag(ckpt_dir, check_files=True)
+    tag_dir = Path(resume)
+    if not (tag_dir / "client_state.json").is_file():
+        raise ConfigError(f"--resume {resume}: not a checkpoint directory (no client_state.json)")
+    if not is_complete(tag_dir):
+        raise ConfigError(f"--resume {resume}: incomplete checkpoint (no {COMPLETE} marker or an unreadable "
+                          "client_state.json); it cannot be resumed")
+    if bad := damaged_files(tag_dir):
+        raise ConfigError(f"--resume {resume}: {bad[0].name} is damaged (not a readable torch archive: "
+                          "truncated?); resume from an earlier checkpoint")
+    if tag_dir.resolve().parent != ckpt_dir.resolve():
+        # Continuing another run's checkpoint here would write into its folder, rotate its checkpoints away and
+        # look its MLflow run up in this run's store: starting from another run is --init-from.
+        raise ConfigError(f"--resume {resume}: not a checkpoint of this run ({ckpt_dir}); --resume "
+                          "continues the same run, --init-from starts a new run from another run's checkpoint")
+    return tag_dir.name, None
+
+
+def expert_parallel_size(saved_config: dict) -> int:
+    """train.expert_parallel_size of a saved run config (migrated: 1 for checkpoints from before the key)."""
+    return int(saved_config["train"]["expert_parallel_size"])
+
+
+def check_reshard(saved: dict, source: Path, world_size: int, zero_stage: int, ep: int) -> str | None:
+    """How checkpoint ``source`` (client state ``saved``) continues on ``world_size`` ranks under ``zero_stage`` with
+    EP size ``ep``: None (its own layout), "universal" (DeepSpeed's universal checkpoint: another world size or
+    stage), "consolidated" (expert parallelism on either side with another world size, stage or EP size: the full
+    tensors, pipeline/checkpoint/io.py)."""
+    saved_stage, saved_ep = saved["zero_stage"], expert_parallel_size(saved["config"])
+    if saved.get("world_size") == world_size and saved_stage == zero_stage and saved_ep == ep:
+        return None
+    where = (f"{saved.get('world_size')} ranks under ZeRO stage {saved_stage} with EP {saved_ep}, this run has "
+             f"{world_size} under stage {zero_stage} with EP {ep}")
+    if saved_stage == 0 or zero_stage == 0:
+        raise ConfigError(f"checkpoint {source} was written by {where}; a checkpoint moves to another layout with "
+                          "its ZeRO optimizer shards, which need ZeRO stage 1-3 on both sides "
+                          "(tools/convert_checkpoint.py exports the weights for any layout)")
+    if not saved["loader"]:
+        raise ConfigError(f"checkpoint {source} was written by {where} and holds no per-stream loader position "
+                          "(an older checkpoint); it continues only on its own layout")
+    if saved_ep == 1 and ep == 1:
+        return "universal"
+    if saved_stage == 3:  # EP runs on stage 1-2; a ZeRO-3 source has no expert-parallel form to read
+        raise ConfigError(f"checkpoint {source} was written by {where}; a ZeRO-3 checkpoint continues with "
+                          "expert parallelism only through --init-from (its weights, fresh optimizer moments)")
+    return "consolidated"
+
+
+def check_resume_config(saved: dict, cfg: RunConfig, source: Path, saved_world: int | None, world_size: int,
+                        allow_config_change: bool):
+    """A resumed run must see the data the uninterrupted run would have seen: same seed, batch arithmetic and
+    data spec (RESUME_INVARIANTS) as ``saved`` (the checkpoint's config, migrated), unless ``allow_config_change``.
+    On another world size the global batch (micro x accumulation x ranks) must stay, so grad_accum_steps scales
+    inversely with the ranks."""
+    ours = cfg.to_dict()
+    for key in RESUME_INVARIANTS:
+        a, b = get_path(saved, key), get_path(ours, key)
+        if key == "data":  # checking digests, or how many workers read the streams, does not change what is read
+            a, b = ({k: v for k, v in (x or {}).items() if k not in ("verify", "num_workers", "val_shards")}
+                    for x in (a, b))
+        if key == "train.grad_accum_steps" and saved_world and saved_world != world_size:
+            mb = get_path(ours, "train.micro_batch_size")
+            a, b = a * saved_world, b * world_size  # microbatches per optimizer step, all ranks
+            if a != b and not allow_config_change:
+                fit = f"set train.grad_accum_steps={a // world_size}" if a % world_size == 0 else (
+                    f"{a} microbatches per step do not divide among {world_size} ranks")
+                raise ConfigError(f"train.grad_accum_steps: {b // world_size} x {world_size} ranks x "
+                                  f"micro {mb} is not the global batch of checkpoint {source} ({a} microbatches "
+                                  f"on {saved_world} ranks); {fit}")
+        if a != b:
+            if allow_config_change:
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"warning: {key} changed since checkpoint {source} ({a!r} -> {b!r}); continuing "
+                          "(--allow-config-change): the data order is no longer the uninterrupted run's",
+                          flush=True)
+                continue
+            key, a, b = diff_path(a, b, key)
+            raise ConfigError(f"{key}: {b!r} differs from {a!r} in checkpoint {source}; a resumed run must keep the "
+                              "seed, batch arithmetic and data spec of its checkpoint (--allow-config-change to "
+                              "continue anyway, --init-from to start a new run from it)")
+
+
+def resumed_horizon(client: dict, cfg: RunConfig, announce: bool) -> dict:
+    """The checkpoint's schedule horizon; a changed optim.schedule_steps is the one way to re-schedule."""
+    wanted = cfg.optim.schedule_steps
+    if wanted and wanted != client["config"].get("optim", {}).get("schedule_steps"):
+        if announce:
+            print(f"note: optim.schedule_steps {wanted} replaces the checkpoint's schedule horizon "
+                  f"{client['schedule']}", flush=True)
+        return {"unit": "steps", "total": wanted}
+    return client["schedule"]
+
+
+def check_init_source(cfg: RunConfig, family, world_size: int, zero_stage: int) -> tuple[Path, dict | None]:
+    """(train.init_from resolved, the foreign checkpoint's weights converted by the family or None), checked before
+    anything starts. A foreign checkpoint (a Hugging Face directory, a fair-esm .pt) is read and converted here
+    (Family.import_weights); the fresh parts of the model (routers, memory) come from the run's seed."""
+    t = cfg.train
+    if is_foreign_checkpoint(t.init_from):
+        src = Path(t.init_from)
+        if family.import_weights is None:
+            raise ConfigError(f"train.init_from: {src} is not a run, checkpoint or export of this pipeline (a "
+                              f"Hugging Face directory or a single file), and the {cfg.family} family "
+                              "starts from none of another code base")
+        if t.init_from_optimizer:
+            raise ConfigError(f"train.init_from_optimizer: {src} is a foreign checkpoint (weights only); set it "
+                              "to false")
+        torch.manual_seed(cfg.seed)  # the fresh parts (routers, memory): the Trainer's initial weights
+        fresh = family.build_model(cfg.model).state_dict()
+        try:
+            return src, family.import_weights(*load_esm2(src), cfg.model, fresh)
+        except ValueError as e:  # ConfigError is one; a config that is not the checkpoint's backbone
+            raise ConfigError(f"train.init_from: {src}: {e}") from None
+    try:
+        src = resolve_tag_dir(t.init_from)
+    except ConfigError as e:
+        raise ConfigError(f"train.init_from: {e}") from None
+    check_same_model(load_yaml(src / "config.yaml"), cfg, src)
+    if t.init_from_optimizer:
+        if is_export(src):
+            raise ConfigError(f"train.init_from_optimizer: {src} is an export (weights only, no optimizer "
+                              "state); set it to false or start from a DeepSpeed checkpoint")
+        client = read_client_state(src)
+        if client.get("world_size") != world_size:
+            raise ConfigError(f"train.init_from_optimizer: {src} was written by {client.get('world_size')} "
+                              f"ranks, this run has {world_size}; the ZeRO optimizer shards load only on "
+                              "the same world size (set it to false to start from the weights alone)")
+        if client["zero_stage"] != zero_stage:
+            raise ConfigError(f"train.init_from_optimizer: {src} was written under ZeRO stage "
+                              f"{client['zero_stage']}, this run uses {zero_stage}")
+        src_ep = expert_parallel_size(client["config"])
+        if src_ep != t.expert_parallel_size:
+            raise ConfigError(f"train.init_from_optimizer: {src} was written with {EP_KEY} {src_ep}, this run "
+                              f"uses {t.expert_parallel_size}; the expert optimizer shards load only on the same "
+                              "layout (set it to false to start from the weights alone)")
+    return src, None
+
+
+def get_path(d: dict, dotted: str):
+    for part in dotted.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def diff_path(a, b, key: str) -> tuple:
+    """(dotted key, a's value, b's value) of the first differing leaf under ``key``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return diff_path(a.get(k), b.get(k), f"{key}.{k}")
+    return key, a, b

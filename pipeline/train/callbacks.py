@@ -1,0 +1,337 @@
+"""The Trainer's side effects, one concern per callback (OLMo-core's Trainer callbacks, llm-foundry's).
+
+``Trainer.fit`` runs a step and then calls, for every callback in list order (``default_callbacks``):
+``on_step_end`` (add metrics to the step record, write it somewhere), ``check`` (may raise to end the run, after
+the record is written), ``stop_reason`` (whether the run stops after this step), ``save_reasons`` / ``allow_save``
+(whether this step is checkpointed: some callback wants it, or the run stops, and none forbids it). Hooks run on
+every rank; rank-0-only work is decided inside a hook, never by skipping it.
+
+Collectives per step, in order, on every rank (a rank that made another sequence would hang its peers):
+    1. the step (pipeline/train/step.py): token counts, plan sync values, gradient reduction, statistics
+    2. MixtureMetrics: one all-reduce of the samples and tokens read per source
+    3. Validation (on its cadence): the held-out batches in lockstep and one all-reduce of their sums
+    4. StopOnRequest: one all-reduce (MAX) of the stop flag
+    5. the checkpoint save, when one is due (pipeline/checkpoint/io.py lists its collectives)
+Every other hook is local. The Tracker's start made its own broadcast at setup (pipeline/tracking.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from pipeline.config import ConfigError
+from pipeline.profiling import StepProfiler
+from pipeline.train.stop import TrainingStopped
+from pipeline import validation
+
+
+class Callback:
+    """A side effect of training on a step cadence; every hook is optional."""
+
+    def on_fit_start(self, trainer):
+        pass
+
+    def on_step_start(self, trainer):
+        pass
+
+    def on_step_end(self, trainer, rec: dict):
+        """After the step: add metrics to ``rec`` (the step record, identical on every rank) or write it out."""
+
+    def check(self, trainer, rec: dict):
+        """After every on_step_end: raise to end the run."""
+
+    def stop_reason(self, trainer, rec: dict) -> str | None:
+        """Why the run stops after this step (checkpointed first), or None."""
+        return None
+
+    def on_stop(self, trainer):
+        """The first callback whose stop_reason ended the run, after the last save: say so."""
+
+    def save_reasons(self, trainer, rec: dict) -> set:
+        """Why this step is checkpointed ("periodic", "milestone", "best"); empty: no reason of this callback."""
+        return set()
+
+    def allow_save(self, trainer) -> bool:
+        return True
+
+    def before_save(self, trainer):
+        pass
+
+    def on_fit_end(self, trainer, status: str):
+        """The run ends (FINISHED, KILLED or FAILED), also on an exception."""
+
+
+class Profile(Callback):
+    """train.profile: a torch profiler trace of a window of steps (pipeline/profiling.py)."""
+
+    def on_fit_start(self, trainer):
+        self.profiler = StepProfiler(trainer.cfg.train.profile, trainer.run_dir, trainer.rank)
+
+    def on_step_start(self, trainer):
+        self.profiler.before_step(trainer.state.step + 1)
+
+    def on_step_end(self, trainer, rec):
+        self.profiler.after_step(trainer.state.step)
+
+    def on_fit_end(self, trainer, status):
+        self.profiler.close(trainer.state.step)  # a run that ends inside the window still writes what it recorded
+
+
+class DivergenceGuard(Callback):
+    """Non-finite steps (their update is skipped): a warning each, no checkpoint while a streak lasts, and the run
+    stops (TrainingStopped, exit 3) after train.max_nonfinite_steps in a row."""
+
+    def on_fit_start(self, trainer):
+        self.streak, self.first = 0, None  # consecutive non-finite steps and the first of them
+
+    def on_step_end(self, trainer, rec):
+        self.streak = self.streak + 1 if rec["nonfinite"] else 0
+        self.first = (self.first or trainer.state.step) if self.streak else None
+        if rec["nonfinite"] and trainer.rank == 0:
+            print(f"warning: step {trainer.state.step}: non-finite loss {rec['loss']} / grad norm "
+                  f"{rec['grad_norm']}: update skipped ({self.streak} in a row, train.max_nonfinite_steps "
+                  f"{trainer.cfg.train.max_nonfinite_steps})", flush=True)
+
+    def check(self, trainer, rec):
+        limit = trainer.cfg.train.max_nonfinite_steps
+        if self.streak >= limit:
+            raise TrainingStopped(
+                f"training diverged: {self.streak} consecutive non-finite steps ({self.first}-{trainer.state.step}, "
+                f"train.max_nonfinite_steps {limit}); no checkpoint was written during them, the last good one is "
+                f"{trainer.checkpointer.latest()}. Lower optim.lr or raise "
+                "optim.warmup_steps and resume from it")
+
+    def allow_save(self, trainer):
+        return self.streak == 0  # never checkpoint a model in a non-finite streak
+
+
+class MixtureMetrics(Callback):
+    """mix/weight/<source> in force at the step; mix/samples|tokens/<source> consumed so far, all ranks."""
+
+    def on_step_end(self, trainer, rec):
+        seen = trainer.data.seen()  # name -> (samples, tokens) of this rank; tokens = sequence lengths incl. framing
+        names = list(seen)
+        vec = torch.tensor([seen[n][0] for n in names] + [seen[n][1] for n in names], dtype=torch.float64,
+                           device=trainer.device)  # NCCL reduces only CUDA tensors
+        dist.all_reduce(vec)
+        weights = trainer.dataset.mixture.weights(trainer.state.step - 1)  # the 0-based step just taken
+        for i, n in enumerate(names):
+            rec[f"mix/weight/{n}"] = float(weights[i])
+            rec[f"mix/samples/{n}"] = int(vec[i])
+            rec[f"mix/tokens/{n}"] = int(vec[len(names) + i])
+
+
+class Throughput(Callback):
+    """Step time, tokens/s, TFLOP/s per device, MFU (train.peak_flops_per_device) and the padding ratio over the
+    steps since the last console line."""
+
+    def on_fit_start(self, trainer):
+        self.interval = [0, 0]  # tokens computed, real tokens since the last console line
+
+    def on_step_end(self, trainer, rec):
+        dt = time.perf_counter() - trainer.step_started
+        self.interval = [self.interval[0] + rec["tokens_computed"], self.interval[1] + rec["tokens"]]
+        rec["padding_ratio"] = self.interval[0] / self.interval[1] if self.interval[1] else float("nan")
+        rec.update(step_time=dt, tokens_per_s=rec["tokens"] / dt,
+                   tflops_per_device=rec.get("flops", 0.0) / trainer.world / dt / 1e12)
+        if trainer.cfg.train.peak_flops_per_device:
+            rec["mfu"] = rec["tflops_per_device"] * 1e12 / trainer.cfg.train.peak_flops_per_device
+        if _console_step(trainer):
+            self.interval = [0, 0]
+
+
+class Validation(Callback):
+    """eval.every: the held-out metrics (pipeline/validation.py) into the step record, printed and plotted
+    (RUN_DIR/validation.png), and checkpoint.keep_best's ``best`` checkpoint."""
+
+    def on_fit_start(self, trainer):
+        cfg, self.seconds, self.started = trainer.cfg, 0.0, time.perf_counter()
+        self.batches = validation.heldout_batches(cfg, trainer.family, trainer.plan.val_dirs)
+        self.new_best = False
+        self.history = []  # rank 0: the validation records of metrics.jsonl, for the plot
+        metrics = trainer.run_dir / "metrics.jsonl"
+        if trainer.rank == 0 and metrics.is_file():
+            for ln in metrics.read_text().splitlines():
+                rec = json.loads(ln)
+                if any(k.startswith("val/") for k in rec):
+                    self.history.append({k: v for k, v in rec.items() if k == "step" or k.startswith("val/")})
+
+    def on_step_end(self, trainer, rec):
+        step, every = trainer.state.step, trainer.cfg.eval.every
+        self.new_best = False
+        if not (step % every == 0 or step == trainer.cfg.train.max_steps):
+            return
+        trainer.collective = f"the validation after step {step}"
+        val = validation.evaluate(trainer.engine.module, trainer.cfg, trainer.family, self.batches, trainer.device,
+                                  trainer.rank, trainer.world)
+        self.seconds += val["val/seconds"]
+        train_seconds = time.perf_counter() - self.started - self.seconds
+        val["val/time_share"] = self.seconds / max(train_seconds + self.seconds, 1e-9)
+        if trainer.rank == 0:
+            shown = " | ".join(f"{k.removeprefix('val/')} {v:.4f}" for k, v in val.items()
+                               if k.startswith(("val/loss", "val/accuracy", "val/perplexity")))
+            print(f"validation at step {step}: {shown} | {val['val/seconds']:.1f} s "
+                  f"({100 * val['val/time_share']:.1f}% of the run's time)", flush=True)
+            self.history.append({"step": step, **val})
+            plot = validation.plot_history(self.history, trainer.run_dir / "validation.png")
+            if plot is not None:
+                trainer.tracker.log_artifact(plot)
+        rec.update(val)
+        self.new_best = trainer.may_save() and self._improves_best(trainer, val)  # a checkpoint is written below
+
+    def _improves_best(self, trainer, val: dict) -> bool:
+        """Whether ``val`` improves checkpoint.keep_best (then the state's val_best is this step)."""
+        key, mode, best = trainer.cfg.checkpoint.keep_best, trainer.cfg.checkpoint.best_mode, trainer.state.val_best
+        if key is None:
+            return False
+        if key not in val:
+            raise ConfigError(f"checkpoint.keep_best: {key} is not a validation metric of this run (it has "
+                              f"{', '.join(k for k in val if k not in ('val/seconds', 'val/time_share'))})")
+        v = val[key]
+        if not math.isfinite(v) or (best is not None and not (v < best[0] if mode == "min" else v > best[0])):
+            return False
+        trainer.state.val_best = (v, trainer.state.step)
+        return True
+
+    def save_reasons(self, trainer, rec):
+        return {"best"} if self.new_best else set()
+
+
+class MetricsFile(Callback):
+    """Rank 0: every step record as a line of RUN_DIR/metrics.jsonl (cut back to the resume point at setup)."""
+
+    def on_fit_start(self, trainer):
+        self.file = open(trainer.run_dir / "metrics.jsonl", "a") if trainer.rank == 0 else None
+
+    def on_step_end(self, trainer, rec):
+        if self.file:
+            self.file.write(json.dumps(rec) + "\n")
+            self.file.flush()
+
+    def on_fit_end(self, trainer, status):
+        if self.file:
+            self.file.close()
+
+
+class SamplesFile(Callback):
+    """train.log_samples: the sample ids of every step, per rank (RUN_DIR/samples-rank<R>.jsonl)."""
+
+    def on_fit_start(self, trainer):
+        self.file = open(trainer.run_dir / f"samples-rank{trainer.rank}.jsonl", "a")
+
+    def on_step_end(self, trainer, rec):
+        ids = [s for b in trainer.micro for s in b.sample_ids]
+        self.file.write(json.dumps({"step": trainer.state.step, "ids": ids}) + "\n")
+
+    def before_save(self, trainer):
+        self.file.flush()
+
+    def on_fit_end(self, trainer, status):
+        self.file.close()
+
+
+class Track(Callback):
+    """MLflow (pipeline/tracking.py): the step record every tracking.every steps, at the last step and with every
+    validation; at the end metrics.jsonl (a finished run) and the run's status. The tracker never stalls training."""
+
+    def on_step_end(self, trainer, rec):
+        step = trainer.state.step
+        validated = any(k.startswith("val/") for k in rec)
+        if step % trainer.cfg.tracking.every == 0 or step == trainer.cfg.train.max_steps or validated:
+            trainer.tracker.log_metrics({k: v for k, v in rec.items() if k != "step"}, step)
+
+    def on_fit_end(self, trainer, status):
+        try:
+            if status == "FINISHED" and trainer.rank == 0:
+                trainer.tracker.log_artifact(trainer.run_dir / "metrics.jsonl")
+            trainer.tracker.finish(status)
+        except Exception as e:  # noqa: BLE001 - tracking never masks the training's own outcome
+            print(f"warning: tracking: could not finish the MLflow run ({type(e).__name__}: {e})", flush=True)
+
+
+class Console(Callback):
+    """Rank 0: a step line every train.log_every steps and at the last; the run's closing summary."""
+
+    def on_fit_start(self, trainer):
+        self.start_step, self.started = trainer.state.step, time.perf_counter()
+
+    def on_step_end(self, trainer, rec):
+        if _console_step(trainer) and trainer.rank == 0:
+            print(f"step {trainer.state.step}/{trainer.cfg.train.max_steps} | loss {rec['loss']:.4f} | lr "
+                  f"{rec['lr']:.3e} | grad_norm {rec['grad_norm']:.3f} | tok/s {rec['tokens_per_s']:.0f} | "
+                  f"TFLOP/s/dev {rec['tflops_per_device']:.3f} | step {rec['step_time'] * 1000:.0f} ms", flush=True)
+
+    def on_fit_end(self, trainer, status):
+        if trainer.rank == 0:
+            print(trainer.summary(status, trainer.state.step - self.start_step,
+                                  time.perf_counter() - self.started), flush=True)
+
+
+class SaveCadence(Callback):
+    """checkpoint.every_steps and the last step ("periodic"); checkpoint.at_steps and at_words ("milestone":
+    survives keep_last)."""
+
+    def on_fit_start(self, trainer):
+        self.words = trainer.state.cumulative.get("words", 0.0)  # words consumed before the current step
+
+    def save_reasons(self, trainer, rec):
+        step, c = trainer.state.step, trainer.cfg.checkpoint
+        before, self.words = self.words, trainer.state.cumulative.get("words", 0.0)
+        reasons = set()
+        if step % c.every_steps == 0 or step == trainer.cfg.train.max_steps:
+            reasons.add("periodic")
+        if any(before < w <= self.words for w in c.at_words) or step in c.at_steps:
+            reasons.add("milestone")
+        return reasons
+
+
+class Budget(Callback):
+    """train.max_words / train.max_epochs: the run stops (checkpointed) at the step that spends the budget."""
+
+    def stop_reason(self, trainer, rec):
+        return "budget" if trainer.budget_spent() else None
+
+    def on_stop(self, trainer):
+        if trainer.rank == 0:
+            t, c = trainer.cfg.train, trainer.state.cumulative
+            print(f"budget reached: {c.get('words', 0.0):.0f} words (train.max_words {t.max_words}), "
+                  f"{c['samples'] / trainer.plan.dataset_samples:.3f} epochs (train.max_epochs {t.max_epochs})",
+                  flush=True)
+
+
+class StopOnRequest(Callback):
+    """SIGTERM / SIGUSR1, the launcher's death, train.max_hours on any rank (pipeline/train/stop.py): every rank
+    stops after the same step, checkpointed."""
+
+    def stop_reason(self, trainer, rec):
+        trainer.collective = f"the stop-flag all-reduce after step {trainer.state.step}"
+        flag = torch.tensor([float(trainer.stop.requested())], device=trainer.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return (trainer.stop.reason or "a stop request on another rank") if flag.item() else None
+
+    def on_stop(self, trainer):
+        if trainer.rank == 0:
+            saved = trainer.checkpointer.last_saved or "not written (non-finite step)"
+            print(f"stopping at step {trainer.state.step}: {trainer.stopped_by}; checkpoint {saved}; the same "
+                  "command resumes", flush=True)
+
+
+def _console_step(trainer) -> bool:
+    step = trainer.state.step
+    return step % trainer.cfg.train.log_every == 0 or step == trainer.cfg.train.max_steps
+
+
+def default_callbacks(cfg) -> list[Callback]:
+    """The order is the order of their effects within a step (module docstring): the divergence guard before
+    validation (no ``best`` in a non-finite streak) and the console, throughput after the mixture's all-reduce (it
+    is part of the step's time), the metrics file after every metric, the budget before stop requests (a run that
+    spends its budget stops "by budget")."""
+    cbs = [Profile(), DivergenceGuard(), MixtureMetrics(), Throughput()]
+    if cfg.eval.every:
+        cbs.append(Validation())
+    cbs += [MetricsFile()] + ([SamplesFile()] if cfg.train.log_samples else [])
+    return cbs + [Track(), Console(), SaveCadence(), Budget(), StopOnRequest()]

@@ -1,0 +1,145 @@
+"""RunPlan: everything a training resolves before it starts, and every check that can fail fast.
+
+A pure resolution of the config, the world size, the ds_config, the batch arithmetic, the resume point and the
+data against the model: no process group, no DeepSpeed engine, nothing written. The Trainer starts from one; the
+dry run (pipeline/train/dry_run.py) prints one, so what would fail at the start of a training fails there with the
+same line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from pipeline.checkpoint.read import read_client_state
+from pipeline.checkpoint.resume import check_init_source, check_reshard, check_resume_config, find_resume_tag
+from pipeline.config import ConfigError, RunConfig
+from pipeline.data.compat import check_shards_fit
+from pipeline.data.loader import ShardStream, Source, StreamLayout, reshard_states, resolve_shards, saved_layout
+from pipeline.ds_config import load_ds_config, resolve_ds_config
+from pipeline.families import get_family
+from pipeline.parallel import check_parallelism
+from pipeline import validation
+
+
+class RunPlan:
+    def __init__(self, cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False,
+                 world_size: int | None = None):
+        """Resolve and check every input (config, ds_config, resume point, data) without starting anything.
+
+        ``world_size``: the number of ranks to plan for; None reads WORLD_SIZE (set by the launcher), as a training
+        does. The dry run passes another one to check a bigger run from a login node."""
+        self.cfg = cfg
+        self.family = get_family(cfg.family)
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.resume = resume
+        self.allow_config_change = allow_config_change
+        world_size = self.world_size = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
+        for p in (self.run_dir, *self.run_dir.parents):  # a file where the run directory (or a parent) belongs
+            if p.exists() and not p.is_dir():
+                raise ConfigError(f"run_dir: {p} exists and is not a directory; choose another run_dir")
+        cfg.check_world_size(world_size)
+        self.ds_config = resolve_ds_config(load_ds_config(ds_config_path), cfg, world_size, ds_config_path,
+                                           torch.cuda.is_available())
+        self.ds_config_path = ds_config_path
+        self.zero_stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
+        # Expert parallelism and the MoE backend: EP size against experts, world size and ZeRO stage (ZeRO-3: none).
+        self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
+        self.moe_backend = check_parallelism(cfg, world_size, self.zero_stage, self.dtype)
+        # resume_note: set when resume falls back from what 'latest' names
+        self.resume_tag, self.resume_note = find_resume_tag(resume, self.ckpt_dir)
+        self.saved = read_client_state(self.ckpt_dir / self.resume_tag) if self.resume_tag else None
+        # resuming on another world size, ZeRO stage or EP size: None, "universal" (DeepSpeed's universal
+        # checkpoint) or "consolidated" (expert parallelism: the project's full-tensor path)
+        self.reshard = None
+        if self.saved:  # before DeepSpeed starts: a resume that would change the data order is refused here
+            source = self.ckpt_dir / self.resume_tag
+            check_resume_config(self.saved["config"], cfg, source, self.saved.get("world_size"), world_size,
+                                allow_config_change)
+            self.reshard = check_reshard(self.saved, source, world_size, self.zero_stage,
+                                         cfg.train.expert_parallel_size)
+        self.loader_layout, self.resumed_loader = self._loader_layout(self.saved)
+        self.dataset_samples = 0  # one epoch: every sample of every source once (for train.max_epochs)
+        for key, spec in self.shard_specs():
+            # The shards' tokenizer (manifest) must be the one this family reads, with ids inside model.vocab_size.
+            check_shards_fit(spec, cfg.family, cfg.model.vocab_size, key)
+            shards = resolve_shards(spec)  # reads the manifest (or, for brace URLs, every tar once)
+            n = len(shards)
+            self.dataset_samples += sum(sh.samples for sh in shards)
+            if n < self.loader_layout.streams:
+                raise ConfigError(f"{key}: {spec} has {n} shards, fewer than the {self.loader_layout.streams} loader "
+                                  f"streams ({self.loader_layout.describe()})")
+        self._check_step_fits(world_size)
+        self.val_dirs = validation.check_validation(cfg, self.family)  # refused like the train shards
+        # A run that has checkpoints of its own continues from them; init_from only seeds its first start. A foreign
+        # checkpoint's weights are read and converted here (foreign_state), so a mismatch fails before DeepSpeed.
+        self.init_source, self.foreign_state = (
+            check_init_source(cfg, self.family, world_size, self.zero_stage)
+            if cfg.train.init_from and not self.resume_tag else (None, None))
+
+    def _check_step_fits(self, world_size: int):
+        """Refuse, before anything starts, a step that reads more samples than the training set holds: each step
+        holds every microbatch in memory (the token count of the whole step normalises its loss), so such a step
+        only grows memory for minutes. A microbatch holds micro_batch_size samples, or at least one under a token
+        budget (train.max_tokens_per_microbatch)."""
+        t = self.cfg.train
+        per_micro = 1 if t.max_tokens_per_microbatch else t.micro_batch_size
+        need = t.grad_accum_steps * per_micro * world_size
+        if need > self.dataset_samples:
+            raise ConfigError(
+                f"train.grad_accum_steps: one step reads at least {need:,} samples (grad_accum_steps "
+                f"{t.grad_accum_steps:,} x {per_micro} a microbatch x {world_size} ranks) but the training set holds "
+                f"{self.dataset_samples:,}; lower train.grad_accum_steps or train.micro_batch_size")
+
+    def _loader_layout(self, saved: dict | None) -> tuple[StreamLayout, list | None]:
+        """(the data's stream layout, the checkpoint's loader states dealt to this world size, or None).
+
+        A resumed run keeps its checkpoint's streams, whatever world size reads them now (reshard_states); a new
+        run deals the data into data.loader_streams streams (default ranks x max(1, workers))."""
+        d = self.cfg.data
+        states = (saved or {}).get("loader")
+        try:
+            if not states:  # a new run, or a checkpoint from before loader states (migrate.py: same world size only)
+                layout = StreamLayout.fresh(self.world_size, 0, d.num_workers, d.loader_streams)
+            else:
+                states = reshard_states(states, self.world_size, d.num_workers)
+                layout = StreamLayout(**saved_layout(states[0]), world_size=self.world_size, rank=0)
+        except ValueError as e:
+            where = f"checkpoint {self.ckpt_dir / self.resume_tag}: " if states else ""
+            raise ConfigError(f"{where}{e}") from None
+        if layout.local % max(1, d.num_workers):
+            raise ConfigError(f"data.num_workers: {d.num_workers} workers cannot share each rank's {layout.local} "
+                              f"loader streams ({layout.describe()}); use a number that divides {layout.local}")
+        return layout, states
+
+    def shard_specs(self) -> list[tuple[str, str]]:
+        """(config key, shard spec) of every source the loader reads."""
+        d = self.cfg.data
+        if not d.sources:
+            return [("data.train_shards", d.train_shards)]
+        return [(f"data.sources[{s.name}].shards", s.shards) for s in d.sources]
+
+    def build_dataset(self, rank: int) -> ShardStream:
+        """Rank ``rank``'s loader dataset from data.* and train.* (a mixture when data.sources is set; the dry run
+        reads every rank's streams from rank 0's)."""
+        cfg, d = self.cfg, self.cfg.data
+        kwargs = dict(rank=rank, world_size=self.loader_layout.world_size,
+                      num_workers=d.num_workers, micro_batch_size=cfg.train.micro_batch_size, seed=cfg.seed,
+                      transform=self.family.make_transform(cfg), pad_id=self.family.pad_id,
+                      grad_accum_steps=cfg.train.grad_accum_steps, max_tokens=cfg.train.max_tokens_per_microbatch,
+                      pack=d.pack, row_length=d.context_length, shuffle_buffer=d.shuffle_buffer,
+                      mix_shards=d.mix_shards, vocab_size=cfg.model.vocab_size, verify=d.verify,
+                      length_window=d.length_window, streams=self.loader_layout.streams,
+                      seed_width=self.loader_layout.seed_width)
+        if not d.sources:
+            return ShardStream(d.train_shards, **kwargs)
+        sources = []
+        for s in d.sources:
+            # A source's molecule picks its random-replacement pool (DNA sources draw T, RNA sources U).
+            own = (self.family.make_transform(dataclasses.replace(cfg, data=dataclasses.replace(d, molecule=s.molecule)))
+                   if s.molecule not in (None, d.molecule) else None)
+            sources.append(Source(s.name, s.shards, own))
+        return ShardStream(sources, mixture=d.mixture(), **kwargs)

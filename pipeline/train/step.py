@@ -1,0 +1,87 @@
+"""One optimizer step with exact token normalization over microbatches and ranks (DeepSpeed ZeRO).
+
+The step:
+  1. draw all ``grad_accum_steps`` microbatches of the step (the loader position advances by that many);
+  2. all-reduce the supervised-token count n_global over ranks and microbatches (skip the update if it is 0);
+  3. per microbatch: ``engine.backward(sum_token_loss * world / n_global, scale_wrt_gas=False)`` and ``engine.step()``.
+     ``scale_wrt_gas=False`` turns off DeepSpeed's division by gradient_accumulation_steps (runtime/engine.py
+     ``backward``); the factor ``world`` cancels its average over data-parallel ranks (zero/stage_1_and_2.py,
+     comm/coalesced_collectives.py for stage 3). The update is then the gradient of the global token mean.
+     Under expert parallelism the same factor is exact for the experts too: DeepSpeed sums their gradients over the
+     expert-data-parallel group and divides by the whole data-parallel size (pipeline/parallel/expert_parallel.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pipeline.config import RunConfig
+from pipeline.distributed import all_gather_object
+
+
+def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, between=None) -> dict:
+    """One optimizer step over the microbatches ``micro`` of this rank (see the module docstring). ``between(i, n)``
+    is called after each microbatch's backward (the Trainer's heartbeat and mid-step stop).
+
+    Collectives, in order: one all-reduce (SUM) of the token counts, one (MAX) of the plans' sync values, then the
+    microbatches' forward/backward, then one all-gather of the statistic names and one all-reduce (SUM) of their
+    values. Every rank makes the same calls in the same order, whatever its data. The reduced tensors live on
+    ``device``: an NCCL process group reduces only CUDA tensors.
+    """
+    world = dist.get_world_size()
+    # a microbatch's draws (depths, initial states) are seeded by its origin, not by the rank reading it: a run
+    # continued on another world size draws what the uninterrupted run would have
+    plans = [family.plan(b, cfg, step=step, stream=b.origin[0], index=b.origin[1]) for b in micro]
+    # tokens computed: rows x padded length of every microbatch [B, L], real tokens included (padding_ratio)
+    counts = torch.tensor([sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro),
+                           sum(len(b.sample_ids) for b in micro), sum(b.input_ids.numel() for b in micro)],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(counts)
+    n_global, tokens_global, samples_global = int(counts[0]), int(counts[1]), int(counts[2])
+    sync_keys = sorted(plans[0].sync_max) if plans else []
+    if sync_keys:  # e.g. K_max: every rank must call the shared core equally often
+        sync = torch.tensor([[p.sync_max[k] for k in sync_keys] for p in plans], dtype=torch.int64, device=device)
+        dist.all_reduce(sync, op=dist.ReduceOp.MAX)
+        for p, row in zip(plans, sync.tolist()):
+            p.sync_max = dict(zip(sync_keys, row))
+    rec = {"supervised_tokens": n_global, "tokens": tokens_global, "samples": samples_global,
+           "tokens_computed": int(counts[3]), "skipped": int(n_global == 0)}
+    if n_global == 0:  # an update needs a positive token count (A.2); skip it rather than divide by zero
+        rec.update(loss=float("nan"), grad_norm=0.0)  # the trainer sets each step's lr itself: nothing to advance
+        return rec
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    stats, totals = {}, {}
+    for i, (batch, p) in enumerate(zip(micro, plans)):
+        out = family.loss(engine, batch.to(device), cfg, p)
+        engine.backward(out.sum_loss * (world / n_global), scale_wrt_gas=False)
+        engine.step()
+        if between is not None:
+            between(i + 1, len(micro))
+        loss_sum += out.sum_loss.detach().double()
+        for k, (num, den) in out.stats.items():
+            a, b = stats.get(k, (0.0, 0.0))
+            stats[k] = (a + num, b + den)
+        for k, v in out.totals.items():
+            totals[k] = totals.get(k, 0.0) + v
+    # Names differ between ranks (a depth drawn on one rank only): gather them so every rank reduces the same vector.
+    gathered = all_gather_object((sorted(stats), sorted(totals)))
+    names = sorted(set().union(*(g[0] for g in gathered)))
+    tnames = sorted(set().union(*(g[1] for g in gathered)))
+    vec = torch.tensor([float(loss_sum)] + [v for k in names for v in stats.get(k, (0.0, 0.0))]
+                       + [totals.get(k, 0.0) for k in tnames], dtype=torch.float64, device=device)
+    dist.all_reduce(vec)
+    rec.update(loss=float(vec[0]) / n_global, grad_norm=_grad_norm(engine))
+    for i, k in enumerate(names):
+        num, den = float(vec[1 + 2 * i]), float(vec[2 + 2 * i])
+        if den:
+            rec[k] = num / den
+    for i, k in enumerate(tnames):
+        rec[k] = float(vec[1 + 2 * len(names) + i])
+    if family.derive_metrics is not None:  # metrics of the reduced step totals (e.g. routing entropy)
+        rec.update(family.derive_metrics(rec))
+    return rec
+
+
+def _grad_norm(engine) -> float:
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")
