@@ -83,7 +83,7 @@ def default_depths(cfg) -> list[int]:
 
 def read_sequences(path: Path, molecule: str) -> list[np.ndarray]:
     """A FASTA (.gz) file or a shard directory -> uint8 token arrays."""
-    from pipeline.data.shards import shard_sequences
+    from pipeline.data.shard_reader import shard_sequences
 
     if path.is_dir():
         return shard_sequences(path)  # every member of every cluster of a clusters layout
@@ -153,7 +153,7 @@ def run_validation(trained, dirs: list[Path], depths, seed: int) -> dict:
 def read_proteins(path: Path) -> list:
     """Protein token arrays (ESM-2 ids) of a FASTA file or a shard directory (every cluster member)."""
     from pipeline.data.protein_tokenizer import ProteinTokenizer
-    from pipeline.data.shards import shard_sequences
+    from pipeline.data.shard_reader import shard_sequences
 
     if path.is_dir():
         return shard_sequences(path)

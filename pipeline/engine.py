@@ -38,8 +38,8 @@ from pipeline.checkpoint import (check_same_model, is_export, is_foreign_checkpo
 from pipeline.config import ConfigError, RunConfig, dump_yaml, load_yaml
 from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.data.compat import check_shards_fit
-from pipeline.data.loader import (ShardStream, Source, StreamLayout, is_url_pattern, make_loader, reshard_states,
-                                  resolve_shards, saved_layout)
+from pipeline.data.loader import ShardStream, make_loader
+from pipeline.data.streams import Source, StreamLayout, is_url_pattern, reshard_states, resolve_shards, saved_layout
 from pipeline.families import get_family
 from pipeline.parallel import EP_KEY, check_parallelism, optimizer_groups, parallelize
 from pipeline.profiling import StepProfiler

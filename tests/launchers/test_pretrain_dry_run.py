@@ -7,7 +7,7 @@ import sys
 from conftest import REPO, TINY, run_launch
 
 from pipeline.config import dump_yaml, load_config
-from pipeline.data.loader import resolve_shards
+from pipeline.data.streams import resolve_shards
 from pipeline.run_dir import CHECKPOINT_FORMAT
 
 PRETRAIN = str(REPO / "launchers" / "pretrain.py")
