@@ -48,7 +48,9 @@ from pipeline.run_dir import (BEST, CHECKPOINT_FORMAT, COMPLETE, LATEST, RunDirL
                               write_atomic)
 from pipeline.run_dir import read_latest as read_latest_tag
 from pipeline.run_log import current as current_run_log
-from pipeline.tracking import Tracker, broadcast_object, resolve_run_id
+from pipeline.distributed import broadcast_object
+from pipeline.tracking.journal import resolve_run_id
+from pipeline.tracking.tracker import Tracker
 from pipeline import validation
 
 CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations",  # logged as total/<name>
