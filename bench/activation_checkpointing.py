@@ -38,7 +38,7 @@ def one_mode(mode: str, context: int, rows: int, steps: int) -> dict:
 
     from data_prep.fasta import iter_fasta
     from pipeline.config import load_config
-    from pipeline.data.loader import collate
+    from pipeline.data.batch import collate
     from pipeline.families import get_family
     from pipeline.parallel.checkpointing import apply_activation_checkpointing
 

@@ -50,7 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.data.loader import ShardStream, decode_tokens  # noqa: E402
+from pipeline.data.loader import ShardStream  # noqa: E402
+from pipeline.data.shard_reader import decode_tokens  # noqa: E402
 from pipeline.data.shards import load_manifest  # noqa: E402
 from pipeline.objectives.eco_rna import make_transform  # noqa: E402
 
@@ -131,7 +132,8 @@ UNIREF90, CLUSTERS = SHARED / "uniref90_202104_members_of_ur50_first2500.fasta",
 def per_record_copy(shard_dir: Path, out: Path) -> Path:
     """The shard directory rewritten with one member group per record (the layout before blocks): the loader's
     speed on the old format, for comparison."""
-    from pipeline.data.shards import Manifest, ShardWriter, read_shard, write_manifest
+    from pipeline.data.shard_reader import read_shard
+    from pipeline.data.shards import Manifest, ShardWriter, write_manifest
 
     m = load_manifest(shard_dir)
     out.mkdir()

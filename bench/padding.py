@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.data.loader import StreamLayout, make_loader  # noqa: E402
+from pipeline.data.loader import make_loader  # noqa: E402
+from pipeline.data.streams import StreamLayout  # noqa: E402
 from pipeline.train import RunPlan  # noqa: E402
 from pipeline.families import get_family  # noqa: E402
 

@@ -85,7 +85,8 @@ def generate(task: HopsTask, seed: int, index: int) -> tuple[np.ndarray, int]:
 
 def read_records(directory: Path) -> set[bytes]:
     """The token bytes of every record in a shard directory (``--exclude``)."""
-    from pipeline.data.shards import load_manifest, read_shard
+    from pipeline.data.shard_reader import read_shard
+    from pipeline.data.shards import load_manifest
 
     manifest = load_manifest(directory)
     return {tokens.tobytes() for s in manifest.shards for _, tokens, _ in read_shard(directory / s.path, s.samples)}

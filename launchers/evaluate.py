@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -67,6 +66,7 @@ sys.path.insert(0, str(REPO))
 from pipeline.eval.cli import TRUST_FLAG, TRUST_HELP, check_depths, locate_checkpoint, parse_depths  # noqa: E402
 from pipeline.eval.cli import require_trust  # noqa: E402
 from pipeline.outputs import write_atomic  # noqa: E402
+from pipeline.tracking.eval_runs import log_metric_batches, mlflow_target, start_eval_run  # noqa: E402
 
 TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym", "mlm", "validation")
 
@@ -83,7 +83,7 @@ def default_depths(cfg) -> list[int]:
 
 def read_sequences(path: Path, molecule: str) -> list[np.ndarray]:
     """A FASTA (.gz) file or a shard directory -> uint8 token arrays."""
-    from pipeline.data.shards import shard_sequences
+    from pipeline.data.shard_reader import shard_sequences
 
     if path.is_dir():
         return shard_sequences(path)  # every member of every cluster of a clusters layout
@@ -153,7 +153,7 @@ def run_validation(trained, dirs: list[Path], depths, seed: int) -> dict:
 def read_proteins(path: Path) -> list:
     """Protein token arrays (ESM-2 ids) of a FASTA file or a shard directory (every cluster member)."""
     from pipeline.data.protein_tokenizer import ProteinTokenizer
-    from pipeline.data.shards import shard_sequences
+    from pipeline.data.shard_reader import shard_sequences
 
     if path.is_dir():
         return shard_sequences(path)
@@ -321,28 +321,6 @@ def run_lambada(trained, data: Path, depths, spm: Path | None) -> dict:
             "table": [(k, per_depth[str(k)]["pass_at_k"], per_depth[str(k)]["accuracy"]) for k, _ in runs]}
 
 
-def mlflow_target(trained) -> tuple[str | None, str | None]:
-    """(run id, tracking URI) of the checkpoint's training run; None where it cannot be reached."""
-    run_id = os.environ.get("MLFLOW_RUN_ID") or trained.client_state.get("mlflow_run_id")
-    db = trained.tag_dir.parent.parent / "mlflow.db"
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or trained.cfg.tracking.tracking_uri or (
-        f"sqlite:///{db.resolve()}" if db.is_file() else None)
-    return (run_id, uri) if run_id and uri else (None, None)
-
-
-def start_eval_run(client, parent_id: str, trained, task: str, data: Path) -> str:
-    """A run nested under the training run ``parent_id`` for one evaluation (task x data set), tagged with what was
-    evaluated: two data sets evaluated on one training run get two runs, whose metrics and plots stay apart."""
-    from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
-
-    parent = client.get_run(parent_id)
-    name = f"eval {task} {data.name}"
-    tags = {MLFLOW_PARENT_RUN_ID: parent_id, MLFLOW_RUN_NAME: name, "eval.task": task,
-            "eval.data": str(data.resolve()), "eval.checkpoint": str(trained.tag_dir),
-            "eval.step": str(int(trained.client_state.get("step", 0)))}
-    return client.create_run(parent.info.experiment_id, tags=tags, run_name=name).info.run_id
-
-
 def log_proteingym_to_mlflow(trained, result: dict, out: Path, data: Path) -> tuple[str, str] | None:
     """In a run nested under the training run (:func:`start_eval_run`): eval/proteingym/{spearman,auc,mcc} (mean
     over assays) and eval/proteingym/DMS_ID/... at the checkpoint's training step (no depth axis, so no plot), and
@@ -360,8 +338,7 @@ def log_proteingym_to_mlflow(trained, result: dict, out: Path, data: Path) -> tu
     named = [(f"eval/proteingym/{k}", result["aggregate"][k]) for k in keys]
     named += [(f"eval/proteingym/{i}/{k}", m[k]) for i, m in result["per_assay"].items() for k in keys]
     metrics = [Metric(name, float(v), now_ms, step) for name, v in named if np.isfinite(v)]
-    for b in range(0, len(metrics), 1000):  # MLflow's log_batch takes at most 1000 metrics
-        client.log_batch(child, metrics=metrics[b:b + 1000])
+    log_metric_batches(client, child, metrics)
     client.log_artifact(child, str(out), "eval")
     client.set_terminated(child)
     return child, run_id
@@ -389,8 +366,7 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path) -> tu
     depth_axis = cols[0] == "K"  # mlm has one row and no depth: step 0, no plot
     metrics = [Metric(f"eval/{task}/{name.strip('|')}", float(row[j]), now_ms, int(row[0]) if depth_axis else 0)
                for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
-    for b in range(0, len(metrics), 1000):
-        client.log_batch(child, metrics=metrics[b:b + 1000])
+    log_metric_batches(client, child, metrics)
     client.log_artifact(child, str(out), "eval")
     if not depth_axis:
         client.set_terminated(child)

@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import RunConfig
+from pipeline.data.batch import collate
 from pipeline.data.compat import check_shards_fit
-from pipeline.data.loader import collate
-from pipeline.data.shards import MANIFEST, shard_sequences
+from pipeline.data.shard_reader import shard_sequences
+from pipeline.data.shards import MANIFEST
 from pipeline.errors import ConfigError
 from pipeline.eval.reconstruction import heldout_samples
 from pipeline.families import Family

@@ -14,7 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.data.shards import ShardError, load_manifest, read_clusters, read_shard, sha256_file  # noqa: E402
+from pipeline.data.shard_reader import read_clusters, read_shard  # noqa: E402
+from pipeline.data.shards import ShardError, load_manifest, sha256_file  # noqa: E402
 
 
 def decoder(directory: Path, tokenizer: dict):

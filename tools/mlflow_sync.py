@@ -3,7 +3,7 @@
 Replays into MLflow what a training run's store missed (an outage, a server down at start, a job killed before
 it could flush): params, config changes of later resumes (tags ``config.<key>``), the metrics of
 RUN_DIR/metrics.jsonl the store does not have, the artifacts the tracker could not send, and the final status.
-Reads RUN_DIR/tracking_state.json (the tracker's journal, see pipeline/tracking.py), RUN_DIR/metrics.jsonl and
+Reads RUN_DIR/tracking_state.json (the tracker's journal, see pipeline/tracking/tracker.py), RUN_DIR/metrics.jsonl and
 RUN_DIR/config.yaml; works without the journal too (a run from before it: params from config.yaml, run id from the
 latest checkpoint).
 
@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml  # noqa: E402
 
-from pipeline.tracking import (PENDING, Store, _short, bounded_http, config_params,  # noqa: E402
-                               logged_cadence, new_state, read_metrics_jsonl, read_state, replay, write_state)
+from pipeline.tracking.journal import PENDING, config_params, new_state, read_state, write_state  # noqa: E402
+from pipeline.tracking.replay import logged_cadence, read_metrics_jsonl, replay  # noqa: E402
+from pipeline.tracking.store import Store, _short, bounded_http  # noqa: E402
 
 
 class SyncError(Exception):

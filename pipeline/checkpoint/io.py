@@ -30,7 +30,7 @@ from pipeline.checkpoint.read import (EXPERT_KEY, is_foreign_checkpoint, load_ds
 from pipeline.checkpoint.resume import expert_parallel_size, resumed_horizon
 from pipeline.config import ConfigError, RunConfig, dump_yaml
 from pipeline.distributed import all_gather_object, broadcast_object
-from pipeline.tracking import resolve_run_id
+from pipeline.tracking.journal import resolve_run_id
 
 
 class CheckpointWriteError(RuntimeError):

@@ -79,7 +79,7 @@ def check_shards_fit(spec: str | Path, family: str, vocab_size: int, key: str) -
     A missing or unreadable manifest, or a tokenizer entry this code does not know, raises load_manifest's
     FileNotFoundError / ShardError naming the manifest. Brace-URL specs have no manifest: nothing is checked (the
     loader checks each id as it reads, see the module docstring)."""
-    from pipeline.data.loader import is_url_pattern
+    from pipeline.data.streams import is_url_pattern
 
     spec = str(spec)
     if is_url_pattern(spec):

@@ -41,8 +41,8 @@ The manifest's ``layout`` says what a sample is:
   member i being ``tokens[offsets[i]:offsets[i + 1]]`` (offsets[0] = 0, strictly increasing: no member is empty);
   meta ``members`` lists the member ids in that order. A shard's ``tokens`` count is the residues of all members.
   The training loader draws one member per (seed, epoch, sample) and never sees the concatenation; read such shards
-  with :func:`read_clusters` (:func:`read_shard` refuses them rather than hand out the concatenation as one
-  sequence).
+  with ``read_clusters`` (``read_shard`` refuses them rather than hand out the concatenation as one sequence; both
+  in pipeline/data/shard_reader.py, the one reader of this format).
 
 The manifest is the contract the loader relies on: per shard its sample and token counts and sha256, so a reader can
 jump to any (epoch, position) without opening the tars it skips, and can tell a truncated shard from a short one.
@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-# webdataset (TarWriter for per-record shards, group_by_keys for read_shard) is imported where used: it pulls in torch
+# webdataset (TarWriter for per-record shards) is imported where used: it pulls in torch
 # (~2 s), which data_prep's writer of blocks never needs.
 
 FORMAT = "bioseq-wds/2"  # written by this code: shards of blocks (module docstring)
@@ -153,47 +153,6 @@ def load_manifest(directory: str | Path) -> Manifest:
     return Manifest(source=raw["source"], tokenizer=raw["tokenizer"], shards=shards,
                     filtered=raw.get("filtered", {}), inputs=raw.get("inputs", []), stats=raw.get("stats", {}),
                     layout=layout, format=raw["format"])
-
-
-def member_problem(member: tarfile.TarInfo) -> str | None:
-    """Why a tar member may not be read from a shard, or None. Every shard reader asks (read_shard, read_clusters,
-    hence tools/inspect_shards.py and launchers/evaluate.py, and the training loader): a name that is absolute or
-    has a ``..`` part would escape the shard if extracted, a symbolic or hard link points at data outside the
-    member, and a device, FIFO or other special member is no sample. ShardWriter writes none of these."""
-    name = member.name
-    if member.issym() or member.islnk():
-        return f"member {name} is a {'symbolic' if member.issym() else 'hard'} link (to {member.linkname!r})"
-    if name.startswith("/") or ".." in name.split("/"):
-        return f"member {name!r} escapes the shard"
-    if not (member.isreg() or member.isdir()):
-        return f"member {name} is not a regular file"
-    return None
-
-
-def end_problem(rest, offset: int) -> str | None:
-    """Why the bytes after the last member tarfile read (from ``offset`` on) are not the end of the archive, or None.
-    tarfile ends an archive silently at a truncated or unreadable header past the first one, so a damaged shard
-    would pass for a shorter one: what follows the last member must be zero blocks (or nothing)."""
-    if np.frombuffer(rest, np.uint8).any():
-        return f"unreadable tar header at byte {offset} of {offset + len(rest)}"
-    return None
-
-
-def _checked_members(f, path: Path):
-    """tar_file_iterator's {"fname", "data", "__url__"} of every regular member, in file order; a member that
-    :func:`member_problem` refuses, or an archive that does not end where tarfile stopped (:func:`end_problem`), is
-    a ValueError / tarfile.ReadError naming it."""
-    with tarfile.open(fileobj=f, mode="r:") as tf:
-        for info in tf:
-            why = member_problem(info)
-            if why is not None:
-                raise ValueError(why)
-            if info.isreg():
-                yield {"fname": info.name, "data": tf.extractfile(info).read(), "__url__": str(path)}
-        f.seek(tf.offset)
-        why = end_problem(f.read(), tf.offset)
-        if why is not None:
-            raise tarfile.ReadError(why)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -480,162 +439,3 @@ def _npy(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
     return buf.getvalue()
-
-
-def read_shard(path: str | Path, expected_samples: int | None = None) -> list[tuple[str, np.ndarray, dict]]:
-    """All samples of one shard as (key, tokens, meta), in file order; tokens keep their stored unsigned dtype.
-
-    A truncated or corrupt tar, a member that escapes the shard or is a link (:func:`member_problem`), an unreadable
-    member (named), or fewer samples than the manifest promises is one ShardError naming the file. So is a cluster
-    shard (``<key>.offsets.npy``): its tokens are several proteins end to end, which no caller should take for one
-    sequence; use read_clusters.
-    """
-    return [(key, tokens, meta) for key, tokens, _, meta in _read_samples(Path(path), expected_samples, False)]
-
-
-def shard_sequences(directory: str | Path, limit: int | None = None) -> list[np.ndarray]:
-    """Every sequence of a shard directory in manifest order (a clusters layout: every member of every cluster),
-    the first ``limit`` of them when given: the held-out sets of evaluation and validation."""
-    directory = Path(directory)
-    manifest = load_manifest(directory)
-    out: list[np.ndarray] = []
-    for s in manifest.shards:
-        if limit is not None and len(out) >= limit:
-            break
-        if manifest.layout == "clusters":
-            out += [t for _, members, _ in read_clusters(directory / s.path, s.samples) for t in members]
-        else:
-            out += [t for _, t, _ in read_shard(directory / s.path, s.samples)]
-    return out if limit is None else out[:limit]
-
-
-def read_clusters(path: str | Path, expected_samples: int | None = None
-                  ) -> list[tuple[str, list[np.ndarray], dict]]:
-    """All samples of a cluster shard as (key, member token arrays in the cluster's order, meta), in file order;
-    the errors of read_shard, plus a sample without offsets or with offsets that do not split its tokens."""
-    out = []
-    for key, tokens, offsets, meta in _read_samples(Path(path), expected_samples, True):
-        out.append((key, [tokens[int(a):int(b)] for a, b in zip(offsets[:-1], offsets[1:])], meta))
-    return out
-
-
-def block_index(keys_txt: bytes | memoryview, bounds: np.ndarray, n_tokens: int,
-                offsets: np.ndarray | None = None) -> tuple[list[str], np.ndarray | None]:
-    """A block's keys, checked against its bounds (and, for clusters, the position of every bound among the member
-    offsets: sample i's members are offsets[idx[i]:idx[i + 1] + 1]); ValueError naming the member at fault.
-    ``bounds`` [n + 1] and ``offsets`` [members + 1] are the decoded .npy arrays."""
-    try:
-        keys = bytes(keys_txt).decode("ascii").split("\n")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"keys.txt: not ASCII ({e})") from None
-    if bounds.ndim != 1 or bounds.dtype.kind != "u":
-        raise ValueError(f"bounds.npy: holds {bounds.dtype} {bounds.shape}, expected 1-D unsigned")
-    if len(bounds) != len(keys) + 1:
-        raise ValueError(f"bounds.npy: {len(bounds)} bounds for {len(keys)} keys (expected keys + 1)")
-    if int(bounds[0]) != 0 or int(bounds[-1]) != n_tokens or (bounds[1:] < bounds[:-1]).any():
-        raise ValueError(f"bounds.npy: bounds run from {int(bounds[0])} to {int(bounds[-1])} (non-decreasing "
-                         f"expected, 0 to {n_tokens}, the tokens)")
-    idx = None
-    if offsets is not None:
-        why = check_offsets(offsets, n_tokens)
-        if why is not None:
-            raise ValueError(f"offsets.npy: {why}")
-        idx = np.searchsorted(offsets, bounds)
-        if (idx >= len(offsets)).any() or (offsets[np.minimum(idx, len(offsets) - 1)] != bounds).any():
-            raise ValueError("offsets.npy: a sample bound is not a member boundary")
-    return keys, idx
-
-
-def _load_npy(sample: dict, key: str, ext: str) -> np.ndarray:
-    try:
-        return np.load(io.BytesIO(sample[ext]), allow_pickle=False)
-    except (ValueError, EOFError, OSError) as e:
-        raise ValueError(f"corrupt member {key}.{ext} ({e})") from None
-
-
-def _block_samples(sample: dict, clusters: bool) -> list:
-    """(key, tokens, offsets or None, meta) of every sample of one block (module docstring)."""
-    key = sample["__key__"]
-    missing = [m for m in ("keys.txt", "tokens.npy", "meta.json") if m not in sample]
-    if missing:
-        raise ValueError(f"block {key!r} lacks {', '.join(missing)}")
-    if ("offsets.npy" in sample) != clusters:
-        raise ValueError(f"block {key!r} is a UniRef50 cluster block ({key}.offsets.npy): read the shard with "
-                         "read_clusters" if not clusters else
-                         f"block {key!r} lacks offsets.npy: not a cluster shard (use read_shard)")
-    tokens = _load_npy(sample, key, "tokens.npy")
-    if tokens.ndim != 1 or tokens.dtype.kind != "u":
-        raise ValueError(f"corrupt member {key}.tokens.npy (holds {tokens.dtype} {tokens.shape}, expected 1-D "
-                         "unsigned ids)")
-    bounds = _load_npy(sample, key, "bounds.npy")
-    offsets = _load_npy(sample, key, "offsets.npy") if clusters else None
-    try:
-        keys, idx = block_index(sample["keys.txt"], bounds, len(tokens), offsets)
-    except ValueError as e:
-        raise ValueError(f"corrupt member {key}.{e}") from None
-    try:
-        metas = json.loads(sample["meta.json"])
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"corrupt member {key}.meta.json ({e})") from None
-    if not isinstance(metas, list) or len(metas) != len(keys):
-        raise ValueError(f"corrupt member {key}.meta.json (expected a JSON array of {len(keys)} objects)")
-    out = []
-    for i, k in enumerate(keys):
-        a, b = int(bounds[i]), int(bounds[i + 1])
-        off = None if idx is None else offsets[idx[i]:idx[i + 1] + 1] - offsets.dtype.type(a)
-        out.append((k, tokens[a:b], off, metas[i]))
-    return out
-
-
-def _read_samples(path: Path, expected_samples: int | None, clusters: bool) -> list:
-    """(key, tokens, offsets or None, meta) of every sample, checked as read_shard / read_clusters promise."""
-    from webdataset.tariterators import group_by_keys
-
-    out = []
-    last = None  # last member read whole: locates tar-level corruption
-    try:
-        with open(path, "rb") as f:
-            for sample in group_by_keys(_checked_members(f, path)):
-                key = sample["__key__"]
-                if "bounds.npy" in sample:
-                    out += _block_samples(sample, clusters)
-                    last = f"{key}.tokens.npy"
-                    continue
-                if "tokens.npy" not in sample or "meta.json" not in sample:
-                    raise ValueError(f"sample {key!r} lacks tokens.npy or meta.json")
-                if ("offsets.npy" in sample) != clusters:
-                    raise ValueError(f"sample {key!r} is a UniRef50 cluster ({key}.offsets.npy): read the shard with "
-                                     "read_clusters" if not clusters else
-                                     f"sample {key!r} lacks offsets.npy: not a cluster shard (use read_shard)")
-                try:
-                    tokens = np.load(io.BytesIO(sample["tokens.npy"]), allow_pickle=False)
-                    if tokens.ndim != 1 or tokens.dtype.kind != "u":
-                        raise ValueError(f"holds {tokens.dtype} {tokens.shape}, expected 1-D unsigned ids")
-                except (ValueError, EOFError, OSError) as e:
-                    raise ValueError(f"corrupt member {key}.tokens.npy ({e})") from None
-                offsets = None
-                if clusters:
-                    try:
-                        offsets = np.load(io.BytesIO(sample["offsets.npy"]), allow_pickle=False)
-                    except (ValueError, EOFError, OSError) as e:
-                        raise ValueError(f"corrupt member {key}.offsets.npy ({e})") from None
-                    why = check_offsets(offsets, len(tokens))
-                    if why is not None:
-                        raise ValueError(f"corrupt member {key}.offsets.npy ({why})")
-                try:
-                    meta = json.loads(sample["meta.json"])
-                except (ValueError, UnicodeDecodeError) as e:
-                    raise ValueError(f"corrupt member {key}.meta.json ({e})") from None
-                out.append((key, tokens, offsets, meta))
-                last = f"{key}.tokens.npy"
-    except (tarfile.TarError, EOFError, OSError) as e:
-        after = f" after member {last}" if last else " at its first member"
-        raise ShardError(f"{path}: truncated or corrupt shard{after} ({e})") from None
-    except ShardError:
-        raise
-    except ValueError as e:
-        raise ShardError(f"{path}: {e}") from None
-    if expected_samples is not None and len(out) != expected_samples:
-        raise ShardError(f"{path}: holds {len(out)} samples but the manifest says {expected_samples} "
-                         "(truncated shard?)")
-    return out

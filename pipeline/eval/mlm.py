@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pipeline.data.loader import collate
+from pipeline.data.batch import collate
 from pipeline.data.tokenizer import IGNORE_INDEX
 
 

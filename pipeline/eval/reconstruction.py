@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.data.loader import collate
+from pipeline.data.batch import collate
 from pipeline.data.tokenizer import PAD_ID
 from pipeline.models.eco_rna import initial_state
 from pipeline.objectives.eco_rna import (reconstruction_sums, state_table,  # noqa: F401 (state_table re-exported)

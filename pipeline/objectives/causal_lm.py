@@ -65,7 +65,7 @@ def spm_model_path(cfg) -> Path:
     the folder of a brace pattern's first tar (found from the pattern, without reading any shard)."""
     from braceexpand import braceexpand
 
-    from pipeline.data.loader import is_url_pattern
+    from pipeline.data.streams import is_url_pattern
 
     spec = str(cfg.data.sources[0].shards if cfg.data.sources else cfg.data.train_shards)
     return (Path(next(iter(braceexpand(spec)))).parent if is_url_pattern(spec) else Path(spec)) / SPM_NAME

@@ -17,7 +17,8 @@ from pipeline.checkpoint.read import read_client_state
 from pipeline.checkpoint.resume import check_init_source, check_reshard, check_resume_config, find_resume_tag
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data.compat import check_shards_fit
-from pipeline.data.loader import ShardStream, Source, StreamLayout, reshard_states, resolve_shards, saved_layout
+from pipeline.data.loader import ShardStream
+from pipeline.data.streams import Source, StreamLayout, reshard_states, resolve_shards, saved_layout
 from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.families import get_family
 from pipeline.parallel import check_parallelism

@@ -20,12 +20,13 @@ from pipeline.checkpoint.io import Checkpointer, CheckpointWriteError, TrainStat
 from pipeline.checkpoint.layout import RunDirLock
 from pipeline.checkpoint.read import load_state_dict, load_weights_into
 from pipeline.config import ConfigError, RunConfig
-from pipeline.data.loader import is_url_pattern, make_loader
+from pipeline.data.loader import make_loader
+from pipeline.data.streams import is_url_pattern
 from pipeline.distributed import (broadcast_object, init_distributed, lost_peer, set_collective_timeout,
                                   shutdown_distributed)
 from pipeline.parallel import optimizer_groups, parallelize
 from pipeline.run_log import current as current_run_log
-from pipeline.tracking import Tracker
+from pipeline.tracking.tracker import Tracker
 from pipeline.train.callbacks import Callback, default_callbacks
 from pipeline.train.optim import lr_factor, param_groups, schedule_horizon
 from pipeline.train.plan import RunPlan

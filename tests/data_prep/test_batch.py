@@ -14,7 +14,7 @@ import pytest
 
 from data_prep import jobs
 from data_prep.__main__ import main
-from pipeline.data.shards import read_clusters, read_shard
+from pipeline.data.shard_reader import read_clusters, read_shard
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "data" / "samples"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.data.shards import load_manifest, read_shard, sha256_file
+from pipeline.data.shard_reader import read_shard
+from pipeline.data.shards import load_manifest, sha256_file
 from pipeline.data.tokenizer import VOCAB, NucleotideTokenizer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,8 @@ import pytest
 
 from data_prep.__main__ import main
 from pipeline.data.protein_tokenizer import VOCAB as ESM_VOCAB
-from pipeline.data.shards import ShardError, load_manifest, read_clusters, read_shard, sha256_file
+from pipeline.data.shard_reader import read_clusters, read_shard
+from pipeline.data.shards import ShardError, load_manifest, sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "data" / "protein"
@@ -251,7 +252,7 @@ def test_interrupted_run_resumes_byte_identical(sample_one_job, tmp_path, monkey
 
 
 def test_cluster_shards_are_not_read_as_sequences(sample_one_job):
-    from pipeline.data.loader import read_tokens
+    from pipeline.data.shard_reader import read_tokens
 
     shard = sample_one_job / load_manifest(sample_one_job).shards[0].path
     with pytest.raises(ShardError, match=r"is a UniRef50 cluster .*read the shard with read_clusters"):

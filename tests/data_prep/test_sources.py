@@ -13,7 +13,8 @@ import pytest
 
 from data_prep.__main__ import main
 from pipeline.data.protein_tokenizer import VOCAB as ESM_VOCAB, ProteinTokenizer
-from pipeline.data.shards import load_manifest, read_shard, sha256_file
+from pipeline.data.shard_reader import read_shard
+from pipeline.data.shards import load_manifest, sha256_file
 from pipeline.data.tokenizer import SEP_ID, VOCAB
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"

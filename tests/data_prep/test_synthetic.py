@@ -10,7 +10,8 @@ import pytest
 
 from conftest import REPO
 from data_prep.__main__ import main as data_prep_main
-from pipeline.data.shards import load_manifest, read_shard
+from pipeline.data.shard_reader import read_shard
+from pipeline.data.shards import load_manifest
 from pipeline.data.tokenizer import SEP_ID, VOCAB
 
 LITERALS = "ACGU"

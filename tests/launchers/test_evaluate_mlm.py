@@ -18,7 +18,7 @@ def test_mlm_perplexity_equals_transformers(tmp_path, capsys):
 
     import launchers.evaluate as evaluate
     from pipeline.checkpoint import load_trained_model
-    from pipeline.data.loader import collate
+    from pipeline.data.batch import collate
     from pipeline.eval.reconstruction import heldout_samples
     from pipeline.families import get_family
 

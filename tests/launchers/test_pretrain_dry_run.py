@@ -7,8 +7,8 @@ import sys
 from conftest import REPO, TINY, run_launch
 
 from pipeline.config import dump_yaml, load_config
-from pipeline.data.loader import resolve_shards
 from pipeline.checkpoint.layout import CHECKPOINT_FORMAT
+from pipeline.data.streams import resolve_shards
 
 PRETRAIN = str(REPO / "launchers" / "pretrain.py")
 DEMO = str(REPO / "launchers" / "configs" / "eco_rna_demo.yaml")  # what pretrain.py runs without --config

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import REPO, free_port, run_launch
-from pipeline.data.loader import Batch
+from pipeline.data.batch import Batch
 from pipeline.objectives.eco_rna import per_row_ce, plan, relative_displacement
 from pipeline.objectives.masking import IGNORE_INDEX
 from token_norm_worker import initial_model, microbatches, run_config

@@ -16,7 +16,9 @@ import pytest
 from conftest import REPO, free_port, sqlite_uri
 
 from pipeline.config import ConfigError, dump_yaml, load_config
-from pipeline.tracking import PENDING, RUN_KEY_TAG, STATE_FILE, Tracker, bounded_http, read_state, resolve_run_id
+from pipeline.tracking.journal import PENDING, STATE_FILE, read_state, resolve_run_id
+from pipeline.tracking.store import RUN_KEY_TAG, bounded_http
+from pipeline.tracking.tracker import Tracker
 
 sys.path.insert(0, str(REPO / "tools"))
 import mlflow_sync  # noqa: E402

@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline" / "data"
 
 from pipeline.config import ConfigError  # noqa: E402
 from pipeline.data.compat import check_shards_fit  # noqa: E402
-from pipeline.data.loader import ShardStream, make_loader, resolve_shards  # noqa: E402
+from pipeline.data.loader import ShardStream, make_loader  # noqa: E402
 from pipeline.data.shards import ShardError  # noqa: E402
+from pipeline.data.streams import resolve_shards  # noqa: E402
 from shard_factory import ESM, add_member, info, random_dir, set_manifest, shard_paths, spm_entry, write_dir  # noqa
 
 VOCAB = 23  # the Eco-RNA model's

@@ -26,7 +26,8 @@ import pytest
 
 from data_prep.__main__ import main
 from data_prep.jobs import split_of, window_spans
-from pipeline.data.shards import load_manifest, read_shard, sha256_file
+from pipeline.data.shard_reader import read_shard
+from pipeline.data.shards import load_manifest, sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared" / "data"

@@ -125,7 +125,7 @@ def test_an_error_on_rank_1_is_printed_with_its_rank_and_last(sample_shards, tmp
     shards = tmp_path / "shards"
     shutil.copytree(sample_shards, shards)
     names = [s["path"] for s in json.loads((shards / "manifest.json").read_text())["shards"]]
-    # The shards rank 1 of 2 reads first (pipeline/data/loader.py: SourceStream.stream_shards, seed 1234, epoch 0).
+    # The shards rank 1 of 2 reads first (pipeline/data/streams.py: SourceStream.stream_shards, seed 1234, epoch 0).
     rank1 = [names[i] for i in np.random.default_rng([1234, 0]).permutation(len(names))[1::2]]
     for name in rank1:
         path = shards / name

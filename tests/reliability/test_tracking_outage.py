@@ -60,7 +60,7 @@ def test_unreachable_store_costs_no_training_time_and_sync_replays_it(sample_sha
 
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tracking import resolve_run_id
+    from pipeline.tracking.journal import resolve_run_id
 
     client = MlflowClient(tracking_uri=uri)
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])

@@ -13,9 +13,11 @@ from scipy.stats import chi2
 
 from data_prep.__main__ import main as prep
 from loader_checks import resumed_equals_uninterrupted, same, take
-from pipeline.data.loader import ShardStream, Source, read_cluster_tokens
+from pipeline.data.loader import ShardStream
 from pipeline.data.protein_tokenizer import CLS_ID, EOS_ID, PAD_ID
-from pipeline.data.shards import ShardError, load_manifest, read_clusters
+from pipeline.data.shard_reader import read_cluster_tokens, read_clusters
+from pipeline.data.shards import ShardError, load_manifest
+from pipeline.data.streams import Source
 
 REPO = Path(__file__).resolve().parents[3]
 SAMPLE_FASTA = REPO / "data" / "samples" / "uniref90_clusters_sample.fasta.gz"

@@ -16,8 +16,9 @@ import pytest
 
 from loader_checks import same, take
 from pipeline.config import ConfigError, load_config
-from pipeline.data.loader import ShardStream, Source, make_loader
+from pipeline.data.loader import ShardStream, make_loader
 from pipeline.data.mixture import MixtureSchedule
+from pipeline.data.streams import Source
 from pipeline.objectives.eco_rna import make_transform
 
 REPO = Path(__file__).resolve().parents[3]

@@ -106,8 +106,8 @@ def test_too_few_shards_is_a_clear_error(sample_shards):
 # --------------------------------------------------------------------------------------------------------------------
 def mixture(shards, rank=0, world=2, workers=2, mb=4, max_tokens=None, pack=False, separator=None, ctx=64, row=None):
     """Two named sources over the same shards (distinct seeds, so distinct streams) with a step-dependent schedule."""
-    from pipeline.data.loader import Source
     from pipeline.data.mixture import MixtureSchedule
+    from pipeline.data.streams import Source
 
     cfg = load_config(None, [f"data.context_length={ctx}"])
     sched = MixtureSchedule.from_stages(["a", "b"], [
@@ -213,7 +213,7 @@ def test_brace_urls_without_manifest_give_the_same_stream(sample_shards, tmp_pat
 def test_fast_token_decode_equals_np_load_and_rejects_corrupt_members():
     import io
 
-    from pipeline.data.loader import decode_tokens
+    from pipeline.data.shard_reader import decode_tokens
 
     def npy(a):
         buf = io.BytesIO()

@@ -9,8 +9,9 @@ import pytest
 
 from conftest import REPO, HELDOUT_FASTA, SHARED_DATA
 from pipeline.config import ConfigError, load_config
-from pipeline.data.loader import ShardStream, Source, make_loader
+from pipeline.data.loader import ShardStream, make_loader
 from pipeline.data.mixture import MixtureSchedule
+from pipeline.data.streams import Source
 from pipeline.objectives.eco_rna import make_transform
 
 PHIX = SHARED_DATA / "genome" / "phiX174_variants_134_genomes.fna"

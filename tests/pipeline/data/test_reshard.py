@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 
 from pipeline.config import load_config
-from pipeline.data.loader import ShardStream, make_loader, reshard_states, resolve_shards
+from pipeline.data.loader import ShardStream, make_loader
+from pipeline.data.streams import reshard_states, resolve_shards
 from pipeline.objectives.eco_rna import make_transform
 
 

@@ -7,8 +7,9 @@ import tarfile
 import numpy as np
 import pytest
 
-from pipeline.data.loader import _tar_layout, read_cluster_tokens, read_tokens
-from pipeline.data.shards import ShardError, ShardWriter, read_clusters, read_shard, sha256_file
+from pipeline.data.shard_reader import (read_cluster_tokens, read_clusters, read_shard, read_tokens,
+                                        shard_layout)
+from pipeline.data.shards import ShardError, ShardWriter, sha256_file
 
 
 def samples(n=57, seed=0, vocab=23):
@@ -43,7 +44,7 @@ def test_blocks_read_as_per_record_shards(tmp_path):
     for infos in (old, new):
         got, tokens = [], []
         for s in infos:
-            assert sha256_file(tmp_path / s.path) == s.sha256 and _tar_layout(tmp_path / s.path) == "sequences"
+            assert sha256_file(tmp_path / s.path) == s.sha256 and shard_layout(tmp_path / s.path) == "sequences"
             got += read_shard(tmp_path / s.path, s.samples)
             tokens += read_tokens(tmp_path / s.path, s.samples, sha256=s.sha256, vocab_size=23)
         assert [(k, t.tolist(), m) for k, t, m in got] == expect
@@ -71,7 +72,7 @@ def test_cluster_blocks_read_as_per_record_shards(tmp_path):
     for name, shards in infos.items():
         got, loader = [], []
         for s in shards:
-            assert _tar_layout(tmp_path / s.path) == "clusters"
+            assert shard_layout(tmp_path / s.path) == "clusters"
             got += read_clusters(tmp_path / s.path, s.samples)
             loader += read_cluster_tokens(tmp_path / s.path, s.samples, sha256=s.sha256, vocab_size=33)
         assert [(k, [x.tolist() for x in ms], m) for k, ms, m in got] == expect, name

@@ -10,10 +10,11 @@ import pytest
 
 from loader_checks import take
 from pipeline.config import ConfigError
-from pipeline.data import loader
+from pipeline.data import shard_reader
 from pipeline.data.compat import FAMILY_TOKENIZERS, KINDS, check_shards_fit
-from pipeline.data.loader import ShardStream, make_loader, read_tokens
-from pipeline.data.shards import ShardError, read_shard
+from pipeline.data.loader import ShardStream, make_loader
+from pipeline.data.shard_reader import read_shard, read_tokens
+from pipeline.data.shards import ShardError
 from shard_factory import ESM, add_member, info, random_dir, set_manifest, shard_paths, spm_entry, write_dir
 
 
@@ -121,7 +122,7 @@ def test_sha256_mismatch_is_one_error_naming_the_shard_and_verify_false_skips_it
 def test_each_shard_is_hashed_once_per_process_and_in_the_read_that_decodes_it(tmp_path, monkeypatch):
     d = random_dir(tmp_path / "d")
     hashed, reads = [], []
-    real_sha, real_read = loader.hashlib.sha256, loader.Path.read_bytes
+    real_sha, real_read = shard_reader.hashlib.sha256, shard_reader.Path.read_bytes
 
     def sha(data=b""):
         hashed.append(len(data))
@@ -131,8 +132,8 @@ def test_each_shard_is_hashed_once_per_process_and_in_the_read_that_decodes_it(t
         reads.append(self.name)
         return real_read(self)
 
-    monkeypatch.setattr(loader.hashlib, "sha256", sha)
-    monkeypatch.setattr(loader.Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(shard_reader.hashlib, "sha256", sha)
+    monkeypatch.setattr(shard_reader.Path, "read_bytes", read_bytes)
     take(stream(d), 0, 12 * 3)  # three epochs of 48 samples, 4 per batch
     assert len(reads) == 12 and len(hashed) == 4  # each shard read once per epoch, hashed on its first read only
     assert sorted(hashed) == sorted(p.stat().st_size for p in shard_paths(d))
@@ -173,7 +174,7 @@ def test_a_token_id_outside_the_vocabulary_names_shard_and_sample(tmp_path):
     assert len(take(stream(d, vocab_size=41), 0, 2)) == 2  # 40 fits a 41-row embedding
     assert len(take(stream(d), 0, 2)) == 2  # no vocab_size: unchecked, as before
     # a dtype that cannot hold an id >= vocab_size is not scanned at all
-    assert loader._token_ids(bad, "k", good, 256) is good
+    assert shard_reader._token_ids(bad, "k", good, 256) is good
 
 
 @pytest.mark.parametrize("damage", ["token_id", "truncated", "sha256"])

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import load_config
-from pipeline.data.loader import collate
+from pipeline.data.batch import collate
 from pipeline.families import get_family
 from pipeline.models.recursive_gpt import RecursiveGPT, RecursiveGPTConfig, StandardGPT, StandardGPTConfig
 from pipeline.objectives import causal_lm

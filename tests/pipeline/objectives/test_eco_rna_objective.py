@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import load_config
-from pipeline.data.loader import Batch
+from pipeline.data.batch import Batch
 from pipeline.models.eco_rna import EcoRNA, initial_state
 from pipeline.objectives.eco_rna import EcoRNAObjectiveConfig, Plan, per_row_ce, recurrent_loss, sample_depths
 from pipeline.objectives.masking import IGNORE_INDEX

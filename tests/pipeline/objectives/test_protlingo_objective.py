@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline.config import load_config
-from pipeline.data.loader import Batch
+from pipeline.data.batch import Batch
 from pipeline.data.protein_tokenizer import ProteinTokenizer
 from pipeline.models.protlingo import ProtLingo
 from pipeline.objectives import protlingo as obj

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.data.loader import collate  # noqa: E402
+from pipeline.data.batch import collate  # noqa: E402
 from pipeline.data.protein_tokenizer import ProteinTokenizer  # noqa: E402
 from pipeline.families import get_family  # noqa: E402
 

@@ -1,0 +1,78 @@
+"""What the loader hands to training: a microbatch (:class:`Batch`), padded from samples (:func:`collate`) or packed
+from whole documents (:func:`pack_rows`; pipeline/data/loader.py, "Batching"). Evaluation and validation collate
+their held-out samples with the same function."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pipeline.data.tokenizer import IGNORE_INDEX
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, L] int64
+    labels: torch.Tensor  # [B, L] int64, IGNORE_INDEX where unsupervised
+    attention_mask: torch.Tensor  # [B, L] bool, True at real tokens
+    sample_ids: list  # "[source:]shard/key@epoch" (clusters: "...@epoch#member"), one per sample (packed: several)
+    sources: list | None = None  # source name per sample, aligned with sample_ids
+    document_ids: torch.Tensor | None = None  # [B, L] int64 packed rows: document index in its row, -1 at padding
+    position_ids: torch.Tensor | None = None  # [B, L] int64 packed rows: position within its document, 0 at padding
+    stream: int = 0  # this rank's loader stream that produced it
+    state: dict | None = None  # that stream's position after this batch (see the module docstring)
+    # (global stream, its microbatch index): who made it, whatever rank reads the stream; seeds per-batch draws
+    origin: tuple[int, int] = (0, 0)
+
+    @property
+    def num_supervised(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def to(self, device):
+        opt = [t.to(device) if t is not None else None for t in (self.document_ids, self.position_ids)]
+        return Batch(self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device),
+                     self.sample_ids, self.sources, *opt, self.stream, self.state, self.origin)
+
+
+def collate(samples: list[dict], pad_id: int) -> Batch:
+    L = max(len(s["input_ids"]) for s in samples)
+    ids = np.full((len(samples), L), pad_id, dtype=np.int64)
+    labels = np.full((len(samples), L), IGNORE_INDEX, dtype=np.int64)
+    mask = np.zeros((len(samples), L), dtype=bool)
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = s["input_ids"], s["labels"], True
+    return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(mask),
+                 [s["sample_id"] for s in samples], [s.get("source") for s in samples])
+
+
+def pack_rows(rows: list[list[dict]], row_length: int, pad_id: int, separator: int | None = None) -> Batch:
+    """rows: per row, whole documents ({"input_ids", "labels"} [n]) -> Batch [B, row_length], padded at the end.
+
+    ``separator`` (e.g. <eos>) is appended after each document as input and label, so the model learns to end
+    documents; ``document_ids`` (document index within the row, -1 at padding) lets an attention mask keep documents
+    apart and ``position_ids`` restarts at 0 for each document.
+    """
+    B = len(rows)
+    ids = np.full((B, row_length), pad_id, dtype=np.int64)
+    labels = np.full((B, row_length), IGNORE_INDEX, dtype=np.int64)
+    doc = np.full((B, row_length), -1, dtype=np.int64)
+    pos = np.zeros((B, row_length), dtype=np.int64)
+    sample_ids, sources = [], []
+    extra = int(separator is not None)
+    for r, docs in enumerate(rows):
+        at = 0
+        for d, s in enumerate(docs):
+            n = len(s["input_ids"])
+            if at + n + extra > row_length:
+                raise ValueError(f"row {r}: documents need more than row_length {row_length} tokens")
+            ids[r, at:at + n], labels[r, at:at + n] = s["input_ids"], s["labels"]
+            if extra:
+                ids[r, at + n] = labels[r, at + n] = separator
+            doc[r, at:at + n + extra], pos[r, at:at + n + extra] = d, np.arange(n + extra)
+            at += n + extra
+            sample_ids.append(s["sample_id"])
+            sources.append(s.get("source"))
+    return Batch(torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(doc >= 0), sample_ids, sources,
+                 torch.from_numpy(doc), torch.from_numpy(pos))
