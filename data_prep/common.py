@@ -45,7 +45,7 @@ def job_filtered_name(index: int, count: int) -> str:
 
 
 def split_of(record_id: str, val_fraction: float | None) -> str:
-    """'' without a split, else 'val' or 'train' by sha256 of the record id (the rule: data_prep/jobs.py's docstring)."""
+    """'' without a split, else 'val' or 'train' by sha256 of the record id (data_prep/jobs.py's docstring)."""
     if val_fraction is None:
         return ""
     h = int.from_bytes(hashlib.sha256(record_id.encode("utf-8", "surrogateescape")).digest()[:8], "little")
