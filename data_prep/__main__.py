@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 
 from . import SOURCES, FastaError
+from .checks import PrepError
+from .jobs import run
+from .merge import merge
 from .progress import MODES
+from .settings import Settings, split_summary, summary
+from .spm import train_spm
+from .synthetic import HopsTask, SyntheticError, write
+from .workers import run_workers
 
 
 def _int(text: str) -> int:
@@ -164,8 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _synthetic_hops(args) -> int:
-    from .jobs import PrepError
-    from .synthetic import HopsTask, SyntheticError, write
     try:
         task = HopsTask(args.hops, args.min_hops)
         stats = write(args.output, task, args.records, args.seed, args.shard_size, args.overwrite, args.exclude)
@@ -188,8 +193,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--progress-interval {args.progress_interval} must be > 0")
     # SIGTERM (scheduler preemption) unwinds like Ctrl-C: the partial shard is dropped, finished ones are kept.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    # Imported here so that --help and argument errors do not pay for torch (imported by webdataset).
-    from .jobs import PrepError, Settings, merge, run, run_workers, split_summary, summary
     try:
         if args.command == "merge":
             result = merge(args.output)
@@ -199,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(summary(result.manifest.source, result.manifest, result.location, job=" merge"))
             return 0
         if args.command == "train-spm":
-            from .spm import train_spm
             model = train_spm(args.input, args.output, args.vocab_size, args.max_sentences, args.text_column)
             print(f"data_prep train-spm: vocabulary {args.vocab_size} -> {model}")
             return 0

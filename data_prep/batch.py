@@ -25,9 +25,10 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .fasta import GZIP_ERRORS, FastaError, Record, iter_fasta_text, open_input
+from .sources import parse_uniref_header
 
 CHUNK = 1 << 22  # decompressed bytes read at a time; a record longer than this makes its chunk longer
-_enc = json.encoder.encode_basestring_ascii  # what json.dumps uses for str (ensure_ascii=True), in C
+json_string = json.encoder.encode_basestring_ascii  # what json.dumps uses for str (ensure_ascii=True), in C
 
 
 @dataclass
@@ -128,12 +129,12 @@ def uniref_tails(descs: list[str]) -> list[str | None]:
     out = []
     for name, n, tax, taxid, repid, staxid, srepid, cname, ctaxid, crepid, other in _UNIREF.findall(joined + "\x00"):
         if n:
-            head = f',"name":{_enc(name)}' if name else ""
-            out.append(f'{head},"n":{n},"tax":{_enc(tax)},"taxid":{taxid},"repid":{_enc(repid)}}}')
+            head = f',"name":{json_string(name)}' if name else ""
+            out.append(f'{head},"n":{n},"tax":{json_string(tax)},"taxid":{taxid},"repid":{json_string(repid)}}}')
         elif staxid:
-            out.append(f',"taxid":{staxid},"repid":{_enc(srepid)}}}')
+            out.append(f',"taxid":{staxid},"repid":{json_string(srepid)}}}')
         elif ctaxid:
-            out.append(f',"clustername":{_enc(cname)},"taxid":{ctaxid},"repid":{_enc(crepid)}}}')
+            out.append(f',"clustername":{json_string(cname)},"taxid":{ctaxid},"repid":{json_string(crepid)}}}')
         else:
             out.append("}" if not other else None)
     return out
@@ -155,7 +156,7 @@ class Reader:
         self.index = first_index  # global index of the next record (over all inputs)
         self.start = first_index  # global index of the first record of the chunk last yielded
         # (text, first line, index of its first record within the input) of whole records of the input, cut by the
-        # --workers parent (jobs.Feed); once they are read, their ``end`` is the input's record count. Default:
+        # --workers parent (feed.Feed); once they are read, their ``end`` is the input's record count. Default:
         # every chunk of chunks(path).
         self.base, self.texts = first_index, texts
         self.jobs = jobs  # (N, I): only records whose global index % N == I are parsed past their header line
@@ -239,10 +240,9 @@ class Reader:
             tails = uniref_tails(descs)
             for j, t in enumerate(tails):
                 if t is None and split[j]:
-                    from .sources import parse_uniref_header
                     metas[j] = parse_uniref_header(ids[j], descs[j])
         else:
-            tails = [f',"description":{d}}}' for d in map(_enc, descs)]
+            tails = [f',"description":{d}}}' for d in map(json_string, descs)]
         for j, sp in enumerate(split):
             if not sp:  # no record id: the per-record path raises the error
                 slow[j] = None

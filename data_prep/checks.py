@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
-FILTERED = "filtered.tsv"  # the list of dropped records (data_prep.jobs.FILTERED)
+FILTERED = "filtered.tsv"  # the list of dropped records (re-exported by data_prep.common)
 # Characters that occur in protein but not in nucleotide FASTA: named in the error when a protein file is given to a
 # nucleotide source.
 _AMINO_ONLY = set("EFILPQJOXZ")

@@ -23,16 +23,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .fasta import FastaError, input_position, iter_fasta
+from .checks import DamageCheck, PrepError, sum_stats
+from .common import LOWERCASE, TSV_HEADER
+from .fasta import FastaError, input_position, iter_fasta, numbered_lines
 from .progress import Progress
-from .sources import TSV_HEADER, _lines  # noqa: F401 - TSV_HEADER re-exported
 
 if TYPE_CHECKING:
     from pipeline.data.shards import Manifest
 
 NOT_IN_FASTA = "not_in_fasta"
-_LOWER = np.zeros(256, dtype=bool)
-_LOWER[ord("a"):ord("z") + 1] = True
 
 
 @dataclass
@@ -78,7 +77,7 @@ def _parse_row(path: Path, lineno: int, parts: list[str]) -> tuple[str, list[str
 def _rows(path: Path):
     """(line, fields) of the data rows, after the optional header; blank lines yield None."""
     first = True
-    for lineno, line in _lines(path):
+    for lineno, line in numbered_lines(path):
         if line.endswith(b"\r"):
             line = line[:-1]
         if not line.strip():
@@ -177,7 +176,7 @@ def member_reasons(min_length: int, max_length: int | None) -> dict[str, int]:
 def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict, source_name: str = "uniref",
           progress: tuple = ("auto", 60.0)) -> tuple[dict, int]:
     """Read the member FASTA files, then write this job's clusters in TSV order; returns ({"": manifest}, FASTA
-    records). ``splits``: data_prep.jobs.open_splits (one, ""; --val-fraction is refused with --clusters).
+    records). ``splits``: data_prep.workdir.open_splits (one, ""; --val-fraction is refused with --clusters).
 
     Filtered and counted (nothing is dropped silently), each member and cluster not written also listed in
     ``filtered.tsv`` (id, reason, input, line, detail naming the cluster):
@@ -197,8 +196,6 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
     together); more than ``--max-filtered-fraction`` of the members found dropped as invalid or empty.
     Clusters already in the verified shards of an interrupted run are counted and not rewritten.
     """
-    from .checks import DamageCheck, PrepError
-
     s = settings
     sp = splits[""]
     short, long = f"shorter_than_{s.min_length}", f"longer_than_{s.max_length}"
@@ -262,7 +259,7 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
                         found[i] = (long, n_input, rec.line, f"{n} residues")
                     else:
                         if rec.seq.upper() != rec.seq:  # soft-masked (lowercase) residues present
-                            lowercase += int(_LOWER[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
+                            lowercase += int(LOWERCASE[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
                         if replaced:
                             replaced_stats["replaced_characters"] += sum(replaced.values())
                             replaced_stats["records_with_replacements"] += 1
@@ -340,7 +337,7 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
     listed = sp.dropped.finish()
     if listed is not None:
         stats["filtered_list"] = listed.name
-    from pipeline.data.shards import Manifest
+    from pipeline.data.shards import Manifest  # torch's import time: see data_prep/workdir.py
     return {"": Manifest(source=source_name, tokenizer=encoder.entry, shards=shards, filtered=filtered,
                          inputs=counts, stats=stats, layout="clusters")}, records
 
@@ -352,8 +349,6 @@ SUMMED = ("clusters", "clusters_kept", "members_listed", "members_kept", "residu
 def merge_stats(docs: list[dict], names: list[str]) -> tuple[list, dict]:
     """(inputs, stats) of N cluster job manifests: job counts summed, whole-input counts checked equal, and the
     records in no cluster computed (every FASTA record that no job matched)."""
-    from .checks import PrepError
-
     first = docs[0]
     for d, name in zip(docs, names):
         st = d["stats"]
@@ -374,7 +369,6 @@ def merge_stats(docs: list[dict], names: list[str]) -> tuple[list, dict]:
     stats["fasta_records"] = first["stats"]["fasta_records"]
     stats["records_in_no_cluster"] = stats["fasta_records"] - stats["members_found"]
     stats["mapping"] = first["stats"]["mapping"]
-    from .checks import sum_stats
     extra: dict = {}
     for d in docs:  # --replace-invalid counters and the characters outside the alphabet
         extra = sum_stats(extra, {k: v for k, v in d["stats"].items() if k not in stats and k not in (

@@ -36,6 +36,12 @@ GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error, IsalError)
 _POSITIONS: dict[str, Callable[[], int]] = {}
 
 
+def track_position(path: str | Path, tell: Callable[[], int]) -> None:
+    """Make ``tell`` the source of ``input_position(path)`` (the reader that opened ``path`` last, or a --workers
+    process's feed: the bytes its parent has read)."""
+    _POSITIONS[str(path)] = tell
+
+
 def input_position(path: str | Path) -> int:
     """Bytes of ``path`` (as stored on disk) read so far by its most recently opened reader; the file size once that
     reader is closed, 0 before it is opened."""
@@ -73,11 +79,11 @@ def open_input(path: str | Path) -> BinaryIO:
             raise FastaError(f"{path}: {kind}-compressed input is not supported (only gzip); decompress it first")
     if head.startswith(GZIP_MAGIC):
         gz = igzip.open(path, "rb")
-        _POSITIONS[str(path)] = gz.fileobj.tell  # the compressed file underneath
+        track_position(path, gz.fileobj.tell)  # the compressed file underneath
         f = io.BufferedReader(gz, buffer_size=1 << 20)
     else:
         f = open(path, "rb", buffering=1 << 20)
-        _POSITIONS[str(path)] = f.tell
+        track_position(path, f.tell)
     # Every supported format is text: a NUL byte in the first block means binary garbage (or an unsupported
     # container), reported as such rather than as a bad first character or a missing header.
     try:
@@ -90,6 +96,15 @@ def open_input(path: str | Path) -> BinaryIO:
         at = block.index(b"\x00")
         raise FastaError(f"{path}: binary data (NUL byte at offset {at}), not a text file")
     return f
+
+
+def numbered_lines(path: str | Path) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line without its LF) of a plain or gzipped file; gzip damage named with the file."""
+    try:
+        with open_input(path) as f:
+            yield from enumerate((raw[:-1] if raw.endswith(b"\n") else raw for raw in f), 1)
+    except GZIP_ERRORS as e:
+        raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
 
 
 def _bad_char_error(path: Path, record_id: str, chunks: list[bytes], starts: list[int], linenos: list[int],

@@ -19,10 +19,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .fasta import GZIP_ERRORS, UTF8_BOM, FastaError, Record, iter_fasta, open_input
-
-# The header of a UniRef50 -> UniRef90 clusters TSV (data_prep/clusters.py), also recognized in a members file.
-TSV_HEADER = ("UR50_cluster_name", "mapped_id")
+from .common import TSV_HEADER
+from .fasta import GZIP_ERRORS, UTF8_BOM, FastaError, Record, iter_fasta, numbered_lines, open_input
 
 
 @dataclass
@@ -40,15 +38,6 @@ def _bad_char(path: Path, line: int, record_id: str, seq: bytes, pos: int) -> st
     char = seq[pos:pos + 4].decode("utf-8", "replace")[0]
     return (f"{path}:{line}: character {char!r} at sequence position {pos + 1} is not in the tokenizer alphabet "
             f"(record {record_id})")
-
-
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, line without its LF) of a plain or gzipped file; gzip damage named with the file."""
-    try:
-        with open_input(path) as f:
-            yield from enumerate((raw[:-1] if raw.endswith(b"\n") else raw for raw in f), 1)
-    except GZIP_ERRORS as e:
-        raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
 
 
 # ---------------------------------------------------------------------------------------------------- OpenGenome2
@@ -70,7 +59,7 @@ def iter_opengenome2(path: Path, ctx: Context) -> Iterator[Record]:
     * any other character (whitespace, non-ASCII, digits) makes the record invalid (``invalid_character``).
     * record id: the ``record`` field when present, else ``<file name>:<line>``.
     """
-    for lineno, line in _lines(path):
+    for lineno, line in numbered_lines(path):
         nbytes = len(line) + 1
         if line.endswith(b"\r"):
             line = line[:-1]
@@ -187,7 +176,7 @@ def load_members(path: Path) -> dict[str, list[str]]:
 
     out: dict[str, list[str]] = {}
     first = True
-    for lineno, line in _lines(path):
+    for lineno, line in numbered_lines(path):
         text = line.decode("utf-8", "replace").rstrip("\r")
         if not text.strip() or text.startswith("#"):
             continue
@@ -327,7 +316,7 @@ def iter_text_lines(path: Path, ctx: Context) -> Iterator[Record]:
         yield from iter_csv_column(path, ctx)
         return
     domain = path.stem
-    for lineno, line in _lines(path):
+    for lineno, line in numbered_lines(path):
         nbytes = len(line) + 1
         if line.startswith(UTF8_BOM):
             line = line[len(UTF8_BOM):]

@@ -40,6 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.data.tokenizer import SEP_ID, VOCAB
+from pipeline.outputs import replace_dir
+
+from .common import BLOCK_SAMPLES, check_output_replaceable
 
 LITERALS = ("A", "C", "G", "U")
 POINTERS = ("T", "N", "R", "Y", "S", "W", "K", "M", "B", "D", "H", "V")  # offset d = index + 1
@@ -85,7 +88,7 @@ def generate(task: HopsTask, seed: int, index: int) -> tuple[np.ndarray, int]:
 
 def read_records(directory: Path) -> set[bytes]:
     """The token bytes of every record in a shard directory (``--exclude``)."""
-    from pipeline.data.shard_reader import read_shard
+    from pipeline.data.shard_reader import read_shard  # torch's import time: see data_prep/workdir.py
     from pipeline.data.shards import load_manifest
 
     manifest = load_manifest(directory)
@@ -99,9 +102,7 @@ def write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int
     (the training set) whose records are skipped, so that a held-out set shares none of them; the skipped draws are
     counted in the manifest (filtered ``in_exclude``) and more are drawn until ``records`` are written. Returns the
     manifest's stats."""
-    from pipeline.data.shards import Manifest, ShardWriter, write_manifest
-
-    from .jobs import BLOCK_SAMPLES, _check_output_replaceable, _replace_dir
+    from pipeline.data.shards import Manifest, ShardWriter, write_manifest  # torch's import time, as above
 
     if records < 1:
         raise SyntheticError(f"--records must be >= 1, got {records}")
@@ -110,7 +111,7 @@ def write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int
     output = Path(output).resolve()
     if output.exists() and not output.is_dir():
         raise SyntheticError(f"output {output} exists and is not a directory")
-    _check_output_replaceable(output, overwrite)
+    check_output_replaceable(output, overwrite)
     tmp = output.with_name(f"{output.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)  # generation is cheap and deterministic: never resumed
     tmp.mkdir(parents=True)
@@ -140,7 +141,7 @@ def write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int
                             shards=shards, filtered={"in_exclude": skipped} if exclude is not None else {},
                             inputs=[{"path": f"{SOURCE}:seed={seed}", "records": i + 1}], stats=stats)
         write_manifest(tmp, manifest)
-        _replace_dir(tmp, output)
+        replace_dir(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -1,6 +1,6 @@
 """data_prep's batch path (data_prep/batch.py) against the per-record path it replaces, and --workers.
 
-The reference is the per-record reader and loop of data_prep/jobs.py (kept for the inputs the batch path hands over)
+The reference is the per-record reader and loop of data_prep/build.py (kept for the inputs the batch path hands over)
 writing per-record shards (format 1, ``BLOCK_SAMPLES = None``): the code path and shard layout of data_prep before
 blocks. Every record (key, tokens, meta), every manifest count and statistic and every filtered.tsv row must be
 equal; only the tar layout differs.
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import jobs
+from data_prep import build, workdir
 from data_prep.__main__ import main
 from pipeline.data.shard_reader import read_clusters, read_shard
 
@@ -55,8 +55,8 @@ def both(tmp_path: Path, monkeypatch, args: list, clusters: bool = False, rc: in
     for name, reference in (("new", False), ("ref", True)):
         with monkeypatch.context() as mp:
             if reference:
-                mp.setattr(jobs, "_batch_reader", lambda *a: None)
-                mp.setattr(jobs, "BLOCK_SAMPLES", None)
+                mp.setattr(build, "batch_reader", lambda *a: None)
+                mp.setattr(workdir, "BLOCK_SAMPLES", None)
             out = tmp_path / name
             assert main([*map(str, args), "--output", str(out)]) == rc
             if capsys is not None:
@@ -211,11 +211,13 @@ def test_windows_and_dedup_take_the_per_record_path(tmp_path):
     """--window / --dedup need each record on its own: no batch reader, the same output as before."""
     from data_prep import SOURCES
     from data_prep.sources import Context
-    enc = jobs.Encoder(SOURCES["rnacentral"], "rna", None)
+    from data_prep.encode import Encoder
+    from data_prep.settings import Settings
+    enc = Encoder(SOURCES["rnacentral"], "rna", None)
     ctx = Context(enc.invalid_positions)
-    assert jobs._batch_reader(SOURCES["rnacentral"], enc, jobs.Settings(), ctx) is not None
-    assert jobs._batch_reader(SOURCES["rnacentral"], enc, jobs.Settings(dedup=True), ctx) is None
-    assert jobs._batch_reader(SOURCES["rnacentral"], enc, jobs.Settings(window=10), ctx) is None
-    assert jobs._batch_reader(SOURCES["opengenome2"], enc, jobs.Settings(), ctx) is None
-    assert np.array_equal(np.frombuffer(b"acgtACGTN".translate(jobs._batch_reader(
-        SOURCES["rnacentral"], enc, jobs.Settings(), ctx).tokens), np.uint8), enc.encode(b"ACGUACGUN"))
+    assert build.batch_reader(SOURCES["rnacentral"], enc, Settings(), ctx) is not None
+    assert build.batch_reader(SOURCES["rnacentral"], enc, Settings(dedup=True), ctx) is None
+    assert build.batch_reader(SOURCES["rnacentral"], enc, Settings(window=10), ctx) is None
+    assert build.batch_reader(SOURCES["opengenome2"], enc, Settings(), ctx) is None
+    assert np.array_equal(np.frombuffer(b"acgtACGTN".translate(build.batch_reader(
+        SOURCES["rnacentral"], enc, Settings(), ctx).tokens), np.uint8), enc.encode(b"ACGUACGUN"))

@@ -226,9 +226,9 @@ def keys_of(out: Path, prefix: str) -> list[str]:
 
 def test_interrupted_run_resumes_byte_identical(sample_one_job, tmp_path, monkeypatch, capsys):
     """Ctrl-C after the 3rd finished shard keeps DIR.partial; the rerun verifies those 3 shards and continues."""
-    from data_prep import jobs
+    from data_prep import workdir
 
-    record = jobs.WorkDir.record
+    record = workdir.WorkDir.record
     calls = []
 
     def interrupt_after_three(self, info):
@@ -239,7 +239,7 @@ def test_interrupted_run_resumes_byte_identical(sample_one_job, tmp_path, monkey
 
     out = tmp_path / "u"
     args = ["uniref", "--input", SAMPLE_FASTA, "--clusters", SAMPLE_TSV, "--output", out, "--shard-size", 25]
-    monkeypatch.setattr(jobs.WorkDir, "record", interrupt_after_three)
+    monkeypatch.setattr(workdir.WorkDir, "record", interrupt_after_three)
     assert run(*args) == 130
     monkeypatch.undo()
     assert not out.exists() and len(list((tmp_path / "u.partial").glob("*.tar"))) == 3

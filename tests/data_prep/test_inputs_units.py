@@ -7,9 +7,12 @@ import json
 import pytest
 
 from data_prep import SOURCES
+from data_prep.checks import PrepError
+from data_prep.common import split_of
+from data_prep.encode import Encoder
 from data_prep.fasta import input_position, iter_fasta
-from data_prep.jobs import Encoder, PrepError, Settings, _settings_doc, split_of
 from data_prep.progress import Progress
+from data_prep.settings import Settings, settings_doc
 
 
 @pytest.mark.parametrize("source,seq,char,want,counts", [
@@ -80,11 +83,11 @@ def test_split_of_is_the_documented_hash():
 def test_fingerprint_of_default_settings_is_unchanged():
     """A work directory left by a version without the input options resumes: at their defaults the new settings
     (and --max-filtered-fraction, which never changes shard bytes) are not part of the fingerprint."""
-    doc = _settings_doc(Settings())
+    doc = settings_doc(Settings())
     assert doc == {"shard_size": 10_000, "min_length": 10, "num_jobs": 1, "job_index": 0, "max_length": None,
                    "strict": False, "dedup": False}
-    assert _settings_doc(Settings(max_filtered_fraction=0.5)) == doc
-    windowed = _settings_doc(Settings(window=100, stride=50, val_fraction=0.1, replace_invalid="N"))
+    assert settings_doc(Settings(max_filtered_fraction=0.5)) == doc
+    windowed = settings_doc(Settings(window=100, stride=50, val_fraction=0.1, replace_invalid="N"))
     assert json.loads(json.dumps(windowed)) == doc | {"window": 100, "stride": 50, "val_fraction": 0.1,
                                                       "replace_invalid": "N"}
-    assert _settings_doc(Settings(window=100, window_tail="align"))["window_tail"] == "align"
+    assert settings_doc(Settings(window=100, window_tail="align"))["window_tail"] == "align"

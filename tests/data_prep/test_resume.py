@@ -2,7 +2,6 @@
 uninterrupted run, without duplicate or partial shards. Input: the real 134 phiX genomes as OpenGenome2 JSONL."""
 import gzip
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,9 +17,27 @@ SHARED = REPO.parent / "shared" / "data"
 PHIX = SHARED / "genome" / "phiX174_variants_134_genomes.fna"
 
 
+# `python -m data_prep` that pauses 0.05 s after each finished shard (WorkDir.record), so that the test can SIGKILL
+# the run at a known point: the pause is patched into the child process only, production code has no hook for it.
+SLOW_SHARDS = """
+import sys, time
+from data_prep import workdir
+from data_prep.__main__ import main
+record = workdir.WorkDir.record
+def slow_record(self, info, split=""):
+    record(self, info, split)
+    time.sleep(0.05)
+workdir.WorkDir.record = slow_record
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def args(src, out):
+    return ["opengenome2", "--input", str(src), "--output", str(out), "--shard-size", "4"]
+
+
 def cmd(src, out):
-    return [sys.executable, "-m", "data_prep", "opengenome2", "--input", str(src), "--output", str(out),
-            "--shard-size", "4"]
+    return [sys.executable, "-m", "data_prep", *args(src, out)]
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/data")
@@ -35,8 +52,8 @@ def test_sigkill_then_rerun_equals_uninterrupted(tmp_path):
     assert ref.returncode == 0, ref.stderr
 
     out = tmp_path / "out"
-    env = dict(os.environ, DATA_PREP_TEST_SHARD_DELAY="0.05")
-    proc = subprocess.Popen(cmd(src, out), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SHARDS, *args(src, out)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
     progress = tmp_path / "out.partial" / "progress.jsonl"
     deadline = time.time() + 60
     while time.time() < deadline:

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from data_prep.__main__ import main
-from data_prep.jobs import split_of, window_spans
+from data_prep.build import window_spans
+from data_prep.common import split_of
 from pipeline.data.shard_reader import read_shard
 from pipeline.data.shards import load_manifest, sha256_file
 
@@ -364,10 +365,10 @@ def test_split_keeps_the_windows_of_a_record_together_and_jobs_agree(tmp_path, c
 
 def test_split_run_resumes_byte_identical(tmp_path, monkeypatch, capsys):
     """Ctrl-C after the 4th finished shard (of both splits) keeps DIR.partial; the rerun verifies and continues."""
-    from data_prep import jobs
+    from data_prep import workdir
     args = ["rnacentral", "--input", SAMPLE, "--val-fraction", 0.3, "--shard-size", 100]
     assert run(*args, "--output", tmp_path / "ref") == 0
-    record = jobs.WorkDir.record
+    record = workdir.WorkDir.record
     calls = []
 
     def interrupt_after_four(self, info, split=""):
@@ -375,7 +376,7 @@ def test_split_run_resumes_byte_identical(tmp_path, monkeypatch, capsys):
         calls.append(split)
         if len(calls) == 4:
             raise KeyboardInterrupt
-    monkeypatch.setattr(jobs.WorkDir, "record", interrupt_after_four)
+    monkeypatch.setattr(workdir.WorkDir, "record", interrupt_after_four)
     out = tmp_path / "out"
     assert run(*args, "--output", out) == 130
     monkeypatch.undo()

@@ -1,6 +1,6 @@
 """Case 2: `data_prep merge` joined jobs that ran with different record-affecting options (job 0 plain, job 1 with
 --dedup: of 2,107 records 526 were missing and 520 twice). Every job now records the options that decide its
-records (data_prep/jobs.py RECORD_OPTIONS) and merge refuses jobs that differ in any, naming the option, its values
+records (data_prep/settings.py RECORD_OPTIONS) and merge refuses jobs that differ in any, naming the option, its values
 and the jobs, and writes nothing. The list is checked against the job CLI itself, so a new option cannot be
 forgotten."""
 import shutil
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import SAMPLE_FASTA
 from data_prep.__main__ import build_parser, main
-from data_prep.jobs import JOB_LOCAL_OPTIONS, RECORD_OPTIONS
+from data_prep.settings import JOB_LOCAL_OPTIONS, RECORD_OPTIONS
 
 # Each record option -> (the value job 1 runs with, the value job 0 runs with as the merge error prints it).
 CASES = {"min_length": (["--min-length", "30"], 10, 30), "max_length": (["--max-length", "200"], None, 200),

@@ -1,0 +1,83 @@
+"""What the data_prep modules share, below all of them but fasta and checks: the names of the files a run writes,
+the record-id split, and the rules for replacing an output directory."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.outputs import OutputDirError, check_output_dir, write_atomic
+
+from .checks import FILTERED, PrepError
+
+# pipeline.data.shards is imported only where shards are written or read: webdataset pulls in torch (~2 s), and
+# argument or output-directory mistakes should be reported at once. Its constants are mirrored here.
+MANIFEST = "manifest.json"  # pipeline.data.shards.MANIFEST
+SHARD_FORMAT = "bioseq-wds/2"  # pipeline.data.shards.FORMAT: shards of blocks of samples
+BLOCK_SAMPLES = 2048  # pipeline.data.shards.BLOCK_SAMPLES
+JOB_MANIFEST_RE = re.compile(r"manifest-job(\d{4})-of-(\d{4})\.json")
+FILTERED_HEADER = ("id", "reason", "input", "line", "detail")
+SPLIT_FILE = "split.json"
+SPLITS = ("train", "val")
+TAILS = ("short", "align", "drop")
+# The header of a UniRef50 -> UniRef90 clusters TSV (data_prep/clusters.py), also recognized in a members file.
+TSV_HEADER = ("UR50_cluster_name", "mapped_id")
+
+# byte -> is an ASCII lowercase letter (soft-masked residues are counted, then upper-cased)
+LOWERCASE = np.zeros(256, dtype=bool)
+LOWERCASE[ord("a"):ord("z") + 1] = True
+LOWERCASE.flags.writeable = False
+
+__all__ = ["FILTERED", "FILTERED_HEADER", "MANIFEST", "SHARD_FORMAT", "BLOCK_SAMPLES", "JOB_MANIFEST_RE",
+           "SPLIT_FILE", "SPLITS", "TAILS", "TSV_HEADER", "LOWERCASE", "job_manifest_name", "job_filtered_name",
+           "split_of", "split_doc", "check_output_replaceable", "write_json"]
+
+
+def job_manifest_name(index: int, count: int) -> str:
+    return f"manifest-job{index:04d}-of-{count:04d}.json"
+
+
+def job_filtered_name(index: int, count: int) -> str:
+    return f"filtered-job{index:04d}-of-{count:04d}.tsv"
+
+
+def split_of(record_id: str, val_fraction: float | None) -> str:
+    """'' without a split, else 'val' or 'train' by sha256 of the record id (data_prep/jobs.py's docstring)."""
+    if val_fraction is None:
+        return ""
+    h = int.from_bytes(hashlib.sha256(record_id.encode("utf-8", "surrogateescape")).digest()[:8], "little")
+    return "val" if h < val_fraction * 2.0 ** 64 else "train"
+
+
+def split_doc(manifests: dict, val_fraction: float, source: str) -> dict:
+    """``split.json`` of a --val-fraction output: the rule and each split's manifest, samples, tokens and records."""
+    return {"source": source, "val_fraction": val_fraction,
+            "by": "sha256(record id)[:8] as a little-endian integer < val_fraction * 2**64 -> val",
+            "splits": {k: {"manifest": f"{k}/{MANIFEST}", "samples": m.total_samples, "tokens": m.total_tokens,
+                           "records": sum(i["records"] for i in m.inputs)} for k, m in manifests.items()}}
+
+
+def _looks_like_output(directory: Path) -> bool:
+    if (directory / MANIFEST).is_file() or (directory / SPLIT_FILE).is_file():
+        return True
+    if any(JOB_MANIFEST_RE.fullmatch(p.name) for p in directory.iterdir()):
+        return True
+    return any((directory / s).is_dir() and ((directory / s / MANIFEST).is_file() or any(
+        JOB_MANIFEST_RE.fullmatch(p.name) for p in (directory / s).iterdir())) for s in SPLITS)
+
+
+def check_output_replaceable(output: Path, overwrite: bool) -> None:
+    """--overwrite replaces the whole directory: refuse a non-empty one without it, one data_prep did not write, and
+    a mount point (the finished output is renamed into place: found now, not after the work)."""
+    try:
+        check_output_dir(output, force=overwrite, owned=_looks_like_output, what="a data_prep output",
+                         tool="data_prep", flag="--overwrite")
+    except OutputDirError as e:
+        raise PrepError(str(e)) from None
+
+
+def write_json(path: Path, doc: dict) -> None:
+    write_atomic(path, json.dumps(doc, indent=1) + "\n")

@@ -1,0 +1,231 @@
+"""``--workers N``: one data_prep run on N processes of this machine, jobs 0..N-1 of ``--num-jobs N`` forked from
+this one, then merged. For the FASTA sources on the batch reader the parent decompresses each input once and feeds
+the workers its chunks of whole records (data_prep/feed.py); each worker's Feed is handed to its job explicitly."""
+from __future__ import annotations
+
+import ctypes
+import gc
+import multiprocessing
+import os
+import queue as queue_mod
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.outputs import replace_dir
+
+from . import Source, batch
+from .checks import PrepError
+from .common import check_output_replaceable
+from .fasta import FastaError, input_position
+from .feed import FEED_DEPTH, Aborted, Feed
+from .jobs import run
+from .merge import merge
+from .settings import Result, Settings
+from .sources import iter_fasta_source, iter_uniref
+
+
+def _fed(source: Source, settings: Settings, kwargs: dict) -> bool:
+    """Whether a --workers run is fed by the parent: the jobs would take the batch reader (build.batch_reader)."""
+    return (source.reader in (iter_fasta_source, iter_uniref) and source.tokenizer in ("nucleotide", "protein")
+            and not settings.dedup and settings.window is None and kwargs.get("members") is None
+            and kwargs.get("clusters") is None)
+
+
+def _headers(text: bytes) -> int:
+    """Lines of ``text`` that start with '>' (text.count(b"\\n>") + 1 for a text that starts with '>', in a third of
+    its time: '>' is rare, so the bytes before the few of them are checked)."""
+    a = np.frombuffer(text, np.uint8)
+    at = np.flatnonzero(a == 62)
+    return int(np.count_nonzero(a[at[at > 0] - 1] == 10)) + int(text[:1] == b">")
+
+
+def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
+    """The parent's side of a fed --workers run: every input the batch reader takes is decompressed here, once, and
+    cut into chunks of whole records (batch.chunks) dealt round-robin to the workers. Raises Aborted when a worker
+    has failed (``failed`` set, or it died; its report says why)."""
+    def put(q, msg):
+        while True:
+            try:
+                q.put(msg, timeout=0.05)
+                return
+            except queue_mod.Full:
+                if failed.is_set() or any(p.exitcode not in (None, 0) for p in procs):
+                    raise Aborted() from None
+
+    n, number = len(feeds), 0
+    for path in inputs:
+        if not batch.starts_with_header(path):
+            continue  # read by every worker itself, record by record (jobs of N)
+        key, first = str(path), 0
+        for text, line in batch.chunks(path, batch.CHUNK):
+            put(feeds[number % n], ("chunk", key, number, text, line, first, input_position(path)))
+            first += _headers(text)
+            number += 1
+        for q in feeds:
+            put(q, ("end", key, first, number))
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM this worker when the process that forked it dies (SIGKILL of the main process, an OOM kill): an
+    orphan would wait on its feed pipe for good and hold its work directory's lock. Linux: the kernel's parent-death
+    signal; elsewhere a thread that watches the parent pid."""
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:  # 1 = PR_SET_PDEATHSIG
+            raise OSError
+    except (OSError, AttributeError):
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _worker(queue, index: int, kwargs: dict, feed: Feed | None = None, parent: int = 0) -> None:
+    """Job ``index`` of a --workers run, in a forked process: its exit status, first error line and the error's rank
+    (Feed.rank; -1 unfed) to the parent. ``feed``: the chunks the parent sends this job (fed runs), handed to
+    ``run``."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    _die_with_parent(parent)
+
+    def rank():
+        if feed is not None:
+            feed.failed.set()  # the parent stops feeding
+            return feed.rank
+        return -1.0
+    try:
+        run(**kwargs, feed=feed)
+    except (PrepError, FastaError, OSError, ValueError) as e:
+        queue.put((index, 1, str(e), rank()))
+        return
+    except Aborted:
+        queue.put((index, 3, "stopped by the parent", float("inf")))
+        return
+    except KeyboardInterrupt:
+        queue.put((index, 130, "interrupted", rank()))
+        return
+    except BaseException as e:  # noqa: BLE001 -- reported by the parent, which owns the output
+        queue.put((index, 2, f"{type(e).__name__}: {e}", rank()))
+        return
+    queue.put((index, 0, "", 0.0))
+
+
+def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list[Path], output: Path,
+                settings: Settings = Settings(), overwrite: bool = False, **kwargs) -> Result:
+    """One data_prep run on ``workers`` processes of this machine: N = workers jobs in forked processes, written
+    into ``DIR.workers-partial``, merged (``merge``) and renamed to ``DIR``: the output is the merged shard directory
+    of the N jobs (their shards ``SOURCE-jKKKK-*.tar`` and job manifests beside the merged manifest.json).
+
+    Fed (FASTA sources on the batch reader: no --dedup, --window, --uniref90-members, --clusters): this process
+    decompresses each input once and deals its chunks of whole records (batch.CHUNK bytes) round-robin to the
+    workers (bounded queues, ``Feed``), which parse, filter, tokenize and write them. The records (keys = global
+    record indices, tokens, meta), filter counts and statistics are those of a 1-process run; the merged manifest
+    lists job 0's shards (chunks 0, N, 2N, ...) then job 1's, and so on, so the sample order is fixed by N and
+    batch.CHUNK; filtered.tsv holds the same rows, grouped the same way. A bad input is reported as the error a
+    single process meets first. Otherwise each job k is exactly ``--num-jobs N --job-index k`` (every process reads
+    every input). A bad input stops every job and leaves nothing; an interrupted run resumes each job's work."""
+    if settings.num_jobs != 1:
+        raise PrepError(f"--workers {workers} runs the jobs of one machine itself: it excludes --num-jobs "
+                        f"{settings.num_jobs}")
+    output = Path(output).resolve()
+    if output.exists() and not output.is_dir():
+        raise PrepError(f"output {output} exists and is not a directory")
+    check_output_replaceable(output, overwrite)
+    # Imported once here, before the fork, not in every worker: webdataset pulls in torch (~2 s). Not at the top of
+    # the module: argument and output-directory mistakes are reported without waiting for it.
+    import pipeline.data.shards  # noqa: F401
+
+    staging = output.with_name(f"{output.name}.workers-partial")
+    made = [p for p in reversed(staging.parents) if not p.exists()]
+    staging.mkdir(parents=True, exist_ok=True)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.SimpleQueue()
+    progress = kwargs.pop("progress", ("auto", 60.0))
+    fed = _fed(source, settings, kwargs)
+    stop = ctx.Event()
+    feeds = [Feed(ctx.Queue(FEED_DEPTH), stop) for _ in range(workers)] if fed else [None] * workers
+    procs = []
+    for k in range(workers):
+        job = dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging,
+                   settings=replace(settings, num_jobs=workers, job_index=k), overwrite=True,
+                   progress=progress if k == 0 else ("off", progress[1]))  # one progress bar: job 0's
+        procs.append(ctx.Process(target=_worker, args=(queue, k, job, feeds[k], os.getpid()), daemon=False))
+    reader_error = None  # (rank, message) of a bad input met by this process while feeding
+    gc.freeze()  # the parent's objects out of the collector: a worker's collections do not copy their pages
+    try:
+        for p in procs:
+            p.start()
+        if fed:
+            paths = [Path(p).resolve() for p in inputs]
+            paths = source.expand(paths) if source.expand is not None else paths
+            try:
+                if all(p.is_file() for p in paths):  # else the workers report it, before they read
+                    _feed_inputs(paths, [f.queue for f in feeds], procs, stop)
+            except (Aborted, FastaError, OSError) as e:
+                if not isinstance(e, Aborted):
+                    reader_error = str(e)
+                for f, p in zip(feeds, procs):
+                    f.queue.cancel_join_thread()  # a stopped worker may leave chunks unread
+                    while p.is_alive():
+                        try:
+                            f.queue.put(("abort",), timeout=0.05)
+                            break
+                        except Exception:  # noqa: BLE001 -- queue.Full: the worker is still busy
+                            continue
+        for p in procs:
+            p.join()
+    except BaseException:
+        for f in feeds:
+            if f is not None:
+                f.queue.cancel_join_thread()  # chunks left unsent must not block this process's exit
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join()
+        raise
+    finally:
+        gc.unfreeze()
+    reports = []
+    while not queue.empty():
+        reports.append(queue.get())
+    reports.sort()
+    status = {k: (rc, msg, rank) for k, rc, msg, rank in reports}
+    failed = [(k, status.get(k, (p.exitcode or 1, f"worker {k} exited with status {p.exitcode}", 0.0))[:2])
+              for k, p in enumerate(procs) if status.get(k, (1, ""))[0] != 0]
+    if reader_error is not None:
+        failed.append((workers, (1, reader_error)))
+    if failed:
+        # the error a single process meets first: the lowest rank (an error while reading ranks after the chunks
+        # already dealt)
+        ranks = {k: status[k][2] if k in status else 0.0 for k, _ in failed}
+        ranks[workers] = float("inf")
+        bad = sorted(((ranks[k], k), rc, msg) for k, (rc, msg) in failed if rc == 1)
+        bad = [(k, rc, msg) for (_, k), rc, msg in bad]
+        if bad:  # bad input: a rerun would fail the same way, so nothing is kept
+            shutil.rmtree(staging, ignore_errors=True)
+            for p in reversed(made):
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+            raise PrepError(bad[0][2])
+        if any(rc == 130 for _, (rc, _) in failed):
+            raise KeyboardInterrupt
+        k, (rc, msg) = min(failed, key=lambda f: f[1][0] == 3)  # not one the parent stopped, if any
+        raise PrepError(f"worker {k} of {workers} failed: {msg}")
+    result = merge(staging)
+    replace_dir(staging, output)
+
+    def moved(path: Path) -> Path:
+        return output / path.relative_to(staging)
+    located = {k: (m, moved(loc)) for k, (m, loc) in result.splits.items()} if result.splits else None
+    return Result(result.manifest, result.records_seen, moved(result.location), located, result.val_fraction)
