@@ -72,13 +72,11 @@ TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym", "mlm", "v
 
 
 def default_depths(cfg) -> list[int]:
-    """The depths evaluated when --depths is not given: the trained R of a RecursiveGPT, the layer count of a standard
-    decoder (its only depth), 1-8 for the other families."""
-    if cfg.family == "recursive_gpt":
-        return [cfg.model.recurrence]
-    if cfg.family == "standard_gpt":
-        return [cfg.model.n_layers]
-    return parse_depths("1-8")
+    """The depths evaluated when --depths is not given: the family's ``Depth.sweep`` (the trained R of a
+    RecursiveGPT, the layer count of a standard decoder, its only depth; 1-8 for the other families)."""
+    from pipeline.families import get_family
+
+    return get_family(cfg.family).depth.sweep(cfg)
 
 
 def read_sequences(path: Path, molecule: str) -> list[np.ndarray]:

@@ -635,6 +635,7 @@ def build_config(raw: dict) -> RunConfig:
     _check(not cfg.data.pack or family.packable, "data.pack",
            f"family {family_name} is a masked LM with per-sequence losses and bidirectional attention; "
            "packing is for the causal LMs (set data.pack: false)")
+    family.check_config(cfg)
     return cfg
 
 

@@ -8,9 +8,10 @@
     pred = inf.predict_masked(["AC<mask>UAGC"], top_k=3)               # per <mask>: the 3 likeliest residues
     emb = inf.embed(seqs, depth=Adaptive(tol=1e-5, max_depth=8))     # .depths: iterations used per sequence
 
-Families: the masked LMs, Eco-RNA (``eco_rna``), its fixed-depth control (``eco_rna_control``) and ProtLingo
-(``protlingo``); the causal text families are refused. ``depth`` applies to Eco-RNA only (the number of core
-iterations); the other families have one depth and refuse an explicit one.
+Families: the masked LMs, those whose spec has ``inference`` hooks (pipeline/families: Eco-RNA, its fixed-depth
+control and ProtLingo); the causal text families are refused. ``depth`` applies to the families whose depth is
+selectable (``Depth.selectable``: Eco-RNA's number of core iterations); the others have one depth and refuse an
+explicit one.
 
 Deterministic like the evaluators: every Eco-RNA call starts from the seed-fixed initial-state table of
 pipeline/eval/reconstruction.py (``state_table(cfg.model, data.context_length, seed)``, seed 0 as
@@ -37,11 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.families import get_family
+from pipeline.families import FAMILIES, get_family
 
 MASK_TEXT = "<mask>"
-MASKED_LM_FAMILIES = ("eco_rna", "eco_rna_control", "protlingo")
-RNA_FAMILIES = ("eco_rna", "eco_rna_control")  # nucleotide tokenizer, RNAGym scoring
 TASK_OF = {"embed": "embed", "predict_masked": "reconstruction", "score_variants": "rnagym"}
 
 
@@ -113,16 +112,10 @@ class _Out:
     row_iterations: int
 
 
-def training_depth(cfg) -> int:
-    """The training depth law's mean depth, rounded (the HF config's default ``num_loops`` too)."""
-    from pipeline.objectives.eco_rna import trained_mean_depth
-
-    return max(1, round(trained_mean_depth(cfg.objective)))
-
-
 def check_family(cfg, source: str):
-    if cfg.family not in MASKED_LM_FAMILIES:
-        raise ValueError(f"{source}: inference supports the masked LMs ({', '.join(MASKED_LM_FAMILIES)}); "
+    if get_family(cfg.family).inference is None:
+        masked = [name for name, spec in FAMILIES.items() if spec.inference is not None]
+        raise ValueError(f"{source}: inference supports the masked LMs ({', '.join(masked)}); "
                          f"{cfg.family} is not one")
 
 
@@ -136,20 +129,12 @@ class Inference:
         self.model = model.to(self.config.device).eval()
         self.tokenizer, self.cfg, self.source = tokenizer, cfg, source
         self.meta = export_meta or {}
-        self.recurrent = cfg.family == "eco_rna"
-        self.pad_id = get_family(cfg.family).pad_id
-        if self.recurrent:
-            from pipeline.eval.reconstruction import state_table
-
-            self.table = state_table(cfg.model, cfg.data.context_length, self.config.seed)  # [C, d]
-        if cfg.family == "protlingo":
-            from pipeline.data.protein_tokenizer import RESIDUES, VOCAB
-
-            self.residue_ids = torch.tensor([VOCAB.index(t) for t in RESIDUES])
-        else:
-            from pipeline.data.tokenizer import NUM_SPECIAL, VOCAB
-
-            self.residue_ids = torch.arange(NUM_SPECIAL, len(VOCAB))
+        self.family = get_family(cfg.family)
+        self.hooks = self.family.inference
+        self.recurrent = self.family.depth.selectable
+        self.pad_id = self.family.pad_id
+        self.prepared = self.hooks.prepare(cfg, self.config.seed)  # e.g. Eco-RNA's initial-state table [C, d]
+        self.residue_ids = self.hooks.residue_ids()
 
     @classmethod
     def from_pretrained(cls, path, **config) -> "Inference":
@@ -170,16 +155,18 @@ class Inference:
 
     # ---- depth ------------------------------------------------------------------------------------------------
     def default_depth(self, task: str) -> int | None:
-        """export.json["task_depths"][task], else :func:`training_depth`; None for the one-depth families."""
+        """export.json["task_depths"][task], else the family's default depth (Depth.default: Eco-RNA's training
+        law's mean, rounded); None for the one-depth families."""
         if not self.recurrent:
             return None
         chosen = self.meta.get("task_depths", {}).get(task)
-        return int(chosen) if chosen is not None else training_depth(self.cfg)
+        return int(chosen) if chosen is not None else self.family.depth.default(self.cfg)
 
     def _depth(self, depth, task: str):
         if not self.recurrent:
             if depth is not None:
-                raise ValueError(f"depth applies to Eco-RNA only; {self.cfg.family} has one depth (pass depth=None)")
+                raise ValueError(f"depth applies to a model of selectable depth (Eco-RNA) only; {self.cfg.family} has "
+                                 "one depth (pass depth=None)")
             return None
         if depth is None:
             return self.default_depth(task)
@@ -197,24 +184,9 @@ class Inference:
         """tokens, mask: [b, L] -> logits, hidden [b, L, ...] on the model's device; ``depth``: int, Adaptive or
         None (resolved by :meth:`_depth`)."""
         tokens, mask = tokens.to(self.config.device), mask.to(self.config.device)
-        if self.recurrent:
-            from pipeline.models.eco_rna import initial_state
-
-            s0 = initial_state(self.cfg.model, mask, table=self.table)  # [b, L, d], zero at padding
-            # a fixed depth K is the adaptive pass that never stops early (tol 0): K iterations for every row
-            tol, k_max = (depth.tol, depth.max_depth) if isinstance(depth, Adaptive) else (0.0, int(depth))
-            out = self.model.adaptive(tokens, mask, s0, tol, k_max)
-            return _Out(out.logits, out.hidden, out.depths.tolist(), out.row_iterations)
-        if self.cfg.family == "eco_rna_control":
-            out = self.model(tokens, mask)
-            return _Out(out.logits, out.state, None, 0)
-        captured = {}  # ProtLingo: the head reads final_norm's output
-        handle = self.model.final_norm.register_forward_hook(lambda m, a, o: captured.setdefault("h", o))
-        try:
-            logits = self.model(tokens, mask).logits
-        finally:
-            handle.remove()
-        return _Out(logits, captured["h"], None, 0)
+        if depth is not None:  # a fixed depth K is the adaptive pass that never stops early (tol 0)
+            depth = (depth.tol, depth.max_depth) if isinstance(depth, Adaptive) else (0.0, int(depth))
+        return _Out(*self.hooks.forward(self.model, self.cfg, self.prepared, tokens, mask, depth))
 
     def _encode(self, seq: str, index: int) -> np.ndarray:
         """One sequence (``<mask>`` allowed) -> framed ids [n] int64; ValueError naming the sequence."""
@@ -301,7 +273,7 @@ class Inference:
         like ``"U6C,C74U"``, 1-based, T read as U; windows of data.context_length for long wild types). ProtLingo:
         ProteinGym's masked marginals (pipeline/eval/proteingym.py; mutants like ``"A1P:D2N"``, 1024-token
         windows)."""
-        if self.cfg.family in RNA_FAMILIES:
+        if self.hooks.variants == "rnagym":
             return self._score_rnagym(wild_type, list(mutants), self._depth(depth, TASK_OF["score_variants"]))
         self._depth(depth, "proteingym")  # refuses an explicit depth
         from pipeline.eval import proteingym

@@ -76,23 +76,5 @@ def check_weights_fit(model: torch.nn.Module, state: dict[str, torch.Tensor], so
 
 
 def tokenizer_for(cfg, export_dir: Path):
-    """The tokenizer the exported model was trained with (module docstring)."""
-    from pipeline.objectives.causal_lm import CausalLMObjectiveConfig
-
-    if issubclass(get_family(cfg.family).objective_cls, CausalLMObjectiveConfig):
-        import sentencepiece
-
-        from pipeline.data.tokenizer import SPM_NAME
-
-        spm = export_dir / SPM_NAME
-        if not spm.is_file():
-            raise ConfigError(f"{export_dir}: no {SPM_NAME}; a text model's export holds its sentencepiece model "
-                              "(tools/convert_checkpoint.py copies it unless --no-tokenizer)")
-        return sentencepiece.SentencePieceProcessor(model_file=str(spm))
-    if cfg.family == "protlingo":
-        from pipeline.data.protein_tokenizer import ProteinTokenizer
-
-        return ProteinTokenizer()
-    from pipeline.data.tokenizer import NucleotideTokenizer
-
-    return NucleotideTokenizer(cfg.data.molecule)
+    """The tokenizer the exported model was trained with (module docstring): the family's ``make_tokenizer``."""
+    return get_family(cfg.family).make_tokenizer(cfg, export_dir)

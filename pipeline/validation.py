@@ -57,7 +57,7 @@ def check_validation(cfg: RunConfig, family: Family) -> list[str]:
                           "or write the training shards with `data_prep ... --val-fraction F` (DIR/train, DIR/val)")
     for i, d in enumerate(dirs):
         key = "data.val_shards" if cfg.data.val_shards is not None else f"data.val_shards (default {d})"
-        check_shards_fit(d, cfg.family, cfg.model.vocab_size, key if len(dirs) == 1 else f"{key}[{i}]")
+        check_shards_fit(d, family, cfg.model.vocab_size, key if len(dirs) == 1 else f"{key}[{i}]")
     return dirs
 
 

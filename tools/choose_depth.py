@@ -92,8 +92,11 @@ def main(argv=None) -> int:
         from pipeline.config import build_config, load_yaml
 
         cfg = build_config(load_yaml(export / "config.yaml"))
-        if cfg.family not in ("eco_rna", "recursive_gpt"):
-            raise ValueError(f"{export}: {cfg.family} has one depth; choose_depth is for eco_rna and recursive_gpt")
+        from pipeline.families import FAMILIES, get_family
+
+        if not get_family(cfg.family).depth.selectable:
+            chosen = ", ".join(name for name, spec in FAMILIES.items() if spec.depth.selectable)
+            raise ValueError(f"{export}: {cfg.family} has one depth; choose_depth is for {chosen}")
         check_depths(depths, cfg, export / "config.yaml", text=args.depths)
         trained = load_trained_model(export)
         from launchers import evaluate

@@ -52,11 +52,10 @@ from pipeline.eval.cli import TRUST_FLAG, TRUST_HELP  # noqa: E402
 
 
 def text_family(cfg) -> bool:
-    """Whether the family reads sentencepiece text (its objective is the causal LM's)."""
+    """Whether the family reads sentencepiece text (its spec's ``text``)."""
     from pipeline.families import get_family
-    from pipeline.objectives.causal_lm import CausalLMObjectiveConfig
 
-    return issubclass(get_family(cfg.family).objective_cls, CausalLMObjectiveConfig)
+    return get_family(cfg.family).text
 
 
 def find_tokenizer(cfg, spm: Path | None, skip: bool) -> tuple[Path | None, dict | None]:
@@ -147,6 +146,8 @@ def _cell(v) -> str:
 def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, weights_only: bool,
                tokenizer: dict | None) -> str:
     """README.md of the export (module docstring)."""
+    from pipeline.families import get_family
+
     step = meta.get("step", "unknown")
     run, uri = meta.get("mlflow_run_id"), meta.get("mlflow_tracking_uri")
     lines = [f"# {cfg.family} export of {tag_dir.parent.parent.name}, step {step}", "",
@@ -159,9 +160,9 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
                      f"- data manifest ({name}): `{path}` not found at export time (no hash)")
     if tokenizer and tokenizer.get("sha256"):
         lines.append(f"- tokenizer: `{tokenizer.get('model')}` sha256 `{tokenizer['sha256']}`")
-    if cfg.family == "eco_rna" and hf_cfg is not None:
-        lines.append(f"- default depth (config.json num_loops): {hf_cfg.num_loops} core iterations (the trained mean "
-                     f"depth, rounded); initial state: the evaluation table, seed {hf_cfg.state_seed}")
+    export = get_family(cfg.family).hf_export()
+    card, usage = export.card(hf_cfg) if export is not None and fmt == "pipeline" else ([], [])
+    lines += card
     lines += ["", "## Evaluation results found beside the checkpoint", ""]
     results = evaluation_results(tag_dir)
     if not results:
@@ -179,24 +180,21 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
     lines += ["", "## What was trusted", "",
               f"The DeepSpeed checkpoint was read by {how}. This export holds no pickle: model.safetensors (tensors "
               "only) and JSON/YAML/text files; loading it, with either snippet below, executes no code from the "
-              "directory (no trust_remote_code: the model classes are this repository's pipeline/hf.py or "
+              "directory (no trust_remote_code: the model classes are this repository's pipeline/families/*_hf.py or "
               "transformers' own).", "", "## How to load", "", "```python", "import pipeline",
               "model, tokenizer = pipeline.load_pretrained(\"EXPORT_DIR\")  # pipeline module + its tokenizer", ""]
-    if fmt == "esm":
-        lines += ["from transformers import AutoTokenizer, EsmForMaskedLM  # a standard ESM-2 directory",
-                  "model = EsmForMaskedLM.from_pretrained(\"EXPORT_DIR\")",
-                  "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\")"]
-    elif cfg.family in ("recursive_gpt", "standard_gpt"):
+    if fmt != "pipeline":  # another library's directory: its own loading code
+        lines += list(export.foreign_usage)
+    elif export is not None and export.causal:
         lines += ["import pipeline.hf  # registers the classes with the Auto classes",
                   "from transformers import AutoModelForCausalLM",
                   "model = AutoModelForCausalLM.from_pretrained(\"EXPORT_DIR\")",
-                  "out = model.generate(input_ids, max_new_tokens=20, do_sample=False)  # ids from tokenizer.model"]
-    elif hf_cfg is not None:
+                  "out = model.generate(input_ids, max_new_tokens=20, do_sample=False)  # ids from tokenizer.model",
+                  *usage]
+    elif export is not None:
         lines += ["import pipeline.hf  # registers the classes with the Auto classes",
                   "from transformers import AutoModelForMaskedLM",
-                  "model = AutoModelForMaskedLM.from_pretrained(\"EXPORT_DIR\")"]
-        if cfg.family == "eco_rna":
-            lines.append("out = model(input_ids, attention_mask, num_loops=8, output_hidden_states=True)")
+                  "model = AutoModelForMaskedLM.from_pretrained(\"EXPORT_DIR\")", *usage]
     else:
         lines.append(f"# {cfg.family} has no Hugging Face classes: pipeline.load_pretrained only")
     return "\n".join(lines + ["```", ""])
@@ -247,12 +245,11 @@ def main(argv=None) -> int:
         spm, tokenizer = find_tokenizer(cfg, args.spm, args.no_tokenizer)  # before any long work
         require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
         from pipeline import hf  # imports transformers (seconds): after the checks that refuse at once
+        from pipeline.families import get_family
 
-        try:
-            hf_cfg = hf.hf_config(cfg)
-        except ValueError:  # a family without Hugging Face classes (eco_rna_control): pipeline files only
-            hf_cfg = None
-        fmt = "esm" if cfg.family == "protlingo" and hf.is_dense_esm(cfg.model) else "pipeline"
+        export = get_family(cfg.family).hf_export()  # None: a family without HF classes, pipeline files only
+        hf_cfg = hf.hf_config(cfg) if export is not None else None
+        fmt = hf.export_format(cfg)
         weights_only = any(tag_dir.glob(EXPERT_FILES))  # MoE checkpoints: read with weights_only=True
         bar = progress(total=4, desc="convert", unit="step")  # re-totalled once the tensors are known
         bar.set_postfix_str("loading the checkpoint")
@@ -268,8 +265,8 @@ def main(argv=None) -> int:
             t = state[name]
             state[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
             bar.update()
-        if fmt == "esm":
-            state = hf.esm_state_dict(state, cfg.model)  # transformers' EsmForMaskedLM names
+        if fmt != "pipeline":
+            state = export.to_foreign(state, cfg.model)  # e.g. transformers' EsmForMaskedLM names
         tmp = staging_dir(out)  # creates e.g. exports/, as the training's summary suggests
         bar.set_postfix_str(f"writing {EXPORTED_WEIGHTS}")
         from safetensors.torch import save_file
@@ -283,11 +280,8 @@ def main(argv=None) -> int:
             hf_cfg.save_pretrained(str(tmp))  # config.json
         if spm is not None:
             shutil.copy(spm, tmp / tokenizer["model"])
-        if cfg.family == "protlingo":  # the ESM-2 alphabet as EsmTokenizer reads it: vocab.txt, tokenizer_config
-            from transformers import EsmTokenizer
-
-            (tmp / "vocab.txt").write_text("\n".join(hf.esm_vocab()) + "\n")
-            EsmTokenizer(str(tmp / "vocab.txt")).save_pretrained(str(tmp))
+        if export is not None and export.write_tokenizer is not None:  # e.g. the ESM-2 alphabet for EsmTokenizer
+            export.write_tokenizer(tmp)
         keep = {k: meta.get(k) for k in ("step", "world_size", "mlflow_run_id", "mlflow_tracking_uri")}
         (tmp / "export.json").write_text(json.dumps(
             {"source": str(tag_dir), **keep, "tokenizer": tokenizer, "format": fmt, "dtype": args.dtype,

@@ -141,23 +141,16 @@ def param_shapes(cfg) -> list[tuple[str, int]]:
 
 def module_calls(cfg, k_max: int) -> dict[str, tuple[int, int]]:
     """{top-level parameter prefix: (forward calls, backward calls)} of one microbatch; prefixes not named: (1, 1).
-
-    Eco-RNA (pipeline/models/eco_rna.py): the tied embedding reads the tokens and is the head of the terminal readout
-    (and of the no-grad anchor readout), the core runs K_max wavefront steps of which the last W are differentiated,
-    the readout runs for the terminal state (and, without grad, for the anchor state). RecursiveGPT: the shared block
-    runs R times with all of them differentiated; each step's norms once. ESM2 / ProtLingo and the fixed-depth models:
-    every module once; their heads are tied to the embedding (a second use of its weight).
+    The family's ``Scaling.module_calls`` (e.g. Eco-RNA's core runs K_max wavefront steps of which the last W are
+    differentiated; RecursiveGPT's shared block runs R times; tied heads are a second use of the embedding).
     tests/tools/test_scaling.py counts the real calls with module hooks and checks these."""
-    family, obj = cfg.family, cfg.objective
-    if family == "eco_rna":
-        anchor = int(obj.lambda_anchor > 0 and obj.anchor_depth is not None)
-        window = min(k_max, obj.backward_window) if obj.backward_window else k_max
-        return {"embed": (2 + anchor, 2), "core": (k_max, window), "readout": (1 + anchor, 1)}
-    if family == "recursive_gpt":
-        return {"block": (k_max, k_max)}
-    if family in ("eco_rna_control", "protlingo"):
-        return {"embed": (2, 2)}
-    return {}
+    return _scaling(cfg).module_calls(cfg, k_max)
+
+
+def _scaling(cfg):
+    from pipeline.families import get_family
+
+    return get_family(cfg.family).scaling
 
 
 def _calls(calls: dict, name: str) -> tuple[int, int]:
@@ -165,22 +158,9 @@ def _calls(calls: dict, name: str) -> tuple[int, int]:
 
 
 def depth_law(cfg, rows: int) -> tuple[float, list[tuple[int, float]]]:
-    """(E[K_max] over ``rows`` iid depth draws, [(K, P(K))]): Eco-RNA's training law (Eq. 12, its cap), the trained
-    recurrence R for RecursiveGPT, one depth otherwise."""
-    if cfg.family == "recursive_gpt":
-        return float(cfg.model.recurrence), [(cfg.model.recurrence, 1.0)]
-    if cfg.family != "eco_rna":
-        return 1.0, [(1, 1.0)]
-    from pipeline.objectives.eco_rna import depth_pmf
-
-    pmf = depth_pmf(cfg.objective)
-    # E[max] = sum_{k >= 0} P(max > k) = sum_k (1 - F(k)^rows), F(k) = P(K <= k)
-    e_max, cdf = 0.0, 0.0
-    probs = dict(pmf)
-    for k in range(pmf[-1][0]):
-        cdf = min(1.0, cdf + probs.get(k, 0.0))
-        e_max += 1.0 - cdf ** rows
-    return e_max, pmf
+    """(E[K_max] over ``rows`` iid depth draws, [(K, P(K))]): the family's ``Scaling.depth_law`` (Eco-RNA's training
+    law, Eq. 12 and its cap; the trained recurrence R for RecursiveGPT; one depth otherwise)."""
+    return _scaling(cfg).depth_law(cfg, rows)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -192,21 +172,10 @@ def _is_expert(name: str) -> bool:
 
 def _activation_bytes(cfg, tokens: int, k_max: float, act_bytes: int) -> float:
     """Activations autograd keeps for one microbatch of ``tokens`` positions (module docstring), bytes."""
-    m, family = cfg.model, cfg.family
+    m = cfg.model
     d = m.d_model
-    if family in ("eco_rna", "eco_rna_control"):
-        d_kv, d_ff, gated, sandwich = m.d_kv, m.d_ff, True, True
-        if family == "eco_rna":
-            window = min(k_max, cfg.objective.backward_window or k_max)
-            blocks = m.n_prelude + m.n_coda + window * m.n_core
-        else:
-            blocks = m.n_blocks
-    elif family in ("recursive_gpt", "standard_gpt"):
-        d_kv, d_ff, gated, sandwich = d, m.d_ff, False, False
-        blocks = k_max if family == "recursive_gpt" else m.n_layers
-    else:  # protlingo: ESM2 layers (GELU MLP; an MoE layer runs the shared and one routed expert, together d_ff)
-        d_kv, d_ff, gated, sandwich = d, m.d_ff, False, False
-        blocks = m.n_layers
+    shape, blocks = _scaling(cfg).blocks(cfg, k_max)
+    d_kv, d_ff, gated, sandwich = shape.d_kv, shape.d_ff, shape.gated, shape.sandwich
     per_token_block = 6 * d + 2 * d_kv + (3 if gated else 2) * d_ff + (2 * d if sandwich else 0)
     logits = tokens * m.vocab_size * 4 * 2  # fp32 logits and their gradient
     if cfg.train.activation_checkpointing == "blocks":  # each block keeps its input; one block's are rebuilt at a time
@@ -215,20 +184,9 @@ def _activation_bytes(cfg, tokens: int, k_max: float, act_bytes: int) -> float:
 
 
 def _train_flops_per_sequence(cfg, pmf: list) -> tuple[float, float]:
-    """(mean, variance) of the training FLOPs of one sequence (forward + backward), from the config's own counts;
-    Eco-RNA's vary with the sequence's drawn depth K."""
-    m, L = cfg.model, cfg.data.context_length
-    if cfg.family == "eco_rna":
-        obj = cfg.objective
-        anchor = obj.lambda_anchor > 0 and obj.anchor_depth is not None
-        per_k = [(p, m.train_flops([k], L, obj.backward_window, n_anchor_readouts=int(anchor and k > obj.anchor_depth)))
-                 for k, p in pmf]
-        mean = sum(p * f for p, f in per_k)
-        return mean, sum(p * (f - mean) ** 2 for p, f in per_k)
-    if cfg.family == "eco_rna_control":
-        return m.train_flops([1], L, 1), 0.0
-    depth = pmf[0][0] if cfg.family == "recursive_gpt" else None
-    return 3 * m.forward_flops(length=L, depth=depth), 0.0
+    """(mean, variance) of the training FLOPs of one sequence (forward + backward), from the config's own counts
+    (the family's ``Scaling.train_flops``; Eco-RNA's vary with the sequence's drawn depth K)."""
+    return _scaling(cfg).train_flops(cfg, pmf)
 
 
 def expected_max_normal(n: int) -> float:
@@ -250,7 +208,7 @@ def zero3_keeps_gathered(cfg, zero: dict, partitioned: int) -> bool:
     cover the partitioned parameters. Eco-RNA's per-step K_max breaks the sequence unless objective.fixed_wavefront
     (or a fixed depth) holds the core's call count; then each parameter is gathered once per microbatch. Otherwise
     every call gathers again (exact with stage3_max_reuse_distance 0; an upper bound in between)."""
-    stable = cfg.family != "eco_rna" or cfg.objective.fixed_wavefront or cfg.objective.depth_law == "fixed"
+    stable = not _scaling(cfg).per_step_depth(cfg)
     window = min(float(zero.get("stage3_max_reuse_distance", 1e9)), float(zero.get("stage3_max_live_parameters", 1e9)))
     return stable and window >= partitioned
 
@@ -278,8 +236,10 @@ def plan(cfg, ds_config: dict, gpus: int, hw: Hardware = Hardware(), ep: int | N
     L = cfg.data.context_length
     tokens = micro * L
     exp_k_max, pmf = depth_law(cfg, micro * gpus)
-    if cfg.family == "eco_rna" and cfg.objective.fixed_wavefront:  # k_cap steps in every microbatch
-        exp_k_max = float(cfg.objective.train_depth if cfg.objective.depth_law == "fixed" else cfg.objective.k_cap)
+    scaling = _scaling(cfg)
+    wavefront = scaling.wavefront_depth(cfg)
+    if wavefront is not None:  # a fixed wavefront: the same number of core steps in every microbatch
+        exp_k_max = wavefront
     k_list = [float(k) for k in k_max] if k_max else [exp_k_max] * ga
     bf16 = ds_config.get("bf16", {}).get("enabled", False)
     w_bytes = 2 if bf16 else 4
@@ -348,7 +308,7 @@ def plan(cfg, ds_config: dict, gpus: int, hw: Hardware = Hardware(), ep: int | N
         mode = ("kept gathered for the whole microbatch (a call sequence that repeats, reuse distance covering the "
                 "partitioned parameters)" if keep else "re-gathered at every module call (an upper bound when "
                 "stage3_max_reuse_distance > 0: measured 0.74 of it with a per-step K_max, docs/scaling.md; "
-                "objective.fixed_wavefront keeps the core gathered)" if cfg.family == "eco_rna" else
+                "objective.fixed_wavefront keeps the core gathered)" if scaling.drawn_depth else
                 "re-gathered at every module call")
         share = f"; the shared block's re-gathers are {core / (fwd + bwd):.0%} of them" if core and not keep else ""
         note = (note + "; " if note else "") + f"ZeRO-3 parameters {mode}{share}"
@@ -397,7 +357,7 @@ def plan(cfg, ds_config: dict, gpus: int, hw: Hardware = Hardware(), ep: int | N
         note = (note + "; " if note else "") + (
             f"the slowest of {gpus} ranks computes {slowest / flops - 1:.0%} more than the mean (per-sequence depths)")
     return Plan(cfg.family, gpus, nodes, stage, ep, micro, ga, L,
-                exp_k_max if cfg.family == "eco_rna" else None, int(n_rank), traffic, memory, flops, compute, comm_s, step,
+                exp_k_max if scaling.drawn_depth else None, int(n_rank), traffic, memory, flops, compute, comm_s, step,
                 compute / step if step else 1.0, gpus * micro * ga * L / step if step else 0.0, note)
 
 

@@ -56,17 +56,18 @@ def is_export(tag_dir: Path) -> bool:
 
 
 def export_state_names(state: dict, export_dir: Path) -> dict[str, torch.Tensor]:
-    """An export's tensors under the pipeline's names: an ESM-format export (export.json "format": "esm", a dense
-    ProtLingo written as transformers' EsmForMaskedLM) is mapped back (protlingo.hf_to_protlingo, which drops the
-    contact head and the rotary buffer); pipeline-format exports are returned as they are."""
+    """An export's tensors under the pipeline's names: an export in a foreign format (export.json "format" other
+    than "pipeline", e.g. a dense ProtLingo written as transformers' EsmForMaskedLM) is mapped back by its family's
+    ``read_export``; pipeline-format exports are returned as they are."""
     meta = export_dir / "export.json"
-    if not meta.is_file() or json.loads(meta.read_text()).get("format", "pipeline") != "esm":
+    fmt = json.loads(meta.read_text()).get("format", "pipeline") if meta.is_file() else "pipeline"
+    if fmt == "pipeline":
         return state
-    from pipeline.models.protlingo import hf_to_protlingo
-
-    n_layers = len({k.split(".")[3] for k in state if k.startswith("esm.encoder.layer.")})
+    family = get_family(load_yaml(export_dir / "config.yaml").get("family"))
     try:
-        return hf_to_protlingo(state, n_layers)
+        if family.read_export is None:
+            raise ValueError(f"format {fmt!r}: the {family.name} family writes pipeline-format exports only")
+        return family.read_export(fmt, state)
     except ValueError as e:
         raise ConfigError(f"{export_dir / EXPORTED_WEIGHTS}: {e}") from None
 

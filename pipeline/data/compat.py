@@ -3,11 +3,13 @@
 A shard directory's manifest names the tokenizer its ids come from (``tokenizer`` entry, written by data_prep):
 
 * ``{"name": "nucleotide", "vocab": [23 tokens], "alphabet": ...}`` (rnacentral, opengenome2, fasta): the ids of
-  pipeline/data/tokenizer.py, read by the Eco-RNA families (``eco_rna``, ``eco_rna_control``; |V| = 23);
+  pipeline/data/tokenizer.py, read by the Eco-RNA families (|V| = 23);
 * ``{"name": "esm", "vocab": [33 tokens]}`` (uniref): the ESM-2 ids of pipeline/data/protein_tokenizer.py, read by
-  ``protlingo`` (|V| = 33);
+  ProtLingo (|V| = 33);
 * ``{"name": "sentencepiece", "vocab_size": V, "pad_id": 0, "bos_id": 1, "eos_id": 2, "unk_id": 3, ...}``
-  (babylm --spm): a sentencepiece model's ids, read by the causal LMs (``recursive_gpt``, ``standard_gpt``).
+  (babylm --spm): a sentencepiece model's ids, read by the causal LMs (RecursiveGPT, StandardGPT).
+
+Which kind a family reads is its spec's ``tokenizer`` (pipeline/families).
 
 Shards fit a model when their tokenizer is the family's kind, its id table is the one this code numbers by (the
 character vocabularies must equal ours entry for entry; a sentencepiece model must use our special ids) and every
@@ -26,15 +28,6 @@ from pipeline.errors import ConfigError
 from pipeline.data import protein_tokenizer, tokenizer
 from pipeline.data.shards import MANIFEST, Manifest, ShardError, load_manifest
 
-# Family -> the tokenizer kind its model reads (the manifest's tokenizer "name"). A family missing here is refused
-# by check_shards_fit: register its kind when the family is registered (pipeline/families.py).
-FAMILY_TOKENIZERS = {
-    "eco_rna": "nucleotide",
-    "eco_rna_control": "nucleotide",
-    "protlingo": "esm",
-    "recursive_gpt": "sentencepiece",
-    "standard_gpt": "sentencepiece",
-}
 # What each kind is and which data_prep command writes it: the error says how to get fitting shards.
 KINDS = {
     "nucleotide": ("nucleotide", "python -m data_prep rnacentral|opengenome2|fasta"),
@@ -72,10 +65,11 @@ def shard_vocab(manifest: Manifest, where: str | Path) -> tuple[str, int]:
     return kind, size
 
 
-def check_shards_fit(spec: str | Path, family: str, vocab_size: int, key: str) -> None:
+def check_shards_fit(spec: str | Path, family, vocab_size: int, key: str) -> None:
     """Refuse a source whose shards the model cannot read: ConfigError ``KEY: SPEC: ...`` (one line naming the
     config key, e.g. ``data.train_shards`` or ``data.sources[rna].shards``, and the shard directory) when the
-    manifest's tokenizer is not the kind ``family`` reads, or has more ids than ``vocab_size`` (model.vocab_size).
+    manifest's tokenizer is not the kind ``family`` reads (``family``: the model family's spec,
+    pipeline.families.Family, read for its ``name`` and ``tokenizer`` kind; this layer does not import it), or has more ids than ``vocab_size`` (model.vocab_size).
     A missing or unreadable manifest, or a tokenizer entry this code does not know, raises load_manifest's
     FileNotFoundError / ShardError naming the manifest. Brace-URL specs have no manifest: nothing is checked (the
     loader checks each id as it reads, see the module docstring)."""
@@ -84,10 +78,10 @@ def check_shards_fit(spec: str | Path, family: str, vocab_size: int, key: str) -
     spec = str(spec)
     if is_url_pattern(spec):
         return
-    want = FAMILY_TOKENIZERS.get(family)
-    if want is None:
-        raise ConfigError(f"family: {family!r} has no tokenizer kind registered in pipeline/data/compat.py "
-                          f"FAMILY_TOKENIZERS (known: {', '.join(sorted(FAMILY_TOKENIZERS))})")
+    want = family.tokenizer
+    if want not in KINDS:
+        raise ConfigError(f"family: {family.name}'s tokenizer kind {want!r} is not one the loader knows (known: "
+                          f"{', '.join(KINDS)})")
     manifest = load_manifest(spec)
     kind, n = shard_vocab(manifest, Path(spec) / MANIFEST)
     if kind != want:

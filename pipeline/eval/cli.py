@@ -7,7 +7,6 @@ or directory it is about, so a command prints it as one ``error:`` line.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -49,26 +48,13 @@ def parse_depths(text: str, flag: str = "--depths", maximum: int = PARSE_LIMIT, 
 
 
 def trained_depth(cfg) -> tuple[int, str]:
-    """(the deepest depth the model was trained at, which config key says so).
+    """(the deepest depth the model was trained at, which config key says so): the family's ``Depth.trained``
+    (Eco-RNA: the depth law's truncation ``objective.k_cap``, ``objective.train_depth`` for a fixed law, the
+    fixed-depth control's 1; RecursiveGPT: ``objective.train_depth`` or its recurrence R; the one-depth families:
+    their layer count)."""
+    from pipeline.families import get_family
 
-    Eco-RNA: the depth law's truncation ``objective.k_cap`` (``objective.train_depth`` for ``depth_law: fixed``, the
-    fixed-depth control's 1); without a k_cap, 8 x ``objective.mu_k``. RecursiveGPT: ``objective.train_depth`` or its
-    recurrence R. Other families have one depth: the layer count (standard decoder, ProtLingo) or 1."""
-    obj, model = cfg.objective, cfg.model
-    law = getattr(obj, "depth_law", None)
-    if law == "fixed":
-        return int(obj.train_depth), f"objective.train_depth {obj.train_depth}"
-    if law is not None:
-        if obj.k_cap is not None:
-            return int(obj.k_cap), f"objective.k_cap {obj.k_cap}"
-        return max(int(obj.k_min), math.ceil(8 * obj.mu_k)), f"8 x objective.mu_k {obj.mu_k} (no k_cap)"
-    if getattr(model, "recurrence", None):
-        td = getattr(obj, "train_depth", None)
-        return (int(td), f"objective.train_depth {td}") if td else (model.recurrence,
-                                                                     f"model.recurrence {model.recurrence}")
-    if getattr(model, "n_layers", None):
-        return int(model.n_layers), f"model.n_layers {model.n_layers}"
-    return 1, "no recurrence"
+    return get_family(cfg.family).depth.trained(cfg)
 
 
 def max_depth(cfg) -> tuple[int, str]:

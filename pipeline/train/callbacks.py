@@ -12,7 +12,7 @@ Collectives per step, in order, on every rank (a rank that made another sequence
     3. Validation (on its cadence): the held-out batches in lockstep and one all-reduce of their sums
     4. StopOnRequest: one all-reduce (MAX) of the stop flag
     5. the checkpoint save, when one is due (pipeline/checkpoint/io.py lists its collectives)
-Every other hook is local. The Tracker's start made its own broadcast at setup (pipeline/tracking.py).
+Every other hook is local. The Tracker's start made its own broadcast at setup (pipeline/tracking/tracker.py).
 """
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ class SamplesFile(Callback):
 
 
 class Track(Callback):
-    """MLflow (pipeline/tracking.py): the step record every tracking.every steps, at the last step and with every
+    """MLflow (pipeline/tracking/tracker.py): the step record every tracking.every steps, at the last step and with every
     validation; at the end metrics.jsonl (a finished run) and the run's status. The tracker never stalls training."""
 
     def on_step_end(self, trainer, rec):

@@ -66,7 +66,7 @@ class RunPlan:
         self.dataset_samples = 0  # one epoch: every sample of every source once (for train.max_epochs)
         for key, spec in self.shard_specs():
             # The shards' tokenizer (manifest) must be the one this family reads, with ids inside model.vocab_size.
-            check_shards_fit(spec, cfg.family, cfg.model.vocab_size, key)
+            check_shards_fit(spec, self.family, cfg.model.vocab_size, key)
             shards = resolve_shards(spec)  # reads the manifest (or, for brace URLs, every tar once)
             n = len(shards)
             self.dataset_samples += sum(sh.samples for sh in shards)

@@ -11,6 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from checkpoint_factory import tiny_config  # noqa: E402
 
 import pipeline.hf as hf  # noqa: E402
+from pipeline.families import eco_rna_hf as eco_hf  # noqa: E402
+from pipeline.families import gpt_hf, protlingo_hf  # noqa: E402
+from pipeline.objectives.eco_rna import trained_mean_depth  # noqa: E402
 from pipeline.families import get_family  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def eco_rna(tmp_path, seed=0):
     cfg = tiny_config(tmp_path)
     torch.manual_seed(seed)
-    model = hf.EcoRNAForMaskedLM(hf.hf_config(cfg)).eval()
+    model = eco_hf.EcoRNAForMaskedLM(hf.hf_config(cfg)).eval()
     with torch.no_grad():  # away from the identity-initialized maps, so that every loop changes the state
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -48,7 +51,7 @@ def test_eco_rna_hidden_states_are_every_block_and_loop(tmp_path):
         assert torch.allclose(logits, per_k[k], atol=1e-6, rtol=0)
     assert torch.allclose(per_k[K], plain.logits, atol=1e-6, rtol=0)
     assert not torch.allclose(per_k[1], per_k[K])  # depth matters: num_loops is not ignored
-    base = hf.EcoRNAModel(model.config)
+    base = eco_hf.EcoRNAModel(model.config)
     base.load_state_dict(model.state_dict())
     with torch.no_grad():
         feats = base(ids, mask, num_loops=K).last_hidden_state
@@ -60,14 +63,14 @@ def test_trained_mean_depth_is_the_depth_laws_mean(tmp_path):
 
     cfg = tiny_config(tmp_path)
     draws = sample_depths(200_000, cfg.objective, torch.Generator().manual_seed(0)).double()
-    assert abs(hf.trained_mean_depth(cfg.objective) - float(draws.mean())) < 0.02  # 4 standard errors
+    assert abs(trained_mean_depth(cfg.objective) - float(draws.mean())) < 0.02  # 4 standard errors
     assert hf.hf_config(cfg).num_loops == round(float(draws.mean()))
 
 
 def test_recursive_gpt_generate_is_greedy_argmax(tmp_path):
     cfg = tiny_config(tmp_path, "recursive_gpt")
     torch.manual_seed(0)
-    model = hf.RecursiveGPTForCausalLM(hf.hf_config(cfg)).eval()
+    model = gpt_hf.RecursiveGPTForCausalLM(hf.hf_config(cfg)).eval()
     ids = torch.randint(4, 300, (2, 5))
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -82,9 +85,9 @@ def test_registration_and_import_cost():
 
     hf.register()
     hf.register()  # idempotent
-    assert type(AutoConfig.for_model("eco_rna")) is hf.EcoRNAConfig
-    assert AutoModelForMaskedLM._model_mapping[hf.ProtLingoConfig] is hf.ProtLingoForMaskedLM
-    assert AutoModelForCausalLM._model_mapping[hf.StandardGPTConfig] is hf.StandardGPTForCausalLM
+    assert type(AutoConfig.for_model("eco_rna")) is eco_hf.EcoRNAConfig
+    assert AutoModelForMaskedLM._model_mapping[protlingo_hf.ProtLingoConfig] is protlingo_hf.ProtLingoForMaskedLM
+    assert AutoModelForCausalLM._model_mapping[gpt_hf.StandardGPTConfig] is gpt_hf.StandardGPTForCausalLM
     proc = subprocess.run([sys.executable, "-c", "import sys, pipeline; "
                            "assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)"],
                           cwd=REPO, capture_output=True, text=True)
@@ -105,7 +108,7 @@ def test_dense_protlingo_is_an_esm_directory(tmp_path):
     torch.manual_seed(1)
     net = get_family("protlingo").build_model(cfg.model).eval()
     (tmp_path / "esm").mkdir()
-    save_file(hf.esm_state_dict(net.state_dict(), cfg.model), str(tmp_path / "esm" / "model.safetensors"),
+    save_file(protlingo_hf.esm_state_dict(net.state_dict(), cfg.model), str(tmp_path / "esm" / "model.safetensors"),
               metadata={"format": "pt"})
     hf.hf_config(cfg).save_pretrained(str(tmp_path / "esm"))
     esm, info = EsmForMaskedLM.from_pretrained(str(tmp_path / "esm"), output_loading_info=True)

@@ -135,7 +135,7 @@ def test_one_depth_families_refuse_a_depth_and_causal_lms_are_refused(tmp_path):
                        "model.moe_layers=[1]", "model.moe_shared_hidden=32", "model.memory_layers=[0]",
                        f"run_dir={tmp_path / 'run'}", f"data.train_shards={tmp_path / 'no_shards'}"])
     prot = Inference.from_pretrained(write_export(tmp_path / "prot", cfg))
-    with pytest.raises(ValueError, match="depth applies to Eco-RNA only; protlingo has one depth"):
+    with pytest.raises(ValueError, match="protlingo has one depth"):
         prot.embed(["MKTAYIAK"], depth=2)
     emb = prot.embed(["MKTAYIAK", "MKT"], per_token=True)
     assert emb.depths is None and [t.shape[0] for t in emb.per_token] == [8, 3]

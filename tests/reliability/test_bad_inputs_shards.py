@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline" / "data"
 
 from pipeline.config import ConfigError  # noqa: E402
 from pipeline.data.compat import check_shards_fit  # noqa: E402
+from pipeline.families import get_family  # noqa: E402
 from pipeline.data.loader import ShardStream, make_loader  # noqa: E402
 from pipeline.data.shards import ShardError  # noqa: E402
 from pipeline.data.streams import resolve_shards  # noqa: E402
@@ -42,7 +43,7 @@ def read_all(directory: Path, workers: int = 0):
 
 def fit(directory: Path):
     resolve_shards.cache_clear()  # the manifest is read once per process and spec; these tests rewrite it in place
-    check_shards_fit(directory, "eco_rna", VOCAB, "data.train_shards")
+    check_shards_fit(directory, get_family("eco_rna"), VOCAB, "data.train_shards")
     read_all(directory)
 
 
@@ -180,7 +181,7 @@ def test_a_bad_shard_directory_is_one_line_naming_the_file_and_the_sample_or_key
 def test_a_model_smaller_than_the_shards_vocabulary_names_the_key(tmp_path):
     d = random_dir(tmp_path / "text", n_shards=1, per_shard=2, entry=spm_entry(4096))
     with pytest.raises(ConfigError) as e:
-        check_shards_fit(d, "recursive_gpt", 2048, "data.sources[babylm].shards")
+        check_shards_fit(d, get_family("recursive_gpt"), 2048, "data.sources[babylm].shards")
     msg = str(e.value)
     assert "\n" not in msg
     for s in ("data.sources[babylm].shards", str(d), "4096 ids", "model.vocab_size 2048"):

@@ -1,6 +1,7 @@
 """Shards that do not fit the model, or changed since data_prep wrote them, are refused with one line naming the shard
 (and sample or config key): tokenizer kind and size against the family (compat.check_shards_fit), sha256 on first
 read, tar members that escape the shard or are links, token ids outside the vocabulary, errors in loader workers."""
+import dataclasses
 import itertools
 import shutil
 import tarfile
@@ -11,10 +12,11 @@ import pytest
 from loader_checks import take
 from pipeline.config import ConfigError
 from pipeline.data import shard_reader
-from pipeline.data.compat import FAMILY_TOKENIZERS, KINDS, check_shards_fit
+from pipeline.data.compat import KINDS, check_shards_fit
 from pipeline.data.loader import ShardStream, make_loader
 from pipeline.data.shard_reader import read_shard, read_tokens
 from pipeline.data.shards import ShardError
+from pipeline.families import get_family
 from shard_factory import ESM, add_member, info, random_dir, set_manifest, shard_paths, spm_entry, write_dir
 
 
@@ -41,41 +43,42 @@ def test_every_family_has_a_tokenizer_kind_and_its_default_model_fits_it():
     from pipeline.data.compat import _VOCABS
     from pipeline.families import FAMILIES
 
-    assert set(FAMILY_TOKENIZERS) == set(FAMILIES) and set(FAMILY_TOKENIZERS.values()) <= set(KINDS)
+    assert {fam.tokenizer for fam in FAMILIES.values()} <= set(KINDS)
     for name, fam in FAMILIES.items():
-        kind = FAMILY_TOKENIZERS[name]
+        kind = fam.tokenizer
         if kind in _VOCABS:  # character vocabularies: the default model has exactly their size
             assert fam.config_cls().vocab_size == len(_VOCABS[kind]), name
 
 
 def test_check_shards_fit_accepts_the_right_kind_and_names_key_and_directory_otherwise(sample_shards, tmp_path):
-    check_shards_fit(sample_shards, "eco_rna", 23, "data.train_shards")  # data_prep rnacentral output
-    check_shards_fit(sample_shards, "eco_rna_control", 64, "data.train_shards")  # spare rows are fine
+    check_shards_fit(sample_shards, get_family("eco_rna"), 23, "data.train_shards")  # data_prep rnacentral output
+    check_shards_fit(sample_shards, get_family("eco_rna_control"), 64, "data.train_shards")  # spare rows are fine
     protein = random_dir(tmp_path / "protein", entry=ESM)
-    check_shards_fit(protein, "protlingo", 33, "data.train_shards")
+    check_shards_fit(protein, get_family("protlingo"), 33, "data.train_shards")
     with pytest.raises(ConfigError) as e:
-        check_shards_fit(protein, "eco_rna", 23, "data.sources[rna].shards")
+        check_shards_fit(protein, get_family("eco_rna"), 23, "data.sources[rna].shards")
     one_line(e, "data.sources[rna].shards", protein, "ESM-2 amino-acid", "eco_rna", "data_prep rnacentral")
     with pytest.raises(ConfigError) as e:
-        check_shards_fit(sample_shards, "protlingo", 33, "data.train_shards")
+        check_shards_fit(sample_shards, get_family("protlingo"), 33, "data.train_shards")
     one_line(e, "data.train_shards", sample_shards, "nucleotide", "protlingo")
     with pytest.raises(ConfigError) as e:
-        check_shards_fit(sample_shards, "eco_rna", 20, "data.train_shards")
+        check_shards_fit(sample_shards, get_family("eco_rna"), 20, "data.train_shards")
     one_line(e, "data.train_shards", sample_shards, "23 ids", "model.vocab_size 20")
 
     text = random_dir(tmp_path / "text", entry=spm_entry(4096))
-    check_shards_fit(text, "recursive_gpt", 32768, "data.train_shards")
-    check_shards_fit(text, "standard_gpt", 4096, "data.train_shards")
+    check_shards_fit(text, get_family("recursive_gpt"), 32768, "data.train_shards")
+    check_shards_fit(text, get_family("standard_gpt"), 4096, "data.train_shards")
     with pytest.raises(ConfigError) as e:
-        check_shards_fit(text, "recursive_gpt", 2048, "data.train_shards")
+        check_shards_fit(text, get_family("recursive_gpt"), 2048, "data.train_shards")
     one_line(e, "data.train_shards", text, "4096 ids", "model.vocab_size 2048", "model.vocab_size=4096")
     with pytest.raises(ConfigError) as e:
-        check_shards_fit(text, "eco_rna", 23, "data.train_shards")
+        check_shards_fit(text, get_family("eco_rna"), 23, "data.train_shards")
     one_line(e, text, "sentencepiece text", "eco_rna")
 
-    check_shards_fit(str(tmp_path / "plain" / "x-{000000..000003}.tar"), "eco_rna", 23, "k")  # brace URL: skipped
-    with pytest.raises(ConfigError, match="family: 'nope' has no tokenizer kind"):
-        check_shards_fit(sample_shards, "nope", 23, "data.train_shards")
+    check_shards_fit(str(tmp_path / "plain" / "x-{000000..000003}.tar"), get_family("eco_rna"), 23, "k")  # brace URL: skipped
+    with pytest.raises(ConfigError, match="family: eco_rna's tokenizer kind 'nope' is not one the loader knows"):
+        check_shards_fit(sample_shards, dataclasses.replace(get_family("eco_rna"), tokenizer="nope"), 23,
+                         "data.train_shards")
 
 
 @pytest.mark.parametrize("entry, want", [
@@ -89,7 +92,7 @@ def test_a_tokenizer_entry_the_code_does_not_number_by_is_a_shard_error(tmp_path
     d = random_dir(tmp_path / "d", n_shards=1, per_shard=2)
     set_manifest(d, tokenizer=entry)
     with pytest.raises(ShardError) as e:
-        check_shards_fit(d, "eco_rna", 23, "data.train_shards")
+        check_shards_fit(d, get_family("eco_rna"), 23, "data.train_shards")
     one_line(e, d / "manifest.json", want)
 
 

@@ -1,0 +1,272 @@
+"""A model family's spec (torchtitan's ModelSpec): everything the rest of the pipeline knows about one family, in one
+place, and the registry that names them.
+
+The engine, checkpointing, evaluation, inference, export and the scaling model ask a :class:`Family` and never
+branch on a family's name: adding a family is one module that builds a spec and calls :func:`register_family` (see
+pipeline/families/eco_rna.py, protlingo.py and gpt.py; tests/test_family_spec.py registers a toy one from outside
+the package). ``get_family(name)`` reads the registry; an unknown name is a ConfigError naming the known ones.
+
+Layering: pipeline.families sits above the models and objectives and below pipeline.config and everything that
+trains, loads or exports (tests/test_import_layers.py). A spec therefore holds plain callables of its own layer or
+below, and the two things that need more are kept out of the training import path:
+
+* Hugging Face export classes import transformers' model zoo (seconds, and nothing a training needs). They live in
+  per-family modules of this package (``*_hf.py``, on top of the generic wrappers of hf_base.py) and the spec names
+  an :class:`HFExport` object by a dotted path string, ``"module:NAME"``, imported on first use by
+  :meth:`Family.hf_export`; pipeline/hf.py registers them with the Auto classes and builds export configs
+  generically.
+* Nothing here reads a RunConfig's module: hooks take a RunConfig and read its fields (duck-typed), so
+  pipeline.config may keep importing this package to build one.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pipeline.errors import ConfigError
+
+
+# ---- depth semantics ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Depth:
+    """What "depth" means for a family: the one hook evaluation sweeps, inference, HF exports, choose_depth and the
+    depth cap (pipeline/eval/cli.py) ask.
+
+    selectable: a depth can be chosen after training (Eco-RNA's core iterations K, RecursiveGPT's R'); the others
+        have one depth and refuse an explicit one.
+    trained: RunConfig -> (the deepest depth the model was trained at, the config key that says so): the depth cap
+        of sweeps is a multiple of it.
+    sweep: RunConfig -> the depths an evaluation sweeps when none are given.
+    default: RunConfig -> the depth inference and an HF export run at when none is given (Eco-RNA: the training
+        law's mean, rounded); None: the model's own (one depth, or the recurrence in its config).
+    """
+
+    selectable: bool = False
+    trained: Callable = None
+    sweep: Callable = lambda cfg: list(range(1, 9))  # noqa: E731 - the 1-8 default of launchers/evaluate.py
+    default: Callable = lambda cfg: None  # noqa: E731
+
+
+def layer_count(cfg) -> tuple[int, str]:
+    """Depth.trained of a model with one depth: its layer count."""
+    return int(cfg.model.n_layers), f"model.n_layers {cfg.model.n_layers}"
+
+
+# ---- inference ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class MaskedLMInference:
+    """pipeline/inference.py's hooks for a masked LM (the families without one are refused there).
+
+    residue_ids: () -> LongTensor of the vocabulary ids of residues (what predict_masked ranks).
+    prepare: (RunConfig, seed) -> per-model state the forward reuses (Eco-RNA: the evaluation initial-state table),
+        or None.
+    forward: (model, RunConfig, prepared, tokens [b, L], mask [b, L], depth) -> (logits [b, L, V], the hidden state
+        the LM head reads [b, L, d], depths per row or None, row iterations). ``depth``: None for a one-depth family,
+        else (tol, max_depth): iterate each row until its relative displacement is below tol, at most max_depth
+        (tol 0: a fixed depth).
+    variants: the benchmark whose scoring score_variants reproduces: "rnagym" or "proteingym".
+    """
+
+    residue_ids: Callable
+    forward: Callable
+    variants: str
+    prepare: Callable = lambda cfg, seed: None  # noqa: E731
+
+
+# ---- the scaling model (tools/scaling.py) ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockShape:
+    """One transformer block's activation footprint, per token (tools/scaling.py's activation estimate)."""
+
+    d_kv: int  # key/value width
+    d_ff: int  # MLP hidden width
+    gated: bool  # a gated MLP (three projections) rather than two
+    sandwich: bool  # two extra norms per block (sandwich norm)
+
+
+def _one_depth(cfg, rows: int) -> tuple[float, list]:
+    return 1.0, [(1, 1.0)]
+
+
+def _forward_flops(cfg, pmf: list) -> tuple[float, float]:
+    return 3 * cfg.model.forward_flops(length=cfg.data.context_length, depth=None), 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scaling:
+    """tools/scaling.py's per-family hooks (its module docstring has the model they feed).
+
+    depth_law: (RunConfig, rows) -> (E[K_max] over ``rows`` iid depth draws, [(K, P(K))]).
+    drawn_depth: the training draws a depth per sequence (Eco-RNA): the plan reports E[K_max], and a per-step
+        ZeRO-3 re-gather is named as the fixed wavefront's to avoid.
+    per_step_depth: RunConfig -> whether the depth (and so the core's call count) is drawn per microbatch: ZeRO-3's
+        module trace then breaks and the plan reports E[K_max].
+    wavefront_depth: RunConfig -> the fixed number of core steps every microbatch runs (a fixed wavefront), or None.
+    module_calls: (RunConfig, k_max) -> {top-level parameter prefix: (forward calls, backward calls)} of one
+        microbatch; prefixes not named run (1, 1).
+    blocks: (RunConfig, k_max) -> (BlockShape, blocks whose activations autograd keeps).
+    train_flops: (RunConfig, pmf) -> (mean, variance) of one sequence's training FLOPs.
+    """
+
+    blocks: Callable
+    depth_law: Callable = _one_depth
+    drawn_depth: bool = False
+    per_step_depth: Callable = lambda cfg: False  # noqa: E731
+    wavefront_depth: Callable = lambda cfg: None  # noqa: E731
+    module_calls: Callable = lambda cfg, k_max: {}  # noqa: E731
+    train_flops: Callable = _forward_flops
+
+
+# ---- Hugging Face export --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class HFExport:
+    """A family's Hugging Face classes and how its exports are written (pipeline/hf.py, tools/convert_checkpoint.py).
+
+    config_cls: the PreTrainedConfig subclass of config.json (its ``model_type`` is registered with AutoConfig).
+    models: ((transformers Auto class name, model class), ...) registered with those Auto classes.
+    architectures: config.json's "architectures".
+    config_kwargs: (RunConfig, depth) -> extra config fields (Eco-RNA: num_loops, the evaluation table, the
+        tokenizer); ``depth`` is Depth.default unless the caller chose one.
+    foreign: (RunConfig) -> (format name, a transformers config) when the model is written in another library's
+        format instead (a dense ProtLingo as transformers' EsmForMaskedLM), else None; ``to_foreign(state, model
+        config)`` then renames the state dict (the spec's ``read_export`` maps it back on load), and
+        ``foreign_usage`` is the README's loading snippet.
+    write_tokenizer: (export directory) -> None, tokenizer files beside the weights (the ESM-2 vocab.txt), or None.
+    card: (HF config) -> (provenance lines, extra usage lines) for the export's README.md.
+    """
+
+    config_cls: type
+    models: tuple
+    architectures: tuple
+    config_kwargs: Callable = lambda cfg, depth: {}  # noqa: E731
+    foreign: Callable = lambda cfg: None  # noqa: E731
+    to_foreign: Callable | None = None
+    foreign_usage: tuple = ()
+    write_tokenizer: Callable | None = None
+    card: Callable = lambda hf_cfg: ([], [])  # noqa: E731
+
+    def config(self, cfg, depth: int | None = None):
+        """The transformers config of a RunConfig's model."""
+        return self.config_cls.from_model_config(cfg.model, architectures=list(self.architectures),
+                                                 **self.config_kwargs(cfg, depth))
+
+    @property
+    def causal(self) -> bool:
+        return any(auto == "AutoModelForCausalLM" for auto, _ in self.models)
+
+
+# ---- tokenizers -----------------------------------------------------------------------------------------------------
+def nucleotide_tokenizer(cfg, export_dir: Path):
+    """The nucleotide tokenizer of the run's molecule (data.molecule)."""
+    from pipeline.data.tokenizer import NucleotideTokenizer
+
+    return NucleotideTokenizer(cfg.data.molecule)
+
+
+def esm_tokenizer(cfg, export_dir: Path):
+    """The ESM-2 alphabet."""
+    from pipeline.data.protein_tokenizer import ProteinTokenizer
+
+    return ProteinTokenizer()
+
+
+def sentencepiece_tokenizer(cfg, export_dir: Path):
+    """The export's sentencepiece model (tools/convert_checkpoint.py copies it)."""
+    import sentencepiece
+
+    from pipeline.data.tokenizer import SPM_NAME
+
+    spm = Path(export_dir) / SPM_NAME
+    if not spm.is_file():
+        raise ConfigError(f"{export_dir}: no {SPM_NAME}; a text model's export holds its sentencepiece model "
+                          "(tools/convert_checkpoint.py copies it unless --no-tokenizer)")
+    return sentencepiece.SentencePieceProcessor(model_file=str(spm))
+
+
+# ---- the spec -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """One model family (module docstring). Required: what training needs; the rest defaults to "not supported"."""
+
+    name: str
+    config_cls: type  # the model config dataclass (config.yaml's ``model``)
+    build_model: Callable  # model config -> nn.Module
+    objective_cls: type  # the objective config dataclass (config.yaml's ``objective``)
+    make_transform: Callable  # RunConfig -> (uint8 tokens, np rng) -> {"input_ids", "labels"}
+    plan: Callable  # (Batch, RunConfig, *, step, stream, index) -> plan with .sync_max {name: int}
+    loss: Callable  # (model, Batch, RunConfig, plan) -> LossOutput
+    # The kind of tokenizer the model reads: a shard manifest's tokenizer "name" (pipeline/data/compat.py KINDS:
+    # nucleotide, esm, sentencepiece), checked against every source before training.
+    tokenizer: str
+    # (RunConfig, export directory) -> the tokenizer an export is used with (pipeline.load_pretrained).
+    make_tokenizer: Callable
+    depth: Depth  # what depth means (Depth)
+    scaling: Scaling  # tools/scaling.py's model of a step
+    pad_id: int = 0
+    packable: bool = False  # data.pack allowed: the objective masks attention and loss per packed document
+    derive_metrics: Callable | None = None  # reduced step record -> extra metrics (e.g. routing entropy)
+    # The model's transformer block classes: what train.activation_checkpointing: blocks recomputes in backward
+    blocks: tuple = ()
+    # Validation (pipeline/validation.py): (model, Batch, RunConfig) -> (stats, totals) of one held-out batch, stats
+    # name -> (numerator, denominator) and totals name -> number, both summed over batches and ranks; a stat named
+    # "loss" also gives val/perplexity, and derive_metrics applies to the totals. None: no validation (eval.every
+    # is refused).
+    validate: Callable | None = None
+    # train.init_from a foreign checkpoint (pipeline.checkpoint.is_foreign_checkpoint: a Hugging Face directory or a
+    # fair-esm .pt, read as (config.json dict, Hugging Face state dict)): (config, state, model config, a fresh
+    # model's state dict) -> this family's state dict, ValueError naming what does not fit. None: refused.
+    import_weights: Callable | None = None
+    # An export written in a foreign format (export.json "format", HFExport.foreign): (format, state) -> the state
+    # dict under the pipeline's names, ValueError when it does not fit. None: pipeline-format exports only.
+    read_export: Callable | None = None
+    # "module:NAME" of this family's HFExport (module docstring: imported on first use); None: no HF export (the
+    # export holds the pipeline's files only).
+    hf: str | None = None
+    inference: MaskedLMInference | None = None  # pipeline/inference.py support; None: refused (not a masked LM)
+    # Whether the model reads text (sentencepiece): its export carries the tokenizer model and the text benchmarks
+    # (BLiMP, LAMBADA) apply.
+    text: bool = False
+    # RunConfig -> None, ConfigError naming the key of what this family cannot run (pipeline.config.build_config
+    # calls it once the config is built).
+    check_config: Callable = lambda cfg: None  # noqa: E731
+
+    def hf_export(self) -> HFExport | None:
+        """The family's HFExport (imported on first call), or None."""
+        if self.hf is None:
+            return None
+        module, _, attr = self.hf.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+def objective_validation(loss: Callable, plan: Callable, loss_stat: str, training_state: tuple = ()) -> Callable:
+    """A family's validation by its training objective, without gradient: its stats and totals on the held-out
+    batch (stat ``loss_stat`` reported as "loss"; stats ending in one of ``training_state`` describe the training
+    so far, not the batch, and are left out). The plan is drawn for step 0: these objectives draw nothing."""
+    def validate(model, batch, cfg) -> tuple[dict, dict]:
+        out = loss(model, batch, cfg, plan(batch, cfg, step=0, stream=0, index=0))
+        stats = {("loss" if k == loss_stat else k): v for k, v in out.stats.items()
+                 if not k.endswith(training_state)}
+        return stats, out.totals
+
+    return validate
+
+
+# ---- the registry ---------------------------------------------------------------------------------------------------
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(spec: Family) -> Family:
+    """Add ``spec`` under ``spec.name`` (a second spec of the same name replaces the first: re-importing a module
+    that registers one is harmless). Returns the spec."""
+    if not isinstance(spec, Family):
+        raise TypeError(f"register_family: expected a Family, got {type(spec).__name__}")
+    FAMILIES[spec.name] = spec
+    return spec
+
+
+def get_family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ConfigError(f"family: unknown model family {name!r} (known: {', '.join(sorted(FAMILIES))})")
+    return FAMILIES[name]

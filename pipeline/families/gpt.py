@@ -1,0 +1,43 @@
+"""Paper 003: the recursive causal decoder (RecursiveGPT, one shared block applied R times) and its standard baseline
+(StandardGPT, n_layers distinct blocks), causal LM on sentencepiece text."""
+from __future__ import annotations
+
+from pipeline.data.tokenizer import SPM_PAD_ID
+from pipeline.families.base import (BlockShape, Depth, Family, Scaling, layer_count, objective_validation,
+                                    register_family, sentencepiece_tokenizer)
+from pipeline.models.recursive_gpt import (DecoderBlock, RecursiveGPT, RecursiveGPTConfig, StandardGPT,
+                                           StandardGPTConfig)
+from pipeline.objectives import causal_lm
+
+
+def recurrence_depth(cfg) -> tuple[int, str]:
+    """Depth.trained of RecursiveGPT: ``objective.train_depth`` or its recurrence R."""
+    td, r = cfg.objective.train_depth, cfg.model.recurrence
+    return (int(td), f"objective.train_depth {td}") if td else (r, f"model.recurrence {r}")
+
+
+def _decoder_blocks(n: int):
+    return lambda cfg, k_max: (BlockShape(cfg.model.d_model, cfg.model.d_ff, False, False), n(cfg, k_max))
+
+
+_COMMON = dict(objective_cls=causal_lm.CausalLMObjectiveConfig, make_transform=causal_lm.make_transform,
+               plan=causal_lm.plan, loss=causal_lm.loss, tokenizer="sentencepiece",
+               make_tokenizer=sentencepiece_tokenizer, text=True, pad_id=SPM_PAD_ID, packable=True,
+               blocks=(DecoderBlock,), validate=objective_validation(causal_lm.loss, causal_lm.plan, "lm_loss"))
+
+RECURSIVE_GPT = register_family(Family(
+    name="recursive_gpt", config_cls=RecursiveGPTConfig, build_model=RecursiveGPT,
+    depth=Depth(selectable=True, trained=recurrence_depth, sweep=lambda cfg: [cfg.model.recurrence]),
+    # the shared block runs R times, every one differentiated; each step's norms once
+    scaling=Scaling(blocks=_decoder_blocks(lambda cfg, k_max: k_max),
+                    depth_law=lambda cfg, rows: (float(cfg.model.recurrence), [(cfg.model.recurrence, 1.0)]),
+                    module_calls=lambda cfg, k_max: {"block": (k_max, k_max)},
+                    train_flops=lambda cfg, pmf: (3 * cfg.model.forward_flops(length=cfg.data.context_length,
+                                                                              depth=pmf[0][0]), 0.0)),
+    hf="pipeline.families.gpt_hf:RECURSIVE_EXPORT", **_COMMON))
+
+STANDARD_GPT = register_family(Family(
+    name="standard_gpt", config_cls=StandardGPTConfig, build_model=StandardGPT,
+    depth=Depth(trained=layer_count, sweep=lambda cfg: [cfg.model.n_layers]),  # its only depth
+    scaling=Scaling(blocks=_decoder_blocks(lambda cfg, k_max: cfg.model.n_layers)),
+    hf="pipeline.families.gpt_hf:STANDARD_EXPORT", **_COMMON))

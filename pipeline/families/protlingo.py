@@ -1,0 +1,56 @@
+"""Paper 002: ProtLingo, ESM2 continued pretraining with latent N-gram memory and an upcycled MoE, masked LM on
+UniRef (the ESM-2 alphabet)."""
+from __future__ import annotations
+
+from pipeline.data.protein_tokenizer import PAD_ID as ESM_PAD_ID
+from pipeline.families.base import (BlockShape, Depth, Family, MaskedLMInference, Scaling, esm_tokenizer,
+                                    layer_count, objective_validation, register_family)
+from pipeline.models.protlingo import EsmBlock, ProtLingo, ProtLingoConfig, hf_to_protlingo, state_from_esm2
+from pipeline.objectives import protlingo as objective
+
+ESM_FORMAT = "esm"  # export.json "format" of a dense ProtLingo written as transformers' EsmForMaskedLM
+
+
+def read_export(fmt: str, state: dict) -> dict:
+    """An ESM-format export's tensors under the pipeline's names (hf_to_protlingo drops the contact head and the
+    rotary buffer)."""
+    if fmt != ESM_FORMAT:
+        raise ValueError(f"export format {fmt!r} is not one ProtLingo writes (pipeline or {ESM_FORMAT})")
+    n_layers = len({k.split(".")[3] for k in state if k.startswith("esm.encoder.layer.")})
+    return hf_to_protlingo(state, n_layers)
+
+
+def residue_ids():
+    import torch
+
+    from pipeline.data.protein_tokenizer import RESIDUES, VOCAB
+
+    return torch.tensor([VOCAB.index(t) for t in RESIDUES])
+
+
+def _forward(model, cfg, prepared, tokens, mask, depth):
+    captured = {}  # the head reads final_norm's output
+    handle = model.final_norm.register_forward_hook(lambda m, a, o: captured.setdefault("h", o))
+    try:
+        logits = model(tokens, mask).logits
+    finally:
+        handle.remove()
+    return logits, captured["h"], None, 0
+
+
+PROTLINGO = register_family(Family(
+    name="protlingo", config_cls=ProtLingoConfig, build_model=ProtLingo,
+    objective_cls=objective.ProtLingoObjectiveConfig, make_transform=objective.make_transform,
+    plan=objective.plan, loss=objective.loss, tokenizer="esm", make_tokenizer=esm_tokenizer, pad_id=ESM_PAD_ID,
+    derive_metrics=objective.derive_metrics, blocks=(EsmBlock,),
+    # "rows_addressed": the rows this rank's training forwards ever read (a buffer)
+    validate=objective_validation(objective.loss, objective.plan, "mlm_loss", training_state=("/rows_addressed",)),
+    import_weights=state_from_esm2,  # ESM2 (HF or fair-esm), upcycled exactly
+    read_export=read_export, depth=Depth(trained=layer_count),
+    # ESM2 layers (GELU MLP; an MoE layer runs the shared and one routed expert, together d_ff); the head is tied
+    # to the embedding (a second use of its weight)
+    scaling=Scaling(blocks=lambda cfg, k_max: (BlockShape(cfg.model.d_model, cfg.model.d_ff, False, False),
+                                               cfg.model.n_layers),
+                    module_calls=lambda cfg, k_max: {"embed": (2, 2)}),
+    inference=MaskedLMInference(residue_ids=residue_ids, forward=_forward, variants="proteingym"),
+    hf="pipeline.families.protlingo_hf:EXPORT"))
