@@ -52,9 +52,15 @@ CLIENT_STATE = "client_state.json"
 def load_client(tag_dir: Path, raw: bool = False) -> dict:
     """The checkpoint's client_state.json in the current form (pipeline/checkpoint/migrate.py; ``raw``: as written);
     a ConfigError naming the file when it is missing, truncated or not an object. The one reader of that file."""
-    path = Path(tag_dir) / CLIENT_STATE
+    client = read_json_object(Path(tag_dir) / CLIENT_STATE)
+    return client if raw else migrate.client_state(client)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from ``path`` (client_state.json, an export's export.json); a ConfigError naming the file when
+    it is missing, truncated or not an object."""
     try:
-        client = json.loads(path.read_text())
+        doc = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: missing (an incomplete checkpoint)") from None
     except json.JSONDecodeError as e:
@@ -62,9 +68,9 @@ def load_client(tag_dir: Path, raw: bool = False) -> dict:
                           "checkpoint") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
-    if not isinstance(client, dict):
+    if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a JSON object")
-    return client if raw else migrate.client_state(client)
+    return doc
 
 
 def read_client(tag_dir: Path, raw: bool = False) -> dict | None:

@@ -6,7 +6,6 @@ or directory it is about, so a command prints it as one ``error:`` line.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -94,26 +93,11 @@ TRUST_HELP = ("load a DeepSpeed checkpoint: DeepSpeed's loader (and zero_to_fp32
               "or someone you trust wrote. Exports (model.safetensors) need nothing")
 
 
-def _read_json(path: Path) -> dict:
-    from pipeline.config import ConfigError
-
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}): a truncated or damaged "
-                          "checkpoint") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return raw
-
-
 def locate_checkpoint(path) -> tuple[Path, object, dict]:
     """(tag dir, RunConfig, client state or export metadata) of a run dir, checkpoints/ dir, tag dir or export,
     read without loading any weights; every error names the file or directory at fault."""
     from pipeline.checkpoint import EXPORTED_WEIGHTS, is_export, resolve_tag_dir
-    from pipeline.checkpoint.layout import load_client
+    from pipeline.checkpoint.layout import load_client, read_json_object
     from pipeline.config import ConfigError, build_config, load_yaml
 
     p = Path(path)
@@ -136,7 +120,7 @@ def locate_checkpoint(path) -> tuple[Path, object, dict]:
     if not is_export(tag_dir):
         return tag_dir, cfg, load_client(tag_dir, raw=True)
     meta_file = tag_dir / "export.json"  # an export written by hand (model.safetensors + config.yaml) has none
-    return tag_dir, cfg, _read_json(meta_file) if meta_file.is_file() else {}
+    return tag_dir, cfg, read_json_object(meta_file) if meta_file.is_file() else {}
 
 
 def require_trust(tag_dir: Path, trusted: bool):
