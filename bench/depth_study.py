@@ -18,8 +18,8 @@
 With ``--checkpoint RUN`` (a run dir, checkpoint or export; and ``--control-checkpoint RUN``) nothing is trained:
 step 3 runs on those and ``--heldout`` (default: the shipped held-out sample, which the quickstart's training on the
 shipped train sample never saw), e.g. after ``bash scripts/quickstart.sh``. A DeepSpeed checkpoint given this
-way is unpickled, so it needs --trust-checkpoint (launchers/evaluate.py's rule); the runs this script trains itself
-are its own.
+way follows launchers/evaluate.py's pickle rule: read when its files hold only tensors and DeepSpeed's own classes,
+else only with --trust-checkpoint.
 
 Reported: the held-out loss per K (mean and standard deviation over the seeds), the control's loss, and the
 K=1 -> K=4 difference d = L(1) - L(4) with its spread: the largest of the seed standard deviations of L(1), of L(4)
@@ -100,13 +100,14 @@ def train(name: str, config: Path, shards: Path, out: Path, steps: int | None, s
             "train_loss": last["mlm_loss"], "tokens": last["total/tokens"], "flops": last["total/flops"]}
 
 
-def evaluate(run_dir: str, heldout: Path, depths: list[int], seeds: list[int]) -> dict[int, list[float]]:
+def evaluate(run_dir: str, heldout: Path, depths: list[int], seeds: list[int],
+             trusted: bool = False) -> dict[int, list[float]]:
     """{K: [held-out loss per seed]} of a run's last checkpoint (or a checkpoint, or an export): per seed,
     ``launchers/evaluate.py --task reconstruction --seed S``'s sweep."""
     from launchers.evaluate import run_reconstruction
     from pipeline.checkpoint import load_trained_model
 
-    trained = load_trained_model(run_dir)
+    trained = load_trained_model(run_dir, trusted)
     per_seed = [run_reconstruction(trained, heldout, depths, seed)["per_depth"] for seed in seeds]
     return {k: [r[str(k)]["loss"] for r in per_seed] for k in depths}
 
@@ -210,7 +211,8 @@ def main(argv=None) -> int:
             return 2
     result["heldout"] = str(heldout)
     for name, info in runs.items():
-        losses = evaluate(info["run_dir"], heldout, depths if name == "eco_rna" else [1], seeds)
+        losses = evaluate(info["run_dir"], heldout, depths if name == "eco_rna" else [1], seeds,
+                          args.trust_checkpoint)
         info["heldout_loss"] = {str(k): v for k, v in losses.items()}
         result["runs"][name] = info
 

@@ -26,8 +26,8 @@ copies it), else the sentencepiece model beside the checkpoint's training shards
 decoder runs at its one depth (its layer count). BLiMP's one_prefix and two_prefix methods apply to some paradigms
 only: the others are skipped, and the count, the paradigms and the reason are printed and kept in the JSON.
 
-DeepSpeed checkpoints are pickles (DeepSpeed's loader unpickles them with weights_only=False, which runs any code they
-hold): loading one needs --trust-checkpoint. Exports (model.safetensors) need nothing.
+DeepSpeed checkpoints are pickles, read with torch.load(weights_only=True) and DeepSpeed's few classes allowed: one
+whose files would call anything else is refused unless --trust-checkpoint. Exports need nothing.
 
 proteingym (pipeline/eval/proteingym.py): zero-shot masked marginals of a masked LM over the ESM-2 alphabet
 (vocab_size 33), any family whose forward(input_ids, attention_mask) returns .logits; it has one depth, so --depths
@@ -429,7 +429,7 @@ def main(argv=None) -> int:
         if depths:
             check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)
         require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
-        trained = load_trained_model(tag_dir)
+        trained = load_trained_model(tag_dir, trusted=args.trust_checkpoint)
         if args.task not in ("proteingym", "mlm", "validation"):  # these have no depth axis (validation: eval.depths)
             depths = depths or default_depths(trained.cfg)
         if args.task == "validation":

@@ -4,9 +4,12 @@
     from transformers import AutoModelForMaskedLM
     model = AutoModelForMaskedLM.from_pretrained("exports/eco_rna_demo")
 
+(Without this repository: ``from_pretrained(EXPORT, trust_remote_code=True)`` runs the copy of the same classes the
+export ships, pipeline/hf_code.py.)
+
 An export of ``tools/convert_checkpoint.py`` holds ``config.json`` (a family's config, or a foreign library's such
 as transformers' own ``EsmConfig`` for a dense ProtLingo) beside ``model.safetensors``. The classes themselves are
-the families' (pipeline/families/*_hf.py, named by each spec's ``hf``: an HFExport with the config class, the model
+the families' (pipeline/families/modeling_*.py, declared by each spec's ``hf``: an HFExport with the config class, the model
 classes per Auto class and config.json's architectures); this module only asks the specs. A family without HF
 classes (spec ``hf`` None, e.g. the fixed-depth control) exports the pipeline's files only. Nothing here imports
 DeepSpeed or torch.distributed.

@@ -38,7 +38,7 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu"):
         if pickled or (d / "latest").is_file() or (d / "checkpoints").is_dir():
             raise ConfigError(f"{d}: holds pickled weights ({pickled[0] if pickled else 'a DeepSpeed checkpoint'}), "
                               "which load_pretrained does not unpickle; export them first: python "
-                              f"tools/convert_checkpoint.py --checkpoint {d} --output EXPORT --trust-checkpoint")
+                              f"tools/convert_checkpoint.py --checkpoint {d} --output EXPORT")
         raise ConfigError(f"{d}: no {EXPORTED_WEIGHTS} (not an export of tools/convert_checkpoint.py)")
     if not (d / "config.yaml").is_file():
         raise ConfigError(f"{d}: no config.yaml beside {EXPORTED_WEIGHTS}")

@@ -24,5 +24,5 @@ bash scripts/launch.sh launchers/pretrain.py --ds_config ds_configs/zero2.json \
   --config launchers/configs/protlingo_demo.yaml "$@"
 ASSAY=../shared/data/eval/proteingym/BLAT_ECOLX_Jacquier_2013.csv
 if [[ -f $ASSAY ]]; then
-  $PY launchers/evaluate.py --checkpoint runs/protlingo_demo --trust-checkpoint --task proteingym --data "$ASSAY"
+  $PY launchers/evaluate.py --checkpoint runs/protlingo_demo --task proteingym --data "$ASSAY"
 fi

@@ -2,9 +2,9 @@
 r"""Export a DeepSpeed ZeRO (stage 1-3) checkpoint to one directory that pipeline.load_pretrained and the
 transformers Auto classes load.
 
-    python tools/convert_checkpoint.py --checkpoint runs/eco_rna_demo --output exports/demo --trust-checkpoint
+    python tools/convert_checkpoint.py --checkpoint runs/eco_rna_demo --output exports/demo
     python tools/convert_checkpoint.py --checkpoint runs/eco_rna_demo --tag step00001000 --output exports/demo \
-        --dtype bf16 --force --trust-checkpoint
+        --dtype bf16 --force
 
 --checkpoint is a run dir or its checkpoints/ dir (--tag picks the checkpoint: latest, the default, or a tag
 stepNNNNNNNN; an unknown tag is an error listing the tags there), or a tag dir itself.
@@ -30,8 +30,10 @@ ProtLingo MoE checkpoints of any expert-parallel size (``train.expert_parallel_s
 which DeepSpeed's own zero_to_fp32.py cannot read) export to the single-process model's names, every routed expert
 under its global id, from the fp32 masters (pipeline.checkpoint.load_state_dict).
 
-DeepSpeed checkpoints are pickles: DeepSpeed's loader (zero_to_fp32) unpickles them with weights_only=False, which
-runs any code they hold, so converting one needs --trust-checkpoint. Share exports, which load without executing code.
+DeepSpeed checkpoints are pickles. They are read with torch.load(weights_only=True) and DeepSpeed's few classes
+allowed by name (pipeline.checkpoint.read.weights_only_loads; every checkpoint this pipeline writes passes); one whose
+files would call anything else is refused, naming the file and the global, unless --trust-checkpoint. Share exports,
+which hold no pickle.
 The export is written to a temporary directory beside --output and renamed into place at the end: a failed conversion
 leaves nothing behind. An existing non-empty --output is refused unless it is an export (holds export.json) and
 --force is given; then the old export is swapped out only after the new one is complete (never a half-written export
@@ -143,7 +145,7 @@ def _cell(v) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
-def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, weights_only: bool,
+def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, trusted: bool,
                tokenizer: dict | None) -> str:
     """README.md of the export (module docstring)."""
     from pipeline.families import get_family
@@ -173,30 +175,35 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
                   "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in r["table"]]
         lines.append("")
-    how = ("the optimizer shards and expert files with torch.load(weights_only=True), three DeepSpeed classes allowed "
-           "by name: nothing in them could run code" if weights_only else
-           "DeepSpeed's zero_to_fp32, which unpickles the shards with torch.load(weights_only=False): the converting "
-           "user vouched for the checkpoint with --trust-checkpoint")
+    how = ("torch.load(weights_only=False): the converting user vouched for the files with --trust-checkpoint"
+           if trusted else "torch.load(weights_only=True), DeepSpeed's few classes allowed by name: nothing in them "
+           "could run code")
     lines += ["", "## What was trusted", "",
               f"The DeepSpeed checkpoint was read by {how}. This export holds no pickle: model.safetensors (tensors "
-              "only) and JSON/YAML/text files; loading it, with either snippet below, executes no code from the "
-              "directory (no trust_remote_code: the model classes are this repository's pipeline/families/*_hf.py or "
-              "transformers' own).", "", "## How to load", "", "```python", "import pipeline",
-              "model, tokenizer = pipeline.load_pretrained(\"EXPORT_DIR\")  # pipeline module + its tokenizer", ""]
+              "only), JSON/YAML/text files and the model's Python code (the `.py` files: this repository's "
+              "pipeline/families/modeling_*.py and the pipeline/models/ modules it imports, imports made relative). "
+              "`trust_remote_code=True` runs that code, which only builds the model.", "", "## How to load", "",
+              "```python"]
     if fmt != "pipeline":  # another library's directory: its own loading code
         lines += list(export.foreign_usage)
     elif export is not None and export.causal:
-        lines += ["import pipeline.hf  # registers the classes with the Auto classes",
-                  "from transformers import AutoModelForCausalLM",
-                  "model = AutoModelForCausalLM.from_pretrained(\"EXPORT_DIR\")",
-                  "out = model.generate(input_ids, max_new_tokens=20, do_sample=False)  # ids from tokenizer.model",
-                  *usage]
+        lines += ["from transformers import pipeline",
+                  "generate = pipeline(\"text-generation\", model=\"EXPORT_DIR\", trust_remote_code=True)",
+                  f"generate({export.example!r}, max_new_tokens=20, do_sample=False)", "",
+                  "from transformers import AutoModelForCausalLM, AutoTokenizer",
+                  "model = AutoModelForCausalLM.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)",
+                  "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\")", *usage]
     elif export is not None:
-        lines += ["import pipeline.hf  # registers the classes with the Auto classes",
-                  "from transformers import AutoModelForMaskedLM",
-                  "model = AutoModelForMaskedLM.from_pretrained(\"EXPORT_DIR\")", *usage]
+        lines += ["from transformers import pipeline",
+                  "fill = pipeline(\"fill-mask\", model=\"EXPORT_DIR\", trust_remote_code=True)",
+                  f"fill({export.example!r})", "",
+                  "from transformers import AutoModelForMaskedLM, AutoTokenizer",
+                  "model = AutoModelForMaskedLM.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)",
+                  "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\")", *usage]
     else:
         lines.append(f"# {cfg.family} has no Hugging Face classes: pipeline.load_pretrained only")
+    lines += ["", "# with this repository installed: the pipeline module and the pipeline's tokenizer", "import pipeline",
+              "model, tokenizer = pipeline.load_pretrained(\"EXPORT_DIR\")"]
     return "\n".join(lines + ["```", ""])
 
 
@@ -232,7 +239,7 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
         import torch
 
-        from pipeline.checkpoint import EXPERT_FILES, EXPORTED_WEIGHTS, is_export, load_trained_model
+        from pipeline.checkpoint import EXPORTED_WEIGHTS, is_export, load_trained_model
 
         if not args.checkpoint.exists():
             raise FileNotFoundError(f"{args.checkpoint}: no such checkpoint directory")
@@ -245,15 +252,15 @@ def main(argv=None) -> int:
         spm, tokenizer = find_tokenizer(cfg, args.spm, args.no_tokenizer)  # before any long work
         require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
         from pipeline import hf  # imports transformers (seconds): after the checks that refuse at once
+        from pipeline.hf_code import write_modeling_code
         from pipeline.families import get_family
 
         export = get_family(cfg.family).hf_export()  # None: a family without HF classes, pipeline files only
         hf_cfg = hf.hf_config(cfg) if export is not None else None
         fmt = hf.export_format(cfg)
-        weights_only = any(tag_dir.glob(EXPERT_FILES))  # MoE checkpoints: read with weights_only=True
         bar = progress(total=4, desc="convert", unit="step")  # re-totalled once the tensors are known
         bar.set_postfix_str("loading the checkpoint")
-        trained = load_trained_model(tag_dir)
+        trained = load_trained_model(tag_dir, trusted=args.trust_checkpoint)
         bar.update()
         state = trained.model.state_dict()
         bar.total = 3 + len(state)
@@ -278,17 +285,19 @@ def main(argv=None) -> int:
         if hf_cfg is not None:
             hf_cfg.dtype = "bfloat16" if args.dtype == "bf16" else "float32"
             hf_cfg.save_pretrained(str(tmp))  # config.json
+            if fmt == "pipeline" and export.modeling:  # their code and auto_map: loads without this repository
+                write_modeling_code(tmp, export)
         if spm is not None:
             shutil.copy(spm, tmp / tokenizer["model"])
-        if export is not None and export.write_tokenizer is not None:  # e.g. the ESM-2 alphabet for EsmTokenizer
-            export.write_tokenizer(tmp)
+        if export is not None and export.write_tokenizer is not None:  # tokenizer.json & co. for AutoTokenizer
+            export.write_tokenizer(tmp, cfg, spm)
         keep = {k: meta.get(k) for k in ("step", "world_size", "mlflow_run_id", "mlflow_tracking_uri")}
         (tmp / "export.json").write_text(json.dumps(
             {"source": str(tag_dir), **keep, "tokenizer": tokenizer, "format": fmt, "dtype": args.dtype,
              "hf_model_type": hf_cfg.model_type if hf_cfg is not None else None,
              "task_depths": dict(getattr(hf_cfg, "task_depths", None) or {})}, indent=1))
         (tmp / "README.md").write_text(model_card(tag_dir=tag_dir, cfg=cfg, meta=meta, fmt=fmt, hf_cfg=hf_cfg,
-                                                  dtype=args.dtype, weights_only=weights_only, tokenizer=tokenizer))
+                                                  dtype=args.dtype, trusted=args.trust_checkpoint, tokenizer=tokenizer))
         replace_dir(tmp, out)  # an existing export (--force) goes only once the new one is in place
         tmp = None
         bar.update()

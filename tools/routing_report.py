@@ -9,7 +9,7 @@ and, for hashed tables, the share of window keys that collide.
 Writes OUT/routing_report.json and OUT/routing_report.png (one heatmap per MoE layer: amino acid x expert, each row
 the fraction of that amino acid's residues routed to each expert). Every residue of every record is read (records
 longer than the model's context are cut into consecutive windows), <cls> and <eos> excluded. A DeepSpeed checkpoint
-(not an export) needs --trust-checkpoint, as everywhere. Bad input is one ``error:`` line and exit 2.
+follows evaluate.py's pickle rule. Bad input is one ``error:`` line and exit 2.
 """
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
                 break
         if not records:
             raise ValueError(f"{args.fasta}: no protein to read (an empty file, or headers without sequences)")
-        model = load_trained_model(tag_dir).model
+        model = load_trained_model(tag_dir, trusted=args.trust_checkpoint).model
     except (ValueError, OSError) as e:  # ConfigError, FastaError: ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

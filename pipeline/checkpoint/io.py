@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from pipeline.checkpoint.layout import (BEST, CHECKPOINT_FORMAT, COMPLETE, LATEST, mark_complete, read_latest,
                                         rotate, set_aside_later_checkpoints, write_atomic)
 from pipeline.checkpoint.read import (EXPERT_KEY, is_foreign_checkpoint, load_ds_file, read_client_state,
-                                      zero12_optimizer_state)
+                                      weights_only_loads, zero12_optimizer_state)
 from pipeline.checkpoint.resume import expert_parallel_size, resumed_horizon
 from pipeline.config import ConfigError, RunConfig, dump_yaml
 from pipeline.distributed import all_gather_object, broadcast_object
@@ -70,8 +71,10 @@ def tag_of(step: int) -> str:
 class Checkpointer:
     """A training's checkpoints in ``run_dir/checkpoints``, for DeepSpeed ``engine`` and its ZeRO ``optimizer``."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, engine, optimizer, ds_config: dict, rank: int, world: int):
+    def __init__(self, cfg: RunConfig, run_dir: Path, engine, optimizer, ds_config: dict, rank: int, world: int,
+                 trusted: bool = False):
         self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, run_dir / "checkpoints"
+        self.trusted = trusted  # --trust-checkpoint: DeepSpeed's loads may unpickle anything (weights_only_loads)
         self.engine, self.optimizer = engine, optimizer
         self.zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
         self.ds_config, self.rank, self.world = ds_config, rank, world
@@ -191,7 +194,8 @@ class Checkpointer:
         """DeepSpeed's own load: the checkpoint as written, or its universal form on another world size or stage."""
         load_dir = self._universal_checkpoint(tag, saved) if reshard == "universal" else self.ckpt_dir
         hyper = _group_hypers(self.optimizer)
-        path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=False)
+        with weights_only_loads(self.trusted):
+            path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {load_dir / tag}")
         if reshard:
@@ -210,8 +214,9 @@ class Checkpointer:
         moments, and its step counters: put this run's back, so the first step's lr is this run's schedule at 0.
         """
         ours = _group_hypers(self.optimizer)
-        path, _ = self.engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
-                                              load_lr_scheduler_states=False)
+        with weights_only_loads(self.trusted):
+            path, _ = self.engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=False)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {src}")
         for group, hyper in zip(self.optimizer.param_groups, ours):
@@ -231,10 +236,12 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             print(f"converting {self.ckpt_dir / tag} ({saved['world_size']} ranks, ZeRO stage "
                   f"{saved['zero_stage']}) to a universal checkpoint in {out}", flush=True)
-            cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+            # DeepSpeed's converter, its torch.loads under weights_only_loads (pipeline/checkpoint/universal.py)
+            cmd = [sys.executable, "-m", "pipeline.checkpoint.universal", *(["--trusted"] if self.trusted else []),
+                   "--input_folder",
                    str(self.ckpt_dir / tag), "--output_folder", str(tmp), "--num_extract_workers", "1",
                    "--num_merge_workers", "1", "--inject_missing_state"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=_with_repo_on_path())
             if proc.returncode != 0:
                 lines = (proc.stderr or proc.stdout).strip().splitlines() or ["no output"]
                 failed = (f"checkpoint {self.ckpt_dir / tag}: DeepSpeed's ds_to_universal failed "
@@ -320,6 +327,13 @@ def parent_tags(src: Path, init_from_optimizer: bool) -> dict:
         if client.get(key) is not None:
             tags[name] = str(client[key])
     return tags
+
+
+def _with_repo_on_path() -> dict:
+    """This process's environment with the directory holding ``pipeline`` first on PYTHONPATH, for a ``python -m
+    pipeline...`` child wherever the run was started from."""
+    root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
 
 
 def _group_hypers(optimizer) -> list[dict]:

@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import pickle
 import re
 import sys
 from dataclasses import dataclass
@@ -96,8 +97,10 @@ def check_same_model(saved: dict, cfg: RunConfig, source: Path):
                           f"of checkpoint {source}")
 
 
-def load_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict of an export or of a ZeRO stage 1-3 checkpoint, whatever world size wrote it.
+def load_state_dict(tag_dir: Path, trusted: bool = False) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict of an export or of a ZeRO stage 1-3 checkpoint, whatever world size wrote it. A
+    DeepSpeed checkpoint is checked by ``check_pickles`` and read by ``weights_only_loads`` unless ``trusted``
+    (--trust-checkpoint).
 
     A checkpoint with DeepSpeed MoE layers (expert parallelism, ``layer_{L}_expert_{id}_*`` files) goes through
     ``_moe_state_dict``: ``zero_to_fp32`` cannot read those (it takes the expert files for model-state files and
@@ -114,15 +117,18 @@ def load_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         return export_state_names(state, tag_dir)
     if not torch.cuda.is_available():  # no device work here; spare the user DeepSpeed's "no GPU found" warning
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not trusted:
+        check_pickles(tag_dir)
     if any(tag_dir.glob(EXPERT_FILES)):
         return _moe_state_dict(tag_dir)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    # zero_to_fp32 unpickles the shards with weights_only=False (DeepSpeed's own loader): a run's own checkpoint, or
-    # one the user vouched for (evaluate.py and convert_checkpoint.py refuse others without --trust-checkpoint).
-    with contextlib.redirect_stdout(sys.stderr):  # it reports progress on stdout; keep stdout for results
+    # zero_to_fp32 asks torch.load for weights_only=False; weights_only_loads overrides that unless trusted
+    with contextlib.redirect_stdout(sys.stderr), weights_only_loads(trusted):  # progress on stdout: keep it clean
         try:
             return get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        except ConfigError:
+            raise
         except Exception as e:  # missing or truncated files raise anything from ValueError to UnpicklingError
             raise ConfigError(f"{tag_dir}: cannot be read as a DeepSpeed ZeRO checkpoint ({_first_line(e)})") from None
 
@@ -138,17 +144,79 @@ EXPERT_KEY = re.compile(r"^(.*\.deepspeed_moe\.experts\.deepspeed_experts\.)(\d+
 _SHARD_RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
-def load_ds_file(path: Path) -> dict:
-    """``torch.load(weights_only=True)`` of a DeepSpeed checkpoint file. The ZeRO-1/2 optimizer shards pickle three
-    DeepSpeed classes (its loss scaler, the ZeRO stage enum, the fragment addresses): those are allowed by name, so
-    nothing else in the file can execute code."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+def deepspeed_globals() -> list:
+    """The classes DeepSpeed's checkpoint files pickle besides tensors and torch's own types: its loss scalers, the ZeRO
+    stage enum and the fragment addresses (ZeRO-1/2 optimizer shards). Found with
+    torch.serialization.get_unsafe_globals_in_checkpoint on checkpoints of every ZeRO stage, expert parallelism and
+    DeepSpeed's universal form, each of which the tests resume or export through weights_only_loads
+    (docs/inference.md, "Pickles")."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # DeepSpeed: imported when needed
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def check_pickles(tag_dir: Path):
+    """Refuse a DeepSpeed checkpoint whose torch files need anything but tensors, torch's own types and
+    ``deepspeed_globals`` to load: a ConfigError naming the file and the first such global, before anything starts
+    (the run plan, the tools). Only the pickles' opcodes are read (torch's static scan), no tensor; the loads
+    themselves then go through ``weights_only_loads``."""
+    allowed = {f"{c.__module__}.{c.__qualname__}" for c in deepspeed_globals()}
+    for f in sorted(Path(tag_dir).rglob("*.pt")):
+        try:
+            needed = torch.serialization.get_unsafe_globals_in_checkpoint(str(f))
+        except Exception as e:  # not a torch zip archive: truncated, or no checkpoint at all
+            raise ConfigError(f"{f}: cannot be read as a torch checkpoint file ({_first_line(e)})") from None
+        bad = sorted(set(needed) - allowed)
+        if bad:
+            raise _refusal(f, bad[0])
+
+
+def _refusal(path, what: str) -> ConfigError:
+    return ConfigError(f"{path}: loading it would call {what}, which is neither a tensor type nor one of the DeepSpeed "
+                       "classes a checkpoint holds, so it was not unpickled (it could run any code); pass "
+                       "--trust-checkpoint only if you trust whoever wrote it")
+
+
+@contextlib.contextmanager
+def weights_only_loads(trusted: bool = False):
+    """While open, every ``torch.load`` in this process runs as ``torch.load(weights_only=True)`` with
+    ``deepspeed_globals`` allowed by name: DeepSpeed's own readers (``engine.load_checkpoint``, ``zero_to_fp32``,
+    ZeRO-3's universal load, ``ds_to_universal``) call ``torch.load(weights_only=False)`` themselves, and this is the
+    one place that overrides it, so no reader of a checkpoint can run code its files hold. A file that needs any
+    other global raises ConfigError naming the file. ``trusted`` (--trust-checkpoint): torch.load is left as it is.
+
+    A context, not a patch at import: only the loads made inside it change (the main thread loads checkpoints; no
+    other thread calls torch.load meanwhile)."""
+    if trusted:
+        yield
+        return
+    unsafe_load = torch.load
+
+    def load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            with torch.serialization.safe_globals(deepspeed_globals()):
+                return unsafe_load(f, *args, **kwargs)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))  # torch names the global it refused
+            raise _refusal(f, found.group(1) if found else f"more ({_first_line(e)})") from None
+
+    torch.load = load
     try:
-        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
-            return torch.load(path, map_location="cpu", weights_only=True)
+        yield
+    finally:
+        torch.load = unsafe_load
+
+
+def load_ds_file(path: Path) -> dict:
+    """One DeepSpeed checkpoint file, read by ``weights_only_loads``."""
+    try:
+        with weights_only_loads():
+            return torch.load(path, map_location="cpu")
+    except ConfigError:
+        raise
     except Exception as e:
         raise ConfigError(f"{path}: cannot be read as a DeepSpeed checkpoint file with weights_only=True "
                           f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
@@ -288,11 +356,12 @@ def load_weights_into(model: torch.nn.Module, state: dict, source: Path):
                           f"unexpected {unexpected[:3]})")
 
 
-def load_trained_model(path: str | Path) -> TrainedModel:
+def load_trained_model(path: str | Path, trusted: bool = False) -> TrainedModel:
+    """The model of a run, checkpoint or export, in eval mode (``trusted``: --trust-checkpoint, load_state_dict)."""
     tag_dir = resolve_tag_dir(path)
     cfg = build_config(load_yaml(tag_dir / "config.yaml"))
     model = get_family(cfg.family).build_model(cfg.model)
-    load_weights_into(model, load_state_dict(tag_dir), tag_dir)
+    load_weights_into(model, load_state_dict(tag_dir, trusted), tag_dir)
     model.eval()
     return TrainedModel(cfg, model, tag_dir, {} if is_export(tag_dir) else read_client_state(tag_dir))
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoint.layout import COMPLETE, checkpoint_tags, damaged_files, is_complete, resume_tag
-from pipeline.checkpoint.read import (check_same_model, is_export, is_foreign_checkpoint, load_esm2,
-                                      read_client_state, resolve_tag_dir)
+from pipeline.checkpoint.read import (check_pickles, check_same_model, is_export, is_foreign_checkpoint,
+                                      load_esm2, read_client_state, resolve_tag_dir)
 from pipeline.config import ConfigError, RunConfig, load_yaml
 from pipeline.parallel import EP_KEY
 
@@ -121,10 +121,12 @@ def resumed_horizon(client: dict, cfg: RunConfig, announce: bool) -> dict:
     return client["schedule"]
 
 
-def check_init_source(cfg: RunConfig, family, world_size: int, zero_stage: int) -> tuple[Path, dict | None]:
+def check_init_source(cfg: RunConfig, family, world_size: int, zero_stage: int,
+                      trusted: bool = False) -> tuple[Path, dict | None]:
     """(train.init_from resolved, the foreign checkpoint's weights converted by the family or None), checked before
     anything starts. A foreign checkpoint (a Hugging Face directory, a fair-esm .pt) is read and converted here
-    (Family.import_weights); the fresh parts of the model (routers, memory) come from the run's seed."""
+    (Family.import_weights); the fresh parts of the model (routers, memory) come from the run's seed. A DeepSpeed
+    checkpoint must pass check_pickles unless ``trusted`` (--trust-checkpoint)."""
     t = cfg.train
     if is_foreign_checkpoint(t.init_from):
         src = Path(t.init_from)
@@ -146,6 +148,8 @@ def check_init_source(cfg: RunConfig, family, world_size: int, zero_stage: int) 
     except ConfigError as e:
         raise ConfigError(f"train.init_from: {e}") from None
     check_same_model(load_yaml(src / "config.yaml"), cfg, src)
+    if not is_export(src) and not trusted:
+        check_pickles(src)
     if t.init_from_optimizer:
         if is_export(src):
             raise ConfigError(f"train.init_from_optimizer: {src} is an export (weights only, no optimizer "

@@ -39,11 +39,14 @@ SPM_PAD_ID, SPM_BOS_ID, SPM_EOS_ID, SPM_UNK_ID = 0, 1, 2, 3
 
 class CharTokenizer:
     """One character, one token, through a 256-entry byte table (255 = not in the alphabet). Subclasses fill
-    ``_table`` and set ``vocab``, ``cls_id``, ``eos_id`` and ``alphabet_name``."""
+    ``_table`` and set ``vocab``, ``cls_id``, ``eos_id``, ``pad_id``, ``mask_id`` and ``alphabet_name``.
+    ``tokenizer(seqs)`` gives a model's input; ``encode`` gives the shards' uint8 residues."""
 
     vocab: tuple
     cls_id: int
     eos_id: int
+    pad_id: int
+    mask_id: int
     alphabet_name: str
     _table: np.ndarray
 
@@ -56,8 +59,9 @@ class CharTokenizer:
         return np.flatnonzero(self._table[self._bytes(seq)] == 255)
 
     def encode(self, seq: str | bytes, add_special: bool = False) -> np.ndarray:
-        """Residues to ids (uint8); ``add_special`` frames them as <cls> ... <eos>. Raises ValueError naming the first
-        character outside the alphabet."""
+        """THE SHARD FORMAT, NOT A MODEL INPUT: residues to uint8 ids, without <cls>/<eos> unless ``add_special``.
+        A model takes ``tokenizer(seqs)`` (int64, framed, padded; below) or the export's AutoTokenizer. Raises
+        ValueError naming the first character outside the alphabet."""
         raw = self._bytes(seq)
         ids = self._table[raw]
         bad = np.flatnonzero(ids == 255)
@@ -70,6 +74,26 @@ class CharTokenizer:
 
     def decode(self, ids) -> str:
         return "".join(self.vocab[int(i)] for i in ids)
+
+    def __call__(self, seqs: str | list[str]) -> dict:
+        """A model's input: {"input_ids": int64 [B, L], "attention_mask": int64 [B, L]} for one sequence or a list,
+        each framed as <cls> ... <eos> and right-padded with the pad id; ``<mask>`` in a sequence is the mask token
+        (what the export's AutoTokenizer gives, tests/pipeline/test_hf_tokenizers.py)."""
+        import torch
+
+        rows = []
+        for seq in [seqs] if isinstance(seqs, str) else seqs:
+            parts = [self.encode(p).astype(np.int64) for p in seq.split("<mask>")]
+            body = [int(i) for i in parts[0]]
+            for p in parts[1:]:
+                body += [self.mask_id, *p.tolist()]
+            rows.append([self.cls_id, *body, self.eos_id])
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros(len(rows), width, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        return {"input_ids": ids, "attention_mask": mask}
 
 
 class NucleotideTokenizer(CharTokenizer):

@@ -88,9 +88,10 @@ def resolve_config(spec: str) -> Path:
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------------
 TRUST_FLAG = "--trust-checkpoint"
-TRUST_HELP = ("load a DeepSpeed checkpoint: DeepSpeed's loader (and zero_to_fp32) unpickle it with "
-              "torch.load(weights_only=False), which runs any code the files hold; give it only for checkpoints you "
-              "or someone you trust wrote. Exports (model.safetensors) need nothing")
+TRUST_HELP = ("load a DeepSpeed checkpoint whose files need more than tensors and the DeepSpeed classes a checkpoint "
+              "holds, with torch.load(weights_only=False), which runs any code such a file holds; give it only for "
+              "checkpoints you or someone you trust wrote. Checkpoints of this pipeline and exports (model.safetensors) "
+              "need nothing: they are read with weights_only=True")
 
 
 def locate_checkpoint(path) -> tuple[Path, object, dict]:
@@ -124,19 +125,20 @@ def locate_checkpoint(path) -> tuple[Path, object, dict]:
 
 
 def require_trust(tag_dir: Path, trusted: bool):
-    """The pickle rule: a DeepSpeed checkpoint is read only with --trust-checkpoint (then with a one-line warning);
-    without it, a one-line ConfigError that says why and what to pass. Exports pass silently."""
+    """The pickle rule, before anything is unpickled: a DeepSpeed checkpoint is read when its files need only
+    tensors and DeepSpeed's own classes (pipeline.checkpoint.read.check_pickles; silently), or with
+    --trust-checkpoint (then with a one-line warning); otherwise a one-line ConfigError names the file and what it
+    would call. Exports pass silently."""
     from pipeline.checkpoint import is_export
-    from pipeline.config import ConfigError
+    from pipeline.checkpoint.read import check_pickles
 
     if is_export(tag_dir):
         return
     if not trusted:
-        raise ConfigError(f"{tag_dir}: a DeepSpeed checkpoint is a pickle, and loading it can run any code it holds; "
-                          f"pass {TRUST_FLAG} if you trust whoever wrote it, or use an export "
-                          "(tools/convert_checkpoint.py, model.safetensors), which needs nothing")
-    print(f"warning: {TRUST_FLAG}: unpickling {tag_dir} with DeepSpeed's loader (torch.load weights_only=False), "
-          "which runs any code the files hold", file=sys.stderr)
+        check_pickles(tag_dir)
+        return
+    print(f"warning: {TRUST_FLAG}: unpickling {tag_dir} with torch.load(weights_only=False), which runs any code the "
+          "files hold", file=sys.stderr)
 
 
 # ---- progress --------------------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ trains, loads or exports (tests/test_import_layers.py). A spec therefore holds p
 below, and the two things that need more are kept out of the training import path:
 
 * Hugging Face export classes import transformers' model zoo (seconds, and nothing a training needs). They live in
-  per-family modules of this package (``*_hf.py``, on top of the generic wrappers of hf_base.py) and the spec names
+  per-family modules of this package (classes in ``modeling_*.py`` over the generic wrappers of hf_base.py, the export
+  declarations in ``*_hf.py``) and the spec names
   an :class:`HFExport` object by a dotted path string, ``"module:NAME"``, imported on first use by
   :meth:`Family.hf_export`; pipeline/hf.py registers them with the Auto classes and builds export configs
   generically.
@@ -133,7 +134,11 @@ class HFExport:
         format instead (a dense ProtLingo as transformers' EsmForMaskedLM), else None; ``to_foreign(state, model
         config)`` then renames the state dict (the spec's ``read_export`` maps it back on load), and
         ``foreign_usage`` is the README's loading snippet.
-    write_tokenizer: (export directory) -> None, tokenizer files beside the weights (the ESM-2 vocab.txt), or None.
+    modeling: the dotted name of the module holding these classes (pipeline/families/modeling_*.py): the export
+        ships it, with the pipeline modules it imports, and names it in config.json's auto_map (pipeline/hf_code.py),
+        so that ``from_pretrained(EXPORT, trust_remote_code=True)`` works where this repository is not installed.
+    write_tokenizer: (export directory, RunConfig, sentencepiece model or None) -> None: the tokenizer files
+        AutoTokenizer reads, beside the weights; or None.
     card: (HF config) -> (provenance lines, extra usage lines) for the export's README.md.
     """
 
@@ -144,7 +149,9 @@ class HFExport:
     foreign: Callable = lambda cfg: None  # noqa: E731
     to_foreign: Callable | None = None
     foreign_usage: tuple = ()
+    modeling: str | None = None
     write_tokenizer: Callable | None = None
+    example: str = ""  # an input for the README's pipeline("fill-mask" / "text-generation") line
     card: Callable = lambda hf_cfg: ([], [])  # noqa: E731
 
     def config(self, cfg, depth: int | None = None):

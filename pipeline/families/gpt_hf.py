@@ -1,82 +1,31 @@
-"""RecursiveGPT's and StandardGPT's Hugging Face classes: RecursiveGPTConfig ("recursive_gpt") /
-RecursiveGPTForCausalLM and StandardGPTConfig ("standard_gpt") / StandardGPTForCausalLM (AutoModelForCausalLM,
-generate), registered by pipeline/hf.py."""
+"""RecursiveGPT's and StandardGPT's Hugging Face exports (tools/convert_checkpoint.py): the classes of modeling_gpt.py,
+the sentencepiece ids in config.json, and the tokenizer as a transformers fast tokenizer (tokenizer.json, converted
+from the run's sentencepiece model; pipeline/data/hf_tokenizers.py)."""
 from __future__ import annotations
 
-from transformers import GenerationMixin
-from transformers.modeling_outputs import CausalLMOutput
-
 from pipeline.families.base import HFExport
-from pipeline.families.hf_base import PipelineConfig, Wrapped, cross_entropy
-from pipeline.models import recursive_gpt as model
+from pipeline.families.modeling_gpt import (RecursiveGPTConfig, RecursiveGPTForCausalLM, StandardGPTConfig,
+                                            StandardGPTForCausalLM)
 
 
-class RecursiveGPTConfig(PipelineConfig):
-    """pipeline.models.recursive_gpt.RecursiveGPTConfig's fields (depth: ``recurrence``, or forward's ``depth``).
-    Token ids: the export's sentencepiece model (tokenizer.model; pipeline.data.tokenizer SPM_* ids)."""
+def config_kwargs(cfg, depth: int | None) -> dict:
+    from pipeline.data.tokenizer import SPM_BOS_ID, SPM_EOS_ID, SPM_PAD_ID
 
-    model_type = "recursive_gpt"
-    model_config_cls = model.RecursiveGPTConfig
-
-    def __init__(self, **kwargs):
-        from pipeline.data.tokenizer import SPM_BOS_ID, SPM_EOS_ID, SPM_PAD_ID
-
-        kwargs.setdefault("pad_token_id", SPM_PAD_ID)
-        kwargs.setdefault("bos_token_id", SPM_BOS_ID)
-        kwargs.setdefault("eos_token_id", SPM_EOS_ID)
-        kwargs.setdefault("tie_word_embeddings", False)  # untied factorized maps
-        kwargs.setdefault("use_cache", False)  # no KV cache: generate recomputes the prefix every step
-        super().__init__(**kwargs)
+    return {"pad_token_id": SPM_PAD_ID, "bos_token_id": SPM_BOS_ID, "eos_token_id": SPM_EOS_ID}
 
 
-class StandardGPTConfig(RecursiveGPTConfig):
-    model_type = "standard_gpt"
-    model_config_cls = model.StandardGPTConfig
+def write_tokenizer(out, cfg, spm=None) -> None:
+    """tokenizer.json and its config, converted from the run's sentencepiece model (nothing without one:
+    --no-tokenizer)."""
+    from pipeline.data.hf_tokenizers import sentencepiece_tokenizer
+
+    if spm is not None:
+        sentencepiece_tokenizer(spm).save_pretrained(str(out))
 
 
-class _CausalLM(Wrapped, GenerationMixin):
-    net_cls: type = None
-
-    def __init__(self, config):
-        super().__init__(config)
-        self._adopt(self.net_cls(config.model_config()))
-        self.post_init()
-
-    def get_output_embeddings(self):
-        return None  # untied; nothing for transformers to tie
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # no KV cache (below): generate must not build one
-
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        """No KV cache: every step runs the whole sequence so far (the pipeline model has no incremental path)."""
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-    def forward(self, input_ids, attention_mask=None, depth=None, labels=None, return_dict=None, **kwargs):
-        """input_ids, attention_mask: [B, L] (rows right-padded, or unpadded); depth: RecursiveGPT's R' (default
-        ``recurrence``); labels: [B, L] (-100 ignored), shifted inside as transformers does -> CausalLMOutput with
-        next-token logits [B, L, V]. generate: prompts of one length (no padding), no cache."""
-        logits = self.net(input_ids, None if attention_mask is None else attention_mask.bool(), depth)
-        loss = None
-        if labels is not None:
-            loss = cross_entropy(logits[:, :-1], labels[:, 1:])
-        if return_dict is False:
-            return tuple(t for t in (loss, logits) if t is not None)
-        return CausalLMOutput(loss=loss, logits=logits)
-
-
-class RecursiveGPTForCausalLM(_CausalLM):
-    config_class = RecursiveGPTConfig
-    net_cls = model.RecursiveGPT
-
-
-class StandardGPTForCausalLM(_CausalLM):
-    config_class = StandardGPTConfig
-    net_cls = model.StandardGPT
-
-
+_COMMON = dict(modeling="pipeline.families.modeling_gpt", config_kwargs=config_kwargs, write_tokenizer=write_tokenizer,
+               example="Once upon a time")
 RECURSIVE_EXPORT = HFExport(config_cls=RecursiveGPTConfig, models=(("AutoModelForCausalLM", RecursiveGPTForCausalLM),),
-                            architectures=("RecursiveGPTForCausalLM",))
+                            architectures=("RecursiveGPTForCausalLM",), **_COMMON)
 STANDARD_EXPORT = HFExport(config_cls=StandardGPTConfig, models=(("AutoModelForCausalLM", StandardGPTForCausalLM),),
-                           architectures=("StandardGPTForCausalLM",))
+                           architectures=("StandardGPTForCausalLM",), **_COMMON)

@@ -1,4 +1,4 @@
-"""The generic Hugging Face wrappers the families' HF classes are built on (pipeline/families/*_hf.py): a
+"""The generic Hugging Face wrappers the families' HF classes are built on (pipeline/families/modeling_*.py): a
 PreTrainedConfig carrying a pipeline model config's fields, and a PreTrainedModel adopting a pipeline module's
 submodules, so the state-dict names are exactly the pipeline's and ``model.safetensors`` is the one file that
 ``pipeline.load_pretrained`` and ``from_pretrained`` both read. Registration with the Auto classes and export configs:

@@ -1,57 +1,14 @@
-"""ProtLingo's Hugging Face classes: ProtLingoConfig ("protlingo") and ProtLingoForMaskedLM (AutoModelForMaskedLM),
-registered by pipeline/hf.py; a ProtLingo without MoE and memory (any dense ESM2) is exported as transformers' own
-EsmForMaskedLM instead ("esm" format: esm_config, esm_state_dict; vocab.txt for EsmTokenizer)."""
+"""ProtLingo's Hugging Face export (tools/convert_checkpoint.py): the classes of modeling_protlingo.py with the ESM-2
+tokenizer; a ProtLingo without MoE and memory (any dense ESM2) is written as transformers' own EsmForMaskedLM
+instead ("esm" format: esm_config, esm_state_dict; vocab.txt for EsmTokenizer), which plain transformers loads."""
 from __future__ import annotations
 
 import torch
-from transformers import initialization as hf_init
-from transformers.modeling_outputs import MaskedLMOutput
 
 from pipeline.families.base import HFExport
-from pipeline.families.hf_base import PipelineConfig, Wrapped, cross_entropy
+from pipeline.families.modeling_protlingo import ProtLingoConfig, ProtLingoForMaskedLM
 from pipeline.families.protlingo import ESM_FORMAT
 from pipeline.models import protlingo as model
-
-
-class ProtLingoConfig(PipelineConfig):
-    """pipeline.models.protlingo.ProtLingoConfig's fields (ESM2 backbone, upcycled MoE, latent N-gram memory).
-    Tokenizer: the ESM-2 alphabet (vocab.txt in the export; EsmTokenizer reads it)."""
-
-    model_type = "protlingo"
-    model_config_cls = model.ProtLingoConfig
-
-    def __init__(self, **kwargs):
-        kwargs.setdefault("pad_token_id", 1)
-        kwargs.setdefault("tie_word_embeddings", False)  # the head reads embed.weight itself: one tensor
-        super().__init__(**kwargs)
-
-
-class ProtLingoForMaskedLM(Wrapped):
-    config_class = ProtLingoConfig
-
-    def __init__(self, config: ProtLingoConfig):
-        super().__init__(config)
-        # The reference MoE path (every expert on its own tokens): the one that runs without DeepSpeed.
-        self._adopt(model.ProtLingo(config.model_config()))
-        self.post_init()
-
-    def _init_weights(self, module):
-        """The memory's non-persistent buffers (never in a checkpoint; transformers leaves them empty after a
-        meta-device build) are recomputed; every other tensor is loaded."""
-        if isinstance(module, model.LatentNgramMemory):
-            cfg = module.cfg
-            radix = 2 ** cfg.memory_bits + 1
-            hf_init.copy_(module.radix_powers, radix ** torch.arange(cfg.window, dtype=torch.int64))
-            hf_init.copy_(module.bit_values, 2 ** torch.arange(cfg.memory_bits, dtype=torch.int64))
-
-    def forward(self, input_ids, attention_mask=None, labels=None, return_dict=None, **kwargs):
-        """input_ids, attention_mask: [B, L] (right-padded) -> MaskedLMOutput(loss, logits [B, L, V]); the MoE
-        auxiliary losses are not part of ``loss`` (the masked-LM cross-entropy)."""
-        logits = self.net(input_ids, self._mask(input_ids, attention_mask)).logits
-        loss = cross_entropy(logits, labels)
-        if return_dict is False:
-            return tuple(t for t in (loss, logits) if t is not None)
-        return MaskedLMOutput(loss=loss, logits=logits)
 
 
 def is_dense_esm(model_cfg) -> bool:
@@ -102,7 +59,7 @@ def esm_vocab() -> list[str]:
     return list(VOCAB)
 
 
-def write_tokenizer(out) -> None:
+def write_tokenizer(out, cfg=None, spm=None) -> None:
     """The ESM-2 alphabet as EsmTokenizer reads it: vocab.txt, tokenizer_config.json."""
     from pathlib import Path
 
@@ -121,8 +78,9 @@ def foreign(cfg):
 
 
 EXPORT = HFExport(config_cls=ProtLingoConfig, models=(("AutoModelForMaskedLM", ProtLingoForMaskedLM),),
-                  architectures=("ProtLingoForMaskedLM",), foreign=foreign, to_foreign=esm_state_dict,
+                  architectures=("ProtLingoForMaskedLM",), modeling="pipeline.families.modeling_protlingo",
+                  foreign=foreign, to_foreign=esm_state_dict,
                   foreign_usage=("from transformers import AutoTokenizer, EsmForMaskedLM  # a standard ESM-2 directory",
                                  "model = EsmForMaskedLM.from_pretrained(\"EXPORT_DIR\")",
                                  "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\")"),
-                  write_tokenizer=write_tokenizer)
+                  write_tokenizer=write_tokenizer, example="MKTAYIAKQRQISFVKSH<mask>SRQ")

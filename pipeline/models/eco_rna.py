@@ -12,6 +12,7 @@ gathering sees every use of every parameter.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -153,6 +154,19 @@ def initial_state(cfg: EcoRNAConfig, attention_mask: torch.Tensor, generator: to
     else:  # drawn on the CPU so that a seed gives the same state on every device
         s0 = torch.randn(B, L, cfg.d_model, generator=generator) * cfg.sigma_init
     return s0.to(attention_mask.device) * attention_mask[..., None].float()
+
+
+def state_table(cfg_model, length: int, seed: int) -> torch.Tensor:
+    """The evaluation initial-state table [length, d], N(0, sigma_init^2), fixed by ``seed``: position-indexed, so a
+    sequence's initial state does not depend on the batch (or rank) it is evaluated in. Cached (validation asks for
+    it at every batch); callers only read it."""
+    return _state_table(cfg_model.d_model, cfg_model.sigma_init, length, seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _state_table(d: int, sigma: float, length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(length, d, generator=g) * sigma
 
 
 def relative_displacement(state, prev, valid, eps: float) -> torch.Tensor:

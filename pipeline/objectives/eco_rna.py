@@ -6,7 +6,6 @@ Z_acc, the supervised-token count of the whole optimizer step over every rank an
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 
 from pipeline.errors import ConfigError
 from pipeline.data.tokenizer import NucleotideTokenizer
-from pipeline.models.eco_rna import initial_state, relative_displacement  # noqa: F401 (re-exported)
+from pipeline.models.eco_rna import initial_state, relative_displacement, state_table  # noqa: F401 (re-exported)
 from pipeline.objectives.masking import IGNORE_INDEX, make_mlm_transform
 
 
@@ -209,19 +208,6 @@ def recurrent_loss(model, batch, cfg, p: Plan) -> LossOutput:
         if k >= 2:
             stats[f"displacement/K{k:02d}"] = (float(r[rows_k].detach().sum()), int(rows_k.sum()))
     return LossOutput(S + m * aux, m, stats, totals)
-
-
-def state_table(cfg_model, length: int, seed: int) -> torch.Tensor:
-    """The evaluation initial-state table [length, d], N(0, sigma_init^2), fixed by ``seed``: position-indexed, so a
-    sequence's initial state does not depend on the batch (or rank) it is evaluated in. Cached (validation asks for
-    it at every batch); callers only read it."""
-    return _state_table(cfg_model.d_model, cfg_model.sigma_init, length, seed)
-
-
-@functools.lru_cache(maxsize=4)
-def _state_table(d: int, sigma: float, length: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(length, d, generator=g) * sigma
 
 
 def supervised_sums(logits: torch.Tensor, labels: torch.Tensor) -> list:

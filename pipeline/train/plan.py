@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.checkpoint.read import read_client_state
+from pipeline.checkpoint.read import check_pickles, read_client_state
 from pipeline.checkpoint.resume import check_init_source, check_reshard, check_resume_config, find_resume_tag
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data.compat import check_shards_fit
@@ -27,11 +27,13 @@ from pipeline import validation
 
 class RunPlan:
     def __init__(self, cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False,
-                 world_size: int | None = None):
+                 world_size: int | None = None, *, trust_checkpoint: bool = False):
         """Resolve and check every input (config, ds_config, resume point, data) without starting anything.
 
         ``world_size``: the number of ranks to plan for; None reads WORLD_SIZE (set by the launcher), as a training
-        does. The dry run passes another one to check a bigger run from a login node."""
+        does. The dry run passes another one to check a bigger run from a login node. ``trust_checkpoint``
+        (--trust-checkpoint): DeepSpeed may unpickle the checkpoint to resume or start from even when its files need
+        more than tensors and DeepSpeed's classes (pipeline.checkpoint.read.check_pickles)."""
         self.cfg = cfg
         self.family = get_family(cfg.family)
         self.run_dir = Path(cfg.run_dir)
@@ -52,6 +54,9 @@ class RunPlan:
         self.moe_backend = check_parallelism(cfg, world_size, self.zero_stage, self.dtype)
         # resume_note: set when resume falls back from what 'latest' names
         self.resume_tag, self.resume_note = find_resume_tag(resume, self.ckpt_dir)
+        self.trust_checkpoint = trust_checkpoint
+        if self.resume_tag and not trust_checkpoint:  # refused here, in one line, before any process loads it
+            check_pickles(self.ckpt_dir / self.resume_tag)
         self.saved = read_client_state(self.ckpt_dir / self.resume_tag) if self.resume_tag else None
         # resuming on another world size, ZeRO stage or EP size: None, "universal" (DeepSpeed's universal
         # checkpoint) or "consolidated" (expert parallelism: the project's full-tensor path)
@@ -78,7 +83,7 @@ class RunPlan:
         # A run that has checkpoints of its own continues from them; init_from only seeds its first start. A foreign
         # checkpoint's weights are read and converted here (foreign_state), so a mismatch fails before DeepSpeed.
         self.init_source, self.foreign_state = (
-            check_init_source(cfg, self.family, world_size, self.zero_stage)
+            check_init_source(cfg, self.family, world_size, self.zero_stage, trust_checkpoint)
             if cfg.train.init_from and not self.resume_tag else (None, None))
 
     def _check_step_fits(self, world_size: int):

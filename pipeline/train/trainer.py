@@ -40,9 +40,9 @@ CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_i
 
 class Trainer:
     def __init__(self, cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False,
-                 callbacks: list[Callback] | None = None):
+                 callbacks: list[Callback] | None = None, *, trust_checkpoint: bool = False):
         """Resolve and check every input (RunPlan); ``callbacks`` run after the default ones."""
-        self.plan = RunPlan(cfg, ds_config_path, resume, allow_config_change)
+        self.plan = RunPlan(cfg, ds_config_path, resume, allow_config_change, trust_checkpoint=trust_checkpoint)
         self.cfg, self.family, self.run_dir = cfg, self.plan.family, self.plan.run_dir
         self.callbacks = default_callbacks(cfg) + list(callbacks or [])
         self.state = TrainState(init_from=str(self.plan.init_source.resolve()) if self.plan.init_source else None)
@@ -71,7 +71,8 @@ class Trainer:
         model = self.family.build_model(self.cfg.model)
         weights_only = plan.init_source is not None and not self.cfg.train.init_from_optimizer
         if weights_only:  # fp32 weights from any world size, ZeRO stage and EP size, or from an export
-            state = plan.foreign_state if plan.foreign_state is not None else load_state_dict(plan.init_source)
+            state = (plan.foreign_state if plan.foreign_state is not None
+                     else load_state_dict(plan.init_source, trusted=plan.trust_checkpoint))
             load_weights_into(model, state, plan.init_source)
             plan.foreign_state = None
         # The full model is built and loaded on every rank; EP then keeps this rank's experts (and MegaBlocks, on
@@ -90,7 +91,7 @@ class Trainer:
         set_collective_timeout(self.cfg.train.collective_timeout)  # also on the groups DeepSpeed just made
 
         self.checkpointer = Checkpointer(self.cfg, self.run_dir, self.engine, self.optimizer, plan.ds_config,
-                                         self.rank, self.world)
+                                         self.rank, self.world, trusted=plan.trust_checkpoint)
         self.state.horizon = schedule_horizon(self.cfg, plan.dataset_samples)
         run_id, parent = self._start_point(weights_only)
         if self.rank == 0:
@@ -298,7 +299,7 @@ class Trainer:
         ]
         if latest:
             lines.append(f"export: python tools/convert_checkpoint.py --checkpoint {self.run_dir} "
-                         f"--output exports/{self.run_dir.name} --trust-checkpoint")
+                         f"--output exports/{self.run_dir.name}")
         if self.tracker.uri:
             lines.append(f"mlflow: run {self.tracker.run_id} in {self.tracker.uri} "
                          f"(mlflow ui --backend-store-uri {self.tracker.uri})")
@@ -306,9 +307,10 @@ class Trainer:
         return "\n".join(lines)
 
 
-def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False) -> Trainer:
+def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False, *,
+        trust_checkpoint: bool = False) -> Trainer:
     """A training from start to end in this process (one rank of it); launchers/pretrain.py's main path."""
-    trainer = Trainer(cfg, ds_config_path, resume, allow_config_change)
+    trainer = Trainer(cfg, ds_config_path, resume, allow_config_change, trust_checkpoint=trust_checkpoint)
     try:
         try:
             trainer.setup()

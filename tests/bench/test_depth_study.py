@@ -75,13 +75,14 @@ def test_checkpoint_mode_reports_the_sweep_of_every_seed(tmp_path, capsys):
     assert "K=1 -> K=4" in capsys.readouterr().out
 
 
-def test_a_deepspeed_checkpoint_needs_trust(tmp_path, capsys):
-    run = tmp_path / "run" / "checkpoints" / "step00000001"
-    run.mkdir(parents=True)
-    (run / "client_state.json").write_text("{}")
+def test_a_checkpoint_that_would_run_code_needs_trust(tmp_path, capsys):
+    from checkpoint_factory import tiny_config, write_deepspeed_like
+
+    write_deepspeed_like(tmp_path / "run", tiny_config(tmp_path), tmp_path / "PWNED")
     assert depth_study.main(["--checkpoint", str(tmp_path / "run"), "--heldout", str(HELDOUT_FASTA),
                              "--out", str(tmp_path / "o")]) == 2
-    assert "--trust-checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "would call builtins.exec" in err and "--trust-checkpoint" in err and not (tmp_path / "PWNED").exists()
 
 
 def test_tiny_study_trains_both_models_with_the_real_launcher(tmp_path, capsys):

@@ -33,10 +33,9 @@ MODELS = {
                                                      "model.d_ff=64", "model.moe_layers=[1]",
                                                      "model.moe_shared_hidden=32", "model.memory_layers=[0]",
                                                      "model.memory_latent=16", "data.context_length=48"]),
-    # no MoE, no memory: an ESM2, exported as transformers' EsmForMaskedLM
-    "esm2": ("protlingo_demo.yaml", "protein", ["model.d_model=32", "model.n_heads=2", "model.n_layers=2",
-                                                "model.d_ff=64", "model.moe_layers=[]", "model.moe_shared_hidden=32",
-                                                "model.memory_layers=[]", "data.context_length=48"]),
+    # the dense recipe (no MoE, no memory: an ESM2), exported as transformers' EsmForMaskedLM
+    "esm2": ("esm2_continued.yaml", "protein", ["model.d_model=32", "model.n_heads=2", "model.n_layers=2",
+                                                "model.d_ff=64", "model.moe_shared_hidden=32", "data.context_length=48"]),
 }
 EP_MODEL = ("protlingo_ep2", "protlingo", ["model.moe_layers=[0,1]", "train.expert_parallel_size=2"])
 

@@ -1,6 +1,6 @@
 """The pickle rule of tools/convert_checkpoint.py and launchers/evaluate.py (issue 11): a crafted DeepSpeed checkpoint
-whose unpickling would create a marker file is NOT unpickled without --trust-checkpoint (one error line saying why and
-what to pass, no marker, no export); with the flag the same file does run (the payload is live, so its absence above
+whose unpickling would create a marker file is NOT unpickled without --trust-checkpoint (one error line naming the file
+and the global it would call, no marker, no export); with the flag the same file does run (the payload is live, so its absence above
 is the rule's doing), with one warning line; an export needs no flag. Conversion of a real checkpoint is tested in
 tests/launchers/test_evaluate.py and test_evaluate_export_tokenizer.py (trained there)."""
 import subprocess
@@ -34,15 +34,15 @@ def test_crafted_pickle_is_not_unpickled_without_the_flag(tool, tmp_path):
     proc = run(*cmd)
     assert proc.returncode == 2 and not marker.exists()
     assert proc.stderr.splitlines() == [
-        f"error: {tag}: a DeepSpeed checkpoint is a pickle, and loading it can run any code it holds; pass "
-        "--trust-checkpoint if you trust whoever wrote it, or use an export (tools/convert_checkpoint.py, "
-        "model.safetensors), which needs nothing"]
+        f"error: {tag / 'mp_rank_00_model_states.pt'}: loading it would call builtins.exec, which is neither a tensor "
+        "type nor one of the DeepSpeed classes a checkpoint holds, so it was not unpickled (it could run any code); "
+        "pass --trust-checkpoint only if you trust whoever wrote it"]
     assert not (tmp_path / "export").exists() and not (tmp_path / "eval.json").exists()
 
     trusted = run(*cmd, "--trust-checkpoint")  # the control: the same file, trusted, runs its payload
     assert marker.exists()
     assert trusted.returncode == 2 and "Traceback" not in trusted.stderr
-    assert trusted.stderr.splitlines()[0].startswith(f"warning: --trust-checkpoint: unpickling {tag} with DeepSpeed")
+    assert trusted.stderr.splitlines()[0].startswith(f"warning: --trust-checkpoint: unpickling {tag} with torch.load(weights_only=False)")
     assert trusted.stderr.strip().splitlines()[-1].startswith(f"error: {tag}: cannot be read as a DeepSpeed ZeRO")
     assert not (tmp_path / "export").exists() and not list(tmp_path.glob(".export.*"))  # nothing half-written
 

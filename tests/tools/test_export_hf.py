@@ -112,7 +112,7 @@ def test_exports_give_the_engines_logits(trained, stage, tmp_path):
     for name in runs:
         run = out / name
         export = tmp_path / name
-        assert tool.main(["--checkpoint", str(run), "--output", str(export), "--trust-checkpoint"]) == 0
+        assert tool.main(["--checkpoint", str(run), "--output", str(export)]) == 0  # own checkpoints: no flag
         ref = torch.load(run / "engine_logits.pt", weights_only=True)
         cfg = build_config(load_yaml(export / "config.yaml"))
         ref["context_length"] = cfg.data.context_length
@@ -203,3 +203,103 @@ def test_export_flags_card_and_a_wrong_tensor(trained, tmp_path, capsys):
     save_file(state, str(export / "model.safetensors"), metadata={"format": "pt"})
     bad, _ = hf_logits(export, "eco_rna", ref)
     assert max_real_diff(bad, ref["logits"], ref["attention_mask"]) > 10 * TOL  # measured 7e-5: B is 1% off
+
+
+@pytest.mark.slow
+def test_exports_load_pipelines_and_tokenizers_where_the_repository_is_not_installed(trained, tmp_path):
+    """Issue 28's first line, on the ZeRO-2 runs: in a process that cannot import this repository
+    (tests/tools/isolated_hf.py), each family's export loads with trust_remote_code=True (the shipped modeling code),
+    its tokenizer with AutoTokenizer, and transformers' fill-mask / text-generation pipelines run. Their outputs equal
+    pipeline.inference's masked predictions (Eco-RNA, ProtLingo) and a greedy decode of the pipeline model with
+    sentencepiece (RecursiveGPT), <= 1e-5; the logits equal the training engine's; the tokenizers give the pipeline
+    tokenizers' ids. The shipped files are the package's modules with relative imports (pipeline/hf_code.py);
+    EsmForMaskedLM refuses the ProtLingo (MoE) export instead of returning random weights."""
+    import sentencepiece as spm
+    from transformers import EsmForMaskedLM
+
+    from pipeline import load_pretrained
+    from pipeline.data.protein_tokenizer import ProteinTokenizer
+    from pipeline.data.tokenizer import NucleotideTokenizer
+    from pipeline.families import get_family
+    from pipeline.hf_code import shipped_sources
+    from pipeline.inference import Inference
+
+    tool = load_tool()
+    cases = {"eco_rna": ("fill-mask", ["ACGUAGC<mask>UUAGGCAU", "<mask>GGaaCUt<mask>AC"]),
+             "protlingo": ("fill-mask", ["MKTAYIAKQRQISFVKSH<mask>SRQ", "MA<mask>LLVV<mask>"]),
+             "recursive_gpt": ("text-generation", ["the cat sat", "a big red fox"])}
+    exports, requests = {}, []
+    for name, (kind, inputs) in cases.items():
+        run, export = trained(2) / name, tmp_path / name
+        assert tool.main(["--checkpoint", str(run), "--output", str(export)]) == 0
+        exports[name] = export
+        spec = get_family(json.loads((export / "config.json").read_text())["model_type"]).hf_export()
+        shipped = sorted(p.name for p in export.glob("*.py"))
+        assert {n: (export / n).read_text() for n in shipped} == shipped_sources(spec.modeling)
+        ref = torch.load(run / "engine_logits.pt", weights_only=True)
+        requests.append({"export": str(export), "kind": kind, "inputs": inputs, "max_new_tokens": 6,
+                         "targets": None, "input_ids": ref["input_ids"].tolist(),
+                         "attention_mask": ref["attention_mask"].long().tolist()})
+    inf = {n: Inference.from_pretrained(exports[n]) for n in ("eco_rna", "protlingo")}
+    for req, name in zip(requests, cases):
+        if name in inf:
+            req["targets"] = [inf[name].tokenizer.vocab[int(i)] for i in inf[name].residue_ids]
+    (tmp_path / "requests.json").write_text(json.dumps(requests))
+    env = {k: v for k, v in launch_env().items() if k != "PYTHONPATH"}
+    env["HF_HOME"] = str(tmp_path / "hf_home")  # transformers copies the remote code under HF_HOME/modules
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "tools" / "isolated_hf.py"),
+                           str(tmp_path / "requests.json"), str(tmp_path / "results.json")], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = dict(zip(cases, json.loads((tmp_path / "results.json").read_text())))
+
+    for name, res in results.items():
+        assert res["module"].startswith("transformers_modules."), res["module"]  # the shipped code, not pipeline.hf
+        ref = torch.load(trained(2) / name / "engine_logits.pt", weights_only=True)
+        mask = ref["attention_mask"]
+        assert max_real_diff(torch.tensor(res["logits"]), ref["logits"], mask) <= 1e-5, name
+    # fill-mask = pipeline.inference (the whole-vocabulary softmax at each <mask>, every residue)
+    for name in ("eco_rna", "protlingo"):
+        kind, inputs = cases[name]
+        depth = inf[name].default_depth("predict_masked")
+        want = inf[name].predict_masked(inputs, depth=depth, top_k=len(inf[name].residue_ids)).predictions
+        flat_got = [mask for seq in results[name]["pipeline"] for mask in seq]
+        flat_want = [p for seq in want for p in seq]
+        assert len(flat_got) == len(flat_want) == 3, (name, flat_got)
+        for g, w in zip(flat_got, flat_want):
+            for tok, p in zip(w.tokens, w.probs):
+                assert abs(g[tok] - p) <= 1e-5, (name, tok, g[tok], p)
+    # the tokenizers give the pipeline's ids (<mask> where the text has one)
+    nuc = NucleotideTokenizer("rna")
+    for text, ids in zip(cases["eco_rna"][1], results["eco_rna"]["ids"]):
+        body = [nuc.mask_id if c == "<mask>" else int(nuc.encode(c)[0]) for c in _chars(text)]
+        assert ids == [nuc.cls_id, *body, nuc.eos_id], text
+    prot = ProteinTokenizer()
+    for text, ids in zip(cases["protlingo"][1], results["protlingo"]["ids"]):
+        body = [prot.mask_id if c == "<mask>" else int(prot.encode(c)[0]) for c in _chars(text)]
+        assert ids == [prot.cls_id, *body, prot.eos_id], text
+    # text-generation = greedy decoding of the pipeline model on sentencepiece's ids
+    model, _ = load_pretrained(exports["recursive_gpt"])
+    sp = spm.SentencePieceProcessor(model_file=str(exports["recursive_gpt"] / "tokenizer.model"))
+    for text, ids, got in zip(cases["recursive_gpt"][1], results["recursive_gpt"]["ids"],
+                              results["recursive_gpt"]["pipeline"]):
+        assert ids == [1] + sp.encode(text)
+        seq = list(ids)
+        with torch.no_grad():
+            for _ in range(6):
+                seq.append(int(model(torch.tensor([seq]), None).argmax(-1)[0, -1]))
+        assert got == seq or got == seq[len(ids):], (text, got, seq)
+    # honest model types: an ESM class refuses the MoE export
+    with pytest.raises(Exception, match="not an ESM-2"):
+        EsmForMaskedLM.from_pretrained(str(exports["protlingo"]))
+
+
+def _chars(text: str) -> list[str]:
+    """Characters of ``text`` with each ``<mask>`` as one item."""
+    parts = text.split("<mask>")
+    out = list(parts[0])
+    for p in parts[1:]:
+        out += ["<mask>", *p]
+    return out

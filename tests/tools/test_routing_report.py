@@ -20,7 +20,7 @@ def test_routing_report_of_an_export(tmp_path, capsys):
     run = tmp_path / "run"
     unpack_checkpoint("protlingo_zero2", run / "checkpoints")
     export = tmp_path / "export"
-    assert convert_checkpoint.main(["--checkpoint", str(run), "--output", str(export), "--trust-checkpoint"]) == 0
+    assert convert_checkpoint.main(["--checkpoint", str(run), "--output", str(export)]) == 0
     fasta = tmp_path / "p.fa"
     fasta.write_text(">" + ">".join(gzip.decompress(SAMPLE.read_bytes()).decode().split(">")[1:41]))
     out = tmp_path / "report"

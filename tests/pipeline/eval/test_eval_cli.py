@@ -80,7 +80,8 @@ def test_locate_and_the_pickle_rule(tmp_path, capsys):
     for where in (tmp_path / "run", tmp_path / "run" / "checkpoints", tag):
         found, cfg, meta = cli.locate_checkpoint(where)
         assert found == tag and cfg.family == "eco_rna" and meta == {"step": 3, "world_size": 1}
-    with pytest.raises(ConfigError, match=f"^{tag}: a DeepSpeed checkpoint is a pickle.*pass --trust-checkpoint"):
+    with pytest.raises(ConfigError, match=f"^{tag}/mp_rank_00_model_states.pt: loading it would call builtins.exec.*"
+                                          "pass --trust-checkpoint"):
         cli.require_trust(tag, False)
     assert not marker.exists()
     cli.require_trust(tag, True)
