@@ -192,14 +192,14 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
                   f"generate({export.example!r}, max_new_tokens=20, do_sample=False)", "",
                   "from transformers import AutoModelForCausalLM, AutoTokenizer",
                   "model = AutoModelForCausalLM.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)",
-                  "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\")", *usage]
+                  "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)", *usage]
     elif export is not None:
         lines += ["from transformers import pipeline",
                   "fill = pipeline(\"fill-mask\", model=\"EXPORT_DIR\", trust_remote_code=True)",
                   f"fill({export.example!r})", "",
                   "from transformers import AutoModelForMaskedLM, AutoTokenizer",
                   "model = AutoModelForMaskedLM.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)",
-                  "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\")", *usage]
+                  "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)", *usage]
     else:
         lines.append(f"# {cfg.family} has no Hugging Face classes: pipeline.load_pretrained only")
     lines += ["", "# with this repository installed: the pipeline module and the pipeline's tokenizer", "import pipeline",

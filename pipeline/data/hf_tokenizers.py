@@ -21,7 +21,7 @@ from pipeline.data.tokenizer import (NUM_SPECIAL, SPM_BOS_ID, SPM_EOS_ID, SPM_PA
 def nucleotide_tokenizer(molecule: str | None, model_max_length: int | None = None):
     """A PreTrainedTokenizerFast equal to NucleotideTokenizer(molecule).encode(seq, add_special=True) on every
     sequence that encode accepts (tests/pipeline/test_hf_tokenizers.py)."""
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     NucleotideTokenizer(molecule)  # the same check of the molecule
@@ -34,6 +34,7 @@ def nucleotide_tokenizer(molecule: str | None, model_max_length: int | None = No
     tok.normalizer = normalizers.Sequence(rules)
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
                                                  pre_tokenizers.Split(Regex("."), behavior="isolated")])
+    tok.decoder = decoders.Fuse()  # one character per token: decode without separators
     tok.post_processor = processors.TemplateProcessing(
         single="<cls> $A <eos>", pair="<cls> $A <eos> $B:1 <eos>:1",
         special_tokens=[("<cls>", VOCAB.index("<cls>")), ("<eos>", VOCAB.index("<eos>"))])

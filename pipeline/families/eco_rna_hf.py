@@ -29,7 +29,7 @@ def write_tokenizer(out, cfg, spm=None) -> None:
     """The nucleotide tokenizer of the run's molecule as a transformers fast tokenizer (AutoTokenizer)."""
     from pipeline.data.hf_tokenizers import nucleotide_tokenizer
 
-    nucleotide_tokenizer(cfg.data.molecule).save_pretrained(str(out))
+    nucleotide_tokenizer(cfg.data.molecule, cfg.data.context_length).save_pretrained(str(out))
 
 
 EXPORT = HFExport(config_cls=EcoRNAConfig, models=(("AutoModel", EcoRNAModel), ("AutoModelForMaskedLM", EcoRNAForMaskedLM)),

@@ -46,6 +46,7 @@ def test_the_nucleotide_tokenizer_gives_the_pipelines_ids(molecule, tmp_path):
     assert len(seqs) == 341
     for s in seqs:
         assert hf(s)["input_ids"] == ours.encode(s, add_special=True).tolist(), s
+        assert hf.decode(hf(s)["input_ids"], skip_special_tokens=True) == ours.decode(ours.encode(s)), s
     assert hf("AC<mask>G")["input_ids"] == [ours.cls_id, *ours.encode("AC").tolist(), ours.mask_id,
                                             *ours.encode("G").tolist(), ours.eos_id]
     assert (hf.mask_token_id, hf.pad_token_id, hf.cls_token_id, hf.eos_token_id, hf.unk_token_id) == (

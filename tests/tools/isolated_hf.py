@@ -41,7 +41,7 @@ def main(requests_file: str, results_file: str):
     for req in json.load(open(requests_file)):
         auto = AutoModelForCausalLM if req["kind"] == "text-generation" else AutoModelForMaskedLM
         model = auto.from_pretrained(req["export"], trust_remote_code=True).eval()
-        tok = AutoTokenizer.from_pretrained(req["export"])
+        tok = AutoTokenizer.from_pretrained(req["export"], trust_remote_code=True)
         run = pipeline(req["kind"], model=model, tokenizer=tok)
         if req["kind"] == "fill-mask":
             out = []
