@@ -96,3 +96,9 @@ def test_the_loads_themselves_are_weights_only(crafted, monkeypatch):
     with weights_only_loads(trusted=True):
         TorchCheckpointEngine().load(str(tag / "mp_rank_00_model_states.pt"), map_location="cpu")
     assert marker.exists()
+
+
+def test_the_scans_allowlist_names_the_classes_the_loads_allow():
+    from pipeline.checkpoint.read import DEEPSPEED_GLOBALS, deepspeed_globals
+
+    assert sorted(DEEPSPEED_GLOBALS) == sorted(f"{c.__module__}.{c.__qualname__}" for c in deepspeed_globals())
