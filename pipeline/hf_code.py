@@ -25,12 +25,11 @@ FIRST_PARTY = "pipeline"
 SHIPPABLE = ("pipeline.models.", "pipeline.families.")  # what shipped code may import from this repository
 
 
-def _source(module: str) -> tuple[Path, str]:
+def _source(module: str) -> str:
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         raise ValueError(f"{module}: not found")
-    path = Path(spec.origin)
-    return path, path.read_text()
+    return Path(spec.origin).read_text()
 
 
 def _first_party_imports(module: str, text: str) -> list[tuple[ast.ImportFrom, str]]:
@@ -78,7 +77,7 @@ def shipped_sources(modeling: str) -> dict[str, str]:
     while todo:
         module = todo.pop()
         if module not in found:
-            text = _source(module)[1]
+            text = _source(module)
             found[module] = (text, _first_party_imports(module, text))
             todo += [target for _, target in found[module][1]]
     names: dict[str, str] = {}

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from conftest import REPO
 from pipeline.config import ConfigError
 from pipeline.checkpoint.layout import (COMPLETE, LATEST, RunDirLock, checkpoint_tags, is_complete, mark_complete, resume_tag,
                               rotate, set_aside_later_checkpoints)
@@ -118,3 +119,11 @@ def test_a_rollback_sets_the_abandoned_timeline_aside(tmp_path):
     assert checkpoint_tags(d) == ["step00000002", "step00000004"]
     assert sorted(p.name for p in aside.iterdir()) == ["step00000006", "step00000008"] and aside.parent == d
     assert set_aside_later_checkpoints(d, "step00000004") is None
+
+
+def test_the_run_dir_lock_imports_neither_torch_nor_the_configs():
+    """pipeline.checkpoint reads its readers' names lazily: layout (the run directory's files and lock) stays light."""
+    code = ("import sys; sys.path.insert(0, '.'); import pipeline.checkpoint.layout\n"
+            "print(sorted(m for m in ('torch', 'pipeline.config', 'pipeline.checkpoint.read') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
