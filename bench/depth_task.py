@@ -49,8 +49,8 @@ DEPTHS = list(range(1, 9))
 # and 32 records are the CI guard's, at H = 2); each at its own peak lr, the best of 5e-4, 1e-3 and 2e-3 measured
 # (docs/depth_task.md, "Width and learning rate"): the recurrent model at 2e-3 (its second stage at 1e-3), the
 # distinct-block controls at 5e-4 (at 2e-3 the 4-block control stays at chance for 3,500 steps).
-FULL = dict(hops=3, records=200000, heldout=1000, steps=3000, stage2=500, seeds="0,1,2")
-QUICK = dict(hops=3, records=200000, heldout=500, steps=3000, stage2=500, seeds="0")
+FULL = dict(hops=3, records=200000, heldout=1000, steps=3500, stage2=500, seeds="0,1,2")
+QUICK = dict(hops=3, records=200000, heldout=500, steps=3500, stage2=500, seeds="0")
 COMMON = ["model.d_model=128", "model.n_heads=8", "model.n_kv_heads=4", "model.d_ff=512",
           "train.micro_batch_size=64"]
 RECURRENT_LR, CONTROL_LR = "optim.lr=2e-3", "optim.lr=5e-4"
