@@ -8,11 +8,12 @@
 1. Data: ``python -m data_prep synthetic-hops`` writes the training set (pointer counts 0 .. H, a curriculum) and a
    held-out set at exactly H pointers that shares no record with it (``--exclude``).
 2. Train, through the real launcher (``scripts/launch.sh launchers/pretrain.py``, ZeRO-2) with equal data, steps,
-   width and batch, each model at its own peak lr (COMMON, *_LR below): the recurrent model (launchers/configs/eco_rna_depth_task.yaml: one shared block applied K
-   times) in two stages, first at K = h, then (``--init-from`` the first, the last ``stage2`` of the steps) with the
-   depth law of Eq. 12 over K = h .. 8 (k_min h, k_cap 8, mu_K 6), which teaches it to keep the answer at every
-   deeper K; and two fixed-depth controls of the same block (eco_rna_depth_task_control.yaml): one block, and h
-   blocks, each one run of all the steps.
+   width and batch, each model at its own peak lr (COMMON, *_LR below): the recurrent model
+   (launchers/configs/eco_rna_depth_task.yaml: one shared block applied K times) in two stages, first at K = h,
+   then (``--init-from`` the first, the last ``stage2`` of the steps) with the depth law of Eq. 12 over K = h .. 8
+   (k_min h, k_cap 8, mu_K 6), which teaches it to keep the answer at every deeper K; and two fixed-depth
+   controls of the same block (eco_rna_depth_task_control.yaml): one block, and h blocks, each one run of all the
+   steps.
    ``--seeds`` are training seeds (initialization, loader order, depth draws).
 3. Evaluate every run on the held-out set with ``launchers/evaluate.py``'s reconstruction runner at K = 1..8. The
    masking (``last_segment``) supervises the answer token alone, so its loss and accuracy are the answer's. Also the
