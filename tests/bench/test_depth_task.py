@@ -53,3 +53,37 @@ def test_the_recurrence_gains_from_depth(tmp_path):
     print(f"held-out answer accuracy by K: {acc}")
     assert acc[1] <= 0.40, acc  # chance is 0.25: one application cannot reach the value
     assert acc[3] >= 0.9, acc
+
+
+def test_every_model_trains_on_the_same_data_steps_width_and_batch(tmp_path, monkeypatch):
+    """The study's comparison is fair only if the recurrent model (both stages together) and the controls see the same
+    shards, optimizer steps, width and microbatch; only the peak lr is each model's own. The launcher runs are
+    recorded instead of run (the study itself is bench/depth_task.py, 31 minutes)."""
+    calls = []
+
+    def fake_train(name, config, shards, out, steps, sets, nproc):
+        calls.append((name, shards, steps, sets))
+        return {"run_dir": str(out / name), "train_seconds": 1.0}
+
+    monkeypatch.setattr(depth_task, "train", fake_train)
+    monkeypatch.setattr(depth_task, "make_data", lambda out, *a: (out / "train", out / "held"))
+    monkeypatch.setattr(depth_task, "count_model", lambda *a: 0.25)
+    chance = {"accuracy": dict.fromkeys(depth_task.DEPTHS, 0.25), "loss": dict.fromkeys(depth_task.DEPTHS, 1.4)}
+    monkeypatch.setattr(depth_task, "evaluate", lambda run_dir, held: chance)
+    assert depth_task.main(["--out", str(tmp_path), "--seeds", "0"]) == 1  # chance everywhere: not accepted
+
+    def last(sets, key):  # the value a key ends with (later --set wins); None: the config's own
+        return ([s.split("=", 1)[1] for s in sets if s.startswith(key + "=")] or [None])[-1]
+
+    per_model = {}
+    for name, shards, steps, sets in calls:
+        model = name.split("-seed")[0]
+        seen = per_model.setdefault(model, {"steps": 0, "shape": set(), "shards": set()})
+        seen["steps"] += steps
+        seen["shards"].add(shards)
+        seen["shape"].add(tuple(last(sets, k) for k in ("model.d_model", "model.n_heads", "model.n_kv_heads",
+                                                         "model.d_ff", "train.micro_batch_size")))
+    assert set(per_model) == {"recurrent", "control-1", "control-h"}
+    assert {m["steps"] for m in per_model.values()} == {3500}, per_model
+    assert len({s for m in per_model.values() for s in m["shape"]}) == 1, per_model
+    assert {s for m in per_model.values() for s in m["shards"]} == {tmp_path / "train"}
