@@ -140,16 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds between two --progress log lines (default 60)")
     h = sub.add_parser("synthetic-hops", help="the depth task: answers H pointers away from their value",
                        description="Write the synthetic depth task (data_prep/synthetic.py) as nucleotide shards: "
-                                   "four literals (A C G U), H - 1 levels of four pointers (T N R Y S W K M B D H V: "
-                                   "the value d = 1..12 positions back), a query pointer, <sep> and the query's "
-                                   "value, which only following all H pointers gives.")
+                                   "S literals (A C G U at S = 4), H - 1 levels of S pointers (the next 2 S - 1 "
+                                   "letters of A C G U T N R Y S W K M B D H V: the value d = 1 .. 2 S - 1 positions "
+                                   "back), Q query pointers, <sep> and the queries' values, which only following all "
+                                   "H pointers gives.")
     h.add_argument("--hops", required=True, type=_positive, metavar="H", help="pointers of the hardest records")
     h.add_argument("--min-hops", type=_nonnegative, default=0, metavar="M",
                    help="each record's pointer count is uniform in M..H (default 0: shorter chains, down to a query "
                         "that is its own value, as a curriculum; --min-hops H for a held-out set at exactly H)")
+    h.add_argument("--slots", type=_positive, default=4, metavar="S",
+                   help="values and slots per level, 2..5 (default 4; chance 1/S, S!^H x S records at H pointers)")
+    h.add_argument("--queries", type=_positive, default=1, metavar="Q",
+                   help="queries per record, 1..S, of distinct slots of the last level; their Q answers follow "
+                        "<sep> in the same order (default 1)")
     h.add_argument("--records", required=True, type=_positive, metavar="N")
-    h.add_argument("--seed", required=True, type=_nonnegative, metavar="S",
-                   help="record i is drawn from (S, i) alone: the same records on any machine")
+    h.add_argument("--seed", required=True, type=_nonnegative, metavar="SEED",
+                   help="record i is drawn from (SEED, i) alone: the same records on any machine")
     h.add_argument("--exclude", type=Path, default=None, metavar="DIR",
                    help="skip (and count) records that DIR's shards hold: a held-out set disjoint from training")
     h.add_argument("--output", required=True, type=Path, metavar="DIR", help="shard directory to create")
@@ -172,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _synthetic_hops(args) -> int:
     try:
-        task = HopsTask(args.hops, args.min_hops)
+        task = HopsTask(args.hops, args.min_hops, args.slots, args.queries)
         stats = write(args.output, task, args.records, args.seed, args.shard_size, args.overwrite, args.exclude)
     except (SyntheticError, PrepError, OSError) as e:
         print(f"data_prep: error: {e}", file=sys.stderr)
