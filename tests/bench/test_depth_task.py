@@ -4,22 +4,41 @@ import pytest
 
 from bench import depth_task
 from data_prep.__main__ import main as data_prep_main
+from pipeline.data.shards import load_manifest
 
 
-def test_the_best_count_model_is_at_chance(tmp_path):
-    """Every level is a permutation of the four values, so the counts of the visible tokens say nothing about the
-    answer: the count model fitted on 4,000 training records is within sampling error of 1/4 on 1,000 held-out."""
-    assert data_prep_main(["synthetic-hops", "--hops", "3", "--records", "4000", "--seed", "0", "--output",
-                           str(tmp_path / "train")]) == 0
-    assert data_prep_main(["synthetic-hops", "--hops", "3", "--min-hops", "3", "--records", "1000", "--seed", "1",
+@pytest.mark.parametrize("slots,queries", [(4, 1), (5, 3)])
+def test_the_best_count_model_is_at_chance(tmp_path, slots, queries):
+    """Every level is a permutation of the S values, so the counts of the visible tokens say nothing about the
+    answer: the count model fitted on 4,000 training records is within sampling error of 1/S on 1,000 held-out."""
+    task = ["--hops", "3", "--slots", str(slots), "--queries", str(queries)]
+    assert data_prep_main(["synthetic-hops", *task, "--records", "4000", "--seed", "0",
+                           "--output", str(tmp_path / "train")]) == 0
+    assert data_prep_main(["synthetic-hops", *task, "--min-hops", "3", "--records", "1000", "--seed", "1",
                            "--exclude", str(tmp_path / "train"), "--output", str(tmp_path / "held")]) == 0
     acc = depth_task.count_model(tmp_path / "train", tmp_path / "held")
-    assert abs(acc - 0.25) < 0.05, acc  # 4 sd of a binomial(1000, 1/4) is 0.055
+    assert abs(acc - 1 / slots) < 0.05, acc  # 4 sd of a binomial(1000, 1/4) is 0.055 (Q answers: less)
+
+
+def test_the_data_is_reused_only_when_it_is_the_asked_task(tmp_path):
+    """A rerun reuses the shards when they hold exactly the task and count asked for, and writes both sets again
+    otherwise (never a held-out set of one task against training records of another)."""
+    train, held = depth_task.make_data(tmp_path, 2, 4, 1, 300, 50)
+    first = (train / "manifest.json").stat().st_mtime_ns, (held / "manifest.json").stat().st_mtime_ns
+    assert depth_task.make_data(tmp_path, 2, 4, 1, 300, 50) == (train, held)
+    assert ((train / "manifest.json").stat().st_mtime_ns, (held / "manifest.json").stat().st_mtime_ns) == first
+    depth_task.make_data(tmp_path, 2, 5, 3, 300, 50)
+    for d in (train, held):
+        m = load_manifest(d)
+        assert (m.stats["task"]["slots"], m.stats["task"]["queries"]) == (5, 3), d
+    assert sum(s.samples for s in load_manifest(held).shards) == 50
 
 
 def test_bad_flags_exit_2(tmp_path, capsys):
     assert depth_task.main(["--out", str(tmp_path), "--hops", "1"]) == 2
     assert "--hops must lie in 2 .. 7" in capsys.readouterr().err
+    assert depth_task.main(["--out", str(tmp_path), "--queries", "6"]) == 2
+    assert "--queries must lie in 1 .. --slots 5, got 6" in capsys.readouterr().err
     assert depth_task.main(["--out", str(tmp_path), "--models", "control-1"]) == 2
     assert "--models" in capsys.readouterr().err
     assert not (tmp_path / "depth_task.json").exists()
@@ -58,7 +77,7 @@ def test_the_recurrence_gains_from_depth(tmp_path):
 def test_every_model_trains_on_the_same_data_steps_width_and_batch(tmp_path, monkeypatch):
     """The study's comparison is fair only if the recurrent model (both stages together) and the controls see the same
     shards, optimizer steps, width and microbatch; only the peak lr is each model's own. The launcher runs are
-    recorded instead of run (the study itself is bench/depth_task.py, 31 minutes)."""
+    recorded instead of run (the study itself is bench/depth_task.py, 27 minutes)."""
     calls = []
 
     def fake_train(name, config, shards, out, steps, sets, nproc):
@@ -66,7 +85,8 @@ def test_every_model_trains_on_the_same_data_steps_width_and_batch(tmp_path, mon
         return {"run_dir": str(out / name), "train_seconds": 1.0}
 
     monkeypatch.setattr(depth_task, "train", fake_train)
-    monkeypatch.setattr(depth_task, "make_data", lambda out, *a: (out / "train", out / "held"))
+    data = []
+    monkeypatch.setattr(depth_task, "make_data", lambda out, *a: data.append(a) or (out / "train", out / "held"))
     monkeypatch.setattr(depth_task, "count_model", lambda *a: 0.25)
     chance = {"accuracy": dict.fromkeys(depth_task.DEPTHS, 0.25), "loss": dict.fromkeys(depth_task.DEPTHS, 1.4)}
     monkeypatch.setattr(depth_task, "evaluate", lambda run_dir, held: chance)
@@ -84,6 +104,8 @@ def test_every_model_trains_on_the_same_data_steps_width_and_batch(tmp_path, mon
         seen["shape"].add(tuple(last(sets, k) for k in ("model.d_model", "model.n_heads", "model.n_kv_heads",
                                                          "model.d_ff", "train.micro_batch_size")))
     assert set(per_model) == {"recurrent", "control-1", "control-h"}
-    assert {m["steps"] for m in per_model.values()} == {3500}, per_model
+    assert {m["steps"] for m in per_model.values()} == {depth_task.FULL["steps"]}, per_model
+    full = depth_task.FULL  # the study's task reaches data_prep: H, S, Q, training and held-out records
+    assert data == [tuple(full[k] for k in ("hops", "slots", "queries", "records", "heldout"))], data
     assert len({s for m in per_model.values() for s in m["shape"]}) == 1, per_model
     assert {s for m in per_model.values() for s in m["shards"]} == {tmp_path / "train"}
