@@ -207,7 +207,7 @@ if ! skip depth; then
   echo "== synthetic depth task, H = ${GPU_DEPTH_HOPS:-4} (bench/depth_task.py)"
   t=$SECONDS
   dargs=(--hops "${GPU_DEPTH_HOPS:-4}" --seeds 0 --out "$WORK/depth_task")
-  [ "$DRY" = 1 ] && dargs+=(--steps 2 --records 300)
+  [ "$DRY" = 1 ] && dargs+=(--steps 2 --stage2-steps 1 --records 300)
   # Exit 1 (the acceptance figures not reached) is a result, not a failure of this step.
   "$PY" bench/depth_task.py "${dargs[@]}" >"$WORK/depth_task.log" 2>&1
   rc=$?
