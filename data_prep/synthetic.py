@@ -37,6 +37,7 @@ last_segment`` supervises exactly the tokens after the last ``<sep>``: the answe
 """
 from __future__ import annotations
 
+import functools
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,8 @@ class HopsTask:
         return ALPHABET[self.slots:3 * self.slots - 1]
 
 
-def _ids(letters) -> np.ndarray:
+@functools.cache
+def _ids(letters: tuple[str, ...]) -> np.ndarray:  # once per alphabet, not per record
     return np.array([VOCAB.index(c) for c in letters], dtype=np.uint8)
 
 

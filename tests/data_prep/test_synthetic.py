@@ -17,10 +17,15 @@ from pipeline.data.tokenizer import SEP_ID, VOCAB
 LETTERS = "ACGUTNRYSWKMBDHV"  # the documented alphabet: S literals, then the pointers d = 1 .. 2 S - 1
 
 
+def alphabet(slots: int) -> tuple[str, dict[str, int]]:
+    """(the literals, {pointer: offset d}) of the documented alphabet at S slots."""
+    return LETTERS[:slots], {c: d for d, c in enumerate(LETTERS[slots:3 * slots - 1], start=1)}
+
+
 def solve(tokens, slots=4) -> list[tuple[str, int]]:
     """(value, pointers followed) of each query (the Q tokens before <sep>, Q = the tokens after it): follow 'same
     value as d positions back' until a literal. Independent of the generator: it knows the alphabet, not the levels."""
-    literals, offset = LETTERS[:slots], {c: d for d, c in enumerate(LETTERS[slots:3 * slots - 1], start=1)}
+    literals, offset = alphabet(slots)
     text = [VOCAB[t] for t in tokens]
     assert text.count("<sep>") == 1
     sep = text.index("<sep>")
@@ -69,7 +74,7 @@ def test_fewer_pointers_than_h_say_nothing_about_the_answer(tmp_path, slots, que
     """Every level of S is a permutation of the S values: the position a reader reaches after fewer than H
     pointers holds each value equally often, whatever the answer, and the counts of the visible tokens do not
     depend on the answer either (so the count model is at chance)."""
-    literals, offset = LETTERS[:slots], {c: d for d, c in enumerate(LETTERS[slots:3 * slots - 1], start=1)}
+    literals, offset = alphabet(slots)
     n = -(-125 * slots * slots // queries)  # 125 answers per (slot, value) cell
     assert prep("--hops", 3, "--min-hops", 3, "--slots", slots, "--queries", queries, "--records", n, "--seed", 2,
                 "--output", tmp_path / "d") == 0
