@@ -34,6 +34,19 @@ def test_the_data_is_reused_only_when_it_is_the_asked_task(tmp_path):
     assert sum(s.samples for s in load_manifest(held).shards) == 50
 
 
+def test_the_verdict_measures_k1_against_the_tasks_own_chance():
+    """Chance is 1/S: at S = 5 (0.20) a shared core at 0.38 with one application has read something and fails the
+    K = 1 bound (chance + 0.15), which it would pass against S = 4's 0.25."""
+    def run(k1, rest):  # one seed's accuracy: k1 at K = 1, rest at every other K
+        return [{"accuracy": {str(k): (k1 if k == 1 else rest) for k in depth_task.DEPTHS}}]
+
+    def result(slots, k1):
+        return {"depth": 4, "chance": 1 / slots,
+                "runs": {"recurrent": run(k1, 1.0), "control-1": run(0.2, 0.2), "control-h": run(1.0, 1.0)}}
+    assert depth_task.verdict(result(5, 0.30))[0] and not depth_task.verdict(result(5, 0.38))[0]
+    assert depth_task.verdict(result(4, 0.38))[0]
+
+
 def test_bad_flags_exit_2(tmp_path, capsys):
     assert depth_task.main(["--out", str(tmp_path), "--hops", "1"]) == 2
     assert "--hops must lie in 2 .. 7" in capsys.readouterr().err
