@@ -7,14 +7,16 @@ P4 (one process, gloo, world size 1): the project's real training step, built by
 launchers/configs/eco_rna_80m.yaml's objective and ds_configs/zero2.json (ZeRO-2, fp32 on CPU), against a plain loop
 over the same model (same initial weights), the same microbatches, the same loss function (the family's plan and
 loss: depth sampling, wavefront, auxiliary terms) and torch.optim.AdamW with the same parameter groups and gradient
-clipping, without DeepSpeed, one torch thread on both sides (--threads). The engine step is what Trainer.train()
-runs per step, minus the metrics files: set_lr, train_step (token-count and K_max all-reduces, engine.backward /
-engine.step per microbatch, the statistics all-gather and all-reduce, the grad norm), mixture_metrics (one
-all-reduce), the non-finite checks, the tracker's log_metrics every 5 steps (MLflow, sqlite in the run directory),
-and the StopRequest all-reduce. The plain step is plan + loss +
-backward(sum / n) + clip_grad_norm_ + AdamW.step + zero_grad. Batches are drawn from the real loader before timing
-(bench/data.py measures the loader), and each engine step is paired with a plain step on the same batch and the same
-depths, in alternating order, so both see the same machine state. P4 = median over steps of engine / plain.
+clipping, without DeepSpeed, one torch thread on both sides (--threads). The engine step is a step of the Trainer's
+own loop, Trainer.fit, timed by a callback that runs first in its list (paired_steps_callback): read_step, set_lr,
+train_step (token-count and K_max all-reduces, engine.backward / engine.step per microbatch, the statistics
+all-gather and all-reduce, the grad norm), every default callback (mixture metrics' all-reduce, the non-finite
+checks, metrics.jsonl, the tracker's log_metrics every 5 steps and at the last (MLflow, sqlite in the run
+directory), the console line, the StopRequest all-reduce); the bench's callback vetoes checkpoints. The plain step
+is plan + loss + backward(sum / n) + clip_grad_norm_ + AdamW.step + zero_grad. Batches are drawn from the real loader
+before timing (bench/data.py measures the loader), and each engine step is paired with a plain step on the same batch
+and the same depths, in alternating order, so both see the same machine state. P4 = median over steps of engine /
+plain. (The bench once copied fit's step by hand and broke when fit gained state; it now runs fit itself.)
 
 Model (small, not tiny: compute dominates the step as on real runs): Eco-RNA d 256, 4 heads of 64 (2 KV), SwiGLU
 1024, 1 prelude + 2 core + 1 coda blocks (4.08M parameters), context 256, 8 rows per microbatch, one microbatch per
@@ -53,15 +55,17 @@ P4_MODEL = ["model.d_model=256", "model.n_heads=4", "model.n_kv_heads=2", "model
 P4_RUN = ["data.context_length=256", "data.num_workers=0", "data.shuffle_buffer=0", "train.micro_batch_size=8",
           "train.max_tokens_per_microbatch=null", "data.length_window=0",
           "train.grad_accum_steps=1", "optim.warmup_steps=2", "train.log_every=5", "tracking.every=5",
-          "train.max_steps=1000000", "checkpoint.every_steps=1000000"]
+          "checkpoint.every_steps=1000000"]
 
 
-def p4_config(shards: Path, run_dir: Path):
-    """P4's RunConfig: eco_rna_80m.yaml's objective on the small model and batch of the module docstring."""
+def p4_config(shards: Path, run_dir: Path, steps: int = 1000000):
+    """P4's RunConfig: eco_rna_80m.yaml's objective on the small model and batch of the module docstring, ``steps``
+    optimizer steps."""
     from pipeline.config import load_config
 
     return load_config(REPO / "launchers" / "configs" / "eco_rna_80m.yaml",
-                       P4_MODEL + P4_RUN + [f"data.train_shards={shards}", f"run_dir={run_dir}"])
+                       P4_MODEL + P4_RUN + [f"train.max_steps={steps}", f"data.train_shards={shards}",
+                                            f"run_dir={run_dir}"])
 
 
 def model_text(cfg) -> str:
@@ -80,15 +84,76 @@ def build_shards(out: Path) -> Path:
 # --------------------------------------------------------------------------------------------------------------------
 # P4
 # --------------------------------------------------------------------------------------------------------------------
+class PreDrawn:
+    """The loader with its next batches drawn before timing (bench/data.py measures the loader): Trainer.fit's
+    read_step takes them from here; everything else (seen, state_dict) is the loader's own."""
+
+    def __init__(self, loader, batches: list):
+        self.loader, self.batches = loader, iter(batches)
+
+    def __next__(self):
+        return next(self.batches)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+def paired_steps_callback(batches: list, plain_step, warmup: int = 0):
+    """A Trainer callback that times every step Trainer.fit takes and runs the plain step on the same batch next to it.
+
+    It goes first in the callback list, so step i's time runs from its on_step_start to its on_step_start of step i+1
+    (or its on_fit_end after the last): every other callback's hooks, read_step, run_step and after_step, all of what
+    fit does per step. The plain step runs outside that window, after the engine's on even steps and before it on odd
+    ones. It vetoes every checkpoint (the last step would save one; a save is no part of a step's cost)."""
+    from pipeline.train import Callback
+
+    class PairedSteps(Callback):
+        def __init__(self):
+            self.engine, self.plain = [], []  # per step: (wall s, process CPU s)
+            self.open = None  # the step whose engine time is running
+
+        def on_step_start(self, trainer):
+            self._close(trainer)
+            i = trainer.state.step  # 0-based: the step fit is about to take
+            if i % 2:
+                self._plain(i)
+            self.open, self.t0, self.c0 = i, time.perf_counter(), time.process_time()
+
+        def _plain(self, i):
+            t0, c0 = time.perf_counter(), time.process_time()
+            plain_step(i, batches[i])
+            self.plain.append((time.perf_counter() - t0, time.process_time() - c0))
+
+        def _close(self, trainer):
+            if self.open is None:
+                return
+            i, self.open = self.open, None
+            self.engine.append((time.perf_counter() - self.t0, time.process_time() - self.c0))
+            if i % 2 == 0:
+                self._plain(i)
+            print(f"P4 step {i + 1}/{len(batches)}{' (warm-up)' if i < warmup else ''}: engine "
+                  f"{self.engine[-1][0] * 1e3:.0f} ms, plain {self.plain[-1][0] * 1e3:.0f} ms", flush=True)
+
+        def allow_save(self, trainer):
+            return False
+
+        def on_fit_end(self, trainer, status):
+            if status == "FINISHED":  # a failed step is no measurement: the error propagates from fit
+                self._close(trainer)
+
+    return PairedSteps()
+
+
 def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: int = 1) -> dict:
     import torch
 
     from pipeline.train import Trainer, param_groups, shutdown_distributed
 
-    cfg = p4_config(shards, run_dir)
+    total = warmup + steps
+    cfg = p4_config(shards, run_dir, total)
     trainer = Trainer(cfg, str(REPO / "ds_configs" / "zero2.json"), resume="never")
-    trainer.setup()  # DeepSpeed ZeRO-2 engine, loader, tracker: the real path
     try:
+        trainer.setup()  # DeepSpeed ZeRO-2 engine, loader, tracker: the real path
         family, engine = trainer.family, trainer.engine
         # One thread on both sides: on a shared 2-core host a multi-threaded step stalls at every parallel region
         # whenever another process holds a core (steps measured 10x slower), which buries the overhead in noise.
@@ -102,23 +167,9 @@ def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: in
         opt = torch.optim.AdamW(param_groups(plain, cfg.optim), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                 eps=cfg.optim.eps)
         clip = cfg.optim.grad_clip
-        total = warmup + steps
-        batches = [[next(trainer.data) for _ in range(cfg.train.grad_accum_steps)] for _ in range(total)]
-        for cb in trainer.callbacks:
-            cb.on_fit_start(trainer)
 
-        def engine_step(i):
-            # Trainer.fit's step on the pre-drawn batches (the plain side gets the same): the step with its
-            # bookkeeping, then every callback (metrics, mixture all-reduce, tracker, console, stop flag, saves).
-            trainer.step_started = time.perf_counter()
-            trainer.mid_step.start(trainer.state.step + 1)
-            trainer.micro = batches[i]
-            rec = trainer.run_step(batches[i])
-            trainer.after_step(rec)
-            return rec
-
-        def plain_step(i):
-            micro = batches[i]
+        def plain_step(i, micro):
+            # Same batch and depths as the engine's step i (plan is seeded by step and microbatch).
             plans = [family.plan(b, cfg, step=i, stream=0, index=j) for j, b in enumerate(micro)]
             n = sum(b.num_supervised for b in micro)
             for b, p in zip(micro, plans):
@@ -128,36 +179,28 @@ def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: in
                 torch.nn.utils.clip_grad_norm_(plain.parameters(), clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return float(out.sum_loss.detach())
 
-        t_engine, t_plain, k_max, cpu_ratios = [], [], [], []
-        for i in range(total):
-            # Same batch and depths on both sides (plan is seeded by step and microbatch); the order alternates.
-            order = (engine_step, plain_step) if i % 2 == 0 else (plain_step, engine_step)
-            times, cpu = {}, {}
-            for fn in order:
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn(i)
-                times[fn], cpu[fn] = time.perf_counter() - t0, time.process_time() - c0
-            if i >= warmup:
-                t_engine.append(times[engine_step])
-                t_plain.append(times[plain_step])
-                cpu_ratios.append(cpu[engine_step] / cpu[plain_step])
-                k_max.append(max(family.plan(b, cfg, step=i, stream=0, index=j).sync_max["k_max"]
-                                 for j, b in enumerate(batches[i])))
-            print(f"P4 step {i + 1}/{total}{' (warm-up)' if i < warmup else ''}: engine "
-                  f"{times[engine_step] * 1e3:.0f} ms, plain {times[plain_step] * 1e3:.0f} ms", flush=True)
-        ratios = [e / p for e, p in zip(t_engine, t_plain)]
-        return {"ratio": statistics.median(ratios), "engine_ms": statistics.median(t_engine) * 1e3,
-                "plain_ms": statistics.median(t_plain) * 1e3, "ratios": ratios, "threads": threads,
-                "cpu_ratio": statistics.median(cpu_ratios), "model": model_text(cfg),
-                "k_max": k_max, "n_params": sum(p.numel() for p in plain.parameters())}
+        n = cfg.train.grad_accum_steps
+        batches = [[next(trainer.data) for _ in range(n)] for _ in range(total)]
+        trainer.data = PreDrawn(trainer.data, [b for step in batches for b in step])
+        paired = paired_steps_callback(batches, plain_step, warmup)
+        trainer.callbacks.insert(0, paired)  # first: its window holds every other callback's hooks (its docstring)
+        trainer.fit()  # the Trainer's own loop: whatever fit does per step is in the engine's time
     finally:
-        trainer.stop.restore()
-        for cb in trainer.callbacks:  # closes the files, finishes the tracker, prints the summary
-            cb.on_fit_end(trainer, "FINISHED")
-        trainer.lock.release()
+        lock = getattr(trainer, "lock", None)
+        if lock is not None:
+            lock.release()
         shutdown_distributed()
+    if len(paired.engine) != total or len(paired.plain) != total:
+        raise RuntimeError(f"P4: Trainer.fit took {len(paired.engine)} of {total} steps")
+    (t_engine, c_engine), (t_plain, c_plain) = (list(zip(*x[warmup:])) for x in (paired.engine, paired.plain))
+    ratios = [e / p for e, p in zip(t_engine, t_plain)]
+    k_max = [max(family.plan(b, cfg, step=i, stream=0, index=j).sync_max["k_max"] for j, b in enumerate(batches[i]))
+             for i in range(warmup, total)]
+    return {"ratio": statistics.median(ratios), "engine_ms": statistics.median(t_engine) * 1e3,
+            "plain_ms": statistics.median(t_plain) * 1e3, "ratios": ratios, "threads": threads,
+            "cpu_ratio": statistics.median(e / p for e, p in zip(c_engine, c_plain)), "model": model_text(cfg),
+            "k_max": k_max, "n_params": sum(p.numel() for p in plain.parameters())}
 
 
 # --------------------------------------------------------------------------------------------------------------------
