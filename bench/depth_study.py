@@ -94,7 +94,8 @@ def train(name: str, config: Path, shards: Path, out: Path, steps: int | None, s
         cmd += ["--set", f"train.max_steps={steps}", "--set", f"checkpoint.every_steps={steps}"]
     for s in sets:
         cmd += ["--set", s]
-    seconds = run(cmd, out / f"{name}.log", env={**os.environ, "NPROC": str(nproc)})  # scripts/launch.sh reads it
+    # scripts/launch.sh reads both: PY, so the runner and its workers use this interpreter (a CUDA image has no .venv)
+    seconds = run(cmd, out / f"{name}.log", env={**os.environ, "NPROC": str(nproc), "PY": sys.executable})
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     return {"run_dir": str(run_dir), "train_seconds": round(seconds, 1), "steps": last["step"],
             "train_loss": last["mlm_loss"], "tokens": last["total/tokens"], "flops": last["total/flops"]}
