@@ -140,6 +140,8 @@ class Throughput(Callback):
                    tflops_per_device=rec.get("flops", 0.0) / trainer.world / dt / 1e12)
         if trainer.cfg.train.peak_flops_per_device:
             rec["mfu"] = rec["tflops_per_device"] * 1e12 / trainer.cfg.train.peak_flops_per_device
+        if torch.cuda.is_available():  # this rank's allocator peak since start-up, GiB (bench/gpu_report.py reads it)
+            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if _console_step(trainer):
             self.interval = [0, 0]
 
