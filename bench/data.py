@@ -162,10 +162,13 @@ def gzipped(src: Path, tmp: Path, copies: int = 1) -> Path:
 
 
 def tsv_copies(src: Path, tmp: Path, copies: int) -> Path:
-    """The --clusters mapping TSV for gzipped(..., copies): every cluster and member id suffixed per copy."""
+    """The --clusters mapping TSV for gzipped(..., copies): every cluster and member id suffixed per copy, as
+    gzipped suffixes the records (none for one copy: a small --mb gave the TSV suffixes its FASTA lacked)."""
     head, *rows = src.read_text().splitlines()
     out = tmp / f"{src.stem}.x{copies}.tsv"
     def suffixed(row: str, k: int) -> str:  # "cluster<TAB>member,member,..."
+        if copies == 1:
+            return row
         cluster, members = row.split("\t", 1)
         return f"{cluster}_{k}\t" + ",".join(f"{m}_{k}" for m in members.split(","))
     out.write_text("\n".join([head] + [suffixed(r, k) for k in range(copies) for r in rows if r]) + "\n")
