@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.models.layers import (ATTN_BACKENDS, RMSNorm, SandwichBlock, Varlen, flash_available, init_linear_,
-                                    residual_std, rope_cache)
+                                    residual_std, rope_cache, torch_varlen_available)
 
 
 @dataclass
@@ -50,10 +50,10 @@ class EcoRNAConfig:
     alpha_init: float | None = None
     init_std: float = 0.02
     attn_backend: str = "auto"
-    # true: blocks run on the packed real tokens [T, d] (varlen attention; flash-attn's kernel when attn_backend
-    # selects it, else one SDPA call per sequence); false: padded rows [B, L, d]; "auto": packed exactly when
-    # flash-attn runs (attn_backend "flash", or "auto" with flash-attn importable and CUDA inputs). Same parameters
-    # and, at real tokens, the same outputs either way.
+    # true: blocks run on the packed real tokens [T, d] (varlen attention: flash-attn's kernel when attn_backend
+    # selects it, torch's varlen kernel on CUDA with attn_backend "auto", else one SDPA call per sequence); false:
+    # padded rows [B, L, d]; "auto": packed exactly when a varlen kernel runs (attn_backend "flash", or "auto" on CUDA
+    # with flash-attn or torch's varlen kernel working). Same parameters and, at real tokens, the same outputs.
     unpad: bool | str = "auto"
 
     def __post_init__(self):
@@ -145,15 +145,29 @@ class EcoRNAConfig:
 
 
 def initial_state(cfg: EcoRNAConfig, attention_mask: torch.Tensor, generator: torch.Generator | None = None,
-                  table: torch.Tensor | None = None) -> torch.Tensor:
-    """s_0 [B, L, d] in fp32, zero at padding: fresh N(0, sigma_init^2) draws (training), or the first L rows of a
-    seed-fixed position-indexed table [L_max, d] (evaluation sweeps, so every depth starts from the same state)."""
+                  table: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                  on_device: bool = False) -> torch.Tensor:
+    """s_0 [B, L, d] on attention_mask's device, zero at padding: fresh N(0, sigma_init^2) draws from ``generator``
+    (training), or the first L rows of a seed-fixed position-indexed table [L_max, d] (evaluation sweeps, so every
+    depth starts from the same state). fp32, or ``dtype``.
+
+    Fresh draws are made on the CPU and copied, so that a seed gives the same state on every device; with
+    ``on_device`` and a mask on an accelerator they are made there instead, in ``dtype``, from a device generator
+    seeded by one draw of ``generator``: the state still follows from the generator alone (a microbatch's origin,
+    so a run replays and continues identically on another world size), but per device type. That saves a [B, L, d]
+    fp32 draw on one CPU thread and its copy at every microbatch (about a quarter of a step on one H200)."""
     B, L = attention_mask.shape
+    dev = attention_mask.device
+    if table is None and on_device and dev.type != "cpu":
+        g = torch.Generator(device=dev).manual_seed(int(torch.randint(2 ** 63 - 1, (), generator=generator)))
+        s0 = torch.randn(B, L, cfg.d_model, generator=g, device=dev, dtype=dtype or torch.float32)
+        return s0.mul_(cfg.sigma_init).mul_(attention_mask[..., None].to(s0.dtype))
     if table is not None:
         s0 = table[:L].float().expand(B, L, -1)
-    else:  # drawn on the CPU so that a seed gives the same state on every device
+    else:
         s0 = torch.randn(B, L, cfg.d_model, generator=generator) * cfg.sigma_init
-    return s0.to(attention_mask.device) * attention_mask[..., None].float()
+    s0 = s0.to(dev) * attention_mask[..., None].float()
+    return s0 if dtype is None else s0.to(dtype)
 
 
 def state_table(cfg_model, length: int, seed: int) -> torch.Tensor:
@@ -372,14 +386,16 @@ class EcoRNA(nn.Module):
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths, init_state: torch.Tensor, *,
                 k_max: int | None = None, backward_window: int | None = None,
-                anchor_depth: int | None = None) -> "EcoRNAOutput":
+                anchor_depth: int | None = None, host_mask: torch.Tensor | None = None) -> "EcoRNAOutput":
         """Right-aligned depth wavefront (paper A.2).
 
         tokens, attention_mask: [B, L] (mask True at real tokens); depths: int or [B] long, K_i >= 1;
         init_state: [B, L, d]. ``k_max`` >= max K_i is the number of core calls (the engine passes the maximum over
         all ranks so that every rank calls the core equally often); ``backward_window`` W keeps autograd only for
         the last W wavefront steps; ``anchor_depth`` K_a also returns a no-grad readout of s^(K_a) for rows with
-        K_i > K_a.
+        K_i > K_a. ``host_mask``: attention_mask's copy on the host (the loader's), from which the packed layout
+        computes its token indices; without it the packed layout copies attention_mask back (one device read).
+        Given depths and host_mask on the host, forward reads nothing back from the device.
 
         Row i is active at step t iff t > k_max - K_i, so every row ends at step k_max after exactly K_i core
         applications. Rows are sorted by depth (descending) so the active rows are always a prefix: the core runs on
@@ -388,15 +404,23 @@ class EcoRNA(nn.Module):
         scattered back to [B, L, ...] (zero at padding).
         """
         B, L = tokens.shape
-        depths = torch.as_tensor(depths, device=tokens.device).expand(B).long()
-        k_max = int(depths.max()) if k_max is None else int(k_max)
-        if B and (int(depths.min()) < 1 or int(depths.max()) > k_max):
-            raise ValueError(f"depths must lie in [1, k_max={k_max}], got {depths.tolist()}")
+        # The schedule is host arithmetic on the depths: given on the host (the training objective's plan), nothing
+        # here reads the device; given on the device, one copy.
+        host = torch.as_tensor(depths).expand(B).long().cpu()
+        ks = host.tolist()
+        k_max = max(ks, default=1) if k_max is None else int(k_max)
+        if B and (min(ks) < 1 or max(ks) > k_max):
+            raise ValueError(f"depths must lie in [1, k_max={k_max}], got {ks}")
         window = k_max if backward_window is None else min(int(backward_window), k_max)
-        order = torch.argsort(depths, descending=True, stable=True)
-        schedule = (depths[order].tolist(), k_max, window, anchor_depth)
+        order_host = torch.argsort(host, descending=True, stable=True)
+        schedule = ([ks[i] for i in order_host.tolist()], k_max, window, anchor_depth)
+        order = order_host.to(tokens.device)
+        # original row indices of the rows with K_i > K_a, ascending (None without an anchor depth)
+        anchor_rows = None if anchor_depth is None else torch.nonzero(host > anchor_depth).squeeze(-1).to(tokens.device)
         if self.unpadded(tokens):
-            return self._forward_packed(tokens, attention_mask, depths, init_state, order, schedule)
+            host_mask = attention_mask.cpu() if host_mask is None else host_mask
+            return self._forward_packed(tokens, host_mask.bool()[order_host], anchor_rows, init_state, order,
+                                        schedule)
         e, rope, key_mask = self._prelude(tokens, attention_mask)
         mask_s = key_mask[order]
         extent = list(range(B + 1))  # a unit is a row
@@ -404,9 +428,8 @@ class EcoRNA(nn.Module):
                                                           lambda n: (rope, mask_s[:n]))
         inverse = torch.argsort(order)
         logits = self.embed(self.readout(s, rope, mask_s), as_head=True)[inverse]
-        anchor_rows = anchor_logits = None
+        anchor_logits = None
         if anchor is not None:
-            anchor_rows = torch.nonzero(depths > anchor_depth).squeeze(-1)  # original row indices
             sorted_rows = inverse[anchor_rows]  # all below n_a: the anchor rows are a prefix of the sorted rows
             with torch.no_grad():  # readout called on every rank, even with no eligible row (ZeRO-3 symmetry)
                 anchor_logits = self.embed(self.readout(anchor[sorted_rows], rope, mask_s[sorted_rows]),
@@ -419,16 +442,20 @@ class EcoRNA(nn.Module):
         mode, backend = self.cfg.unpad, self.cfg.attn_backend
         if mode != "auto":
             return mode
-        return backend == "flash" or (backend == "auto" and flash_available() and tokens.is_cuda)
+        if backend == "flash":
+            return True
+        probe = self.embed.weight  # the compute dtype: varlen kernels take fp16/bf16 only
+        return backend == "auto" and tokens.is_cuda and (flash_available() or torch_varlen_available(probe))
 
-    def _forward_packed(self, tokens, attention_mask, depths, init_state, order, schedule) -> "EcoRNAOutput":
-        """forward on the packed layout: the real tokens of the depth-sorted rows end to end, [T, d]."""
+    def _forward_packed(self, tokens, mask_s, anchor_rows, init_state, order, schedule) -> "EcoRNAOutput":
+        """forward on the packed layout: the real tokens of the depth-sorted rows end to end, [T, d]. ``mask_s``:
+        [B, L] bool on the host, the sorted rows' attention mask (the token indices are host arithmetic, copied to
+        the device and never read back)."""
         B, L = tokens.shape
-        mask_s = attention_mask.bool()[order]  # [B, L] sorted rows
-        seqs = Varlen.from_lengths(mask_s.sum(1))  # host copy of the lengths: one sync
+        seqs = Varlen(tuple(mask_s.sum(1).tolist()), tokens.device)  # cu_seqlens made on the compute device
         extent = [0, *itertools.accumulate(seqs.lengths)]  # tokens of the first n sorted rows
         flat = mask_s.reshape(-1).nonzero().squeeze(-1)  # [T] real positions of the sorted rows, row-major
-        row, pos = flat // L, flat % L
+        row, pos = (flat // L).to(tokens.device), (flat % L).to(tokens.device)
         where = order[row] * L + pos  # [T] each token's index in the caller's [B * L]
         x = self.embed(tokens.reshape(-1)[where])  # [T, d]
         cos, sin = self.rope(L, x.device, x.dtype)
@@ -449,10 +476,8 @@ class EcoRNA(nn.Module):
             return t.new_zeros(rows * L, *t.shape[1:]).index_copy(0, index, t).view(rows, L, *t.shape[1:])
 
         logits = unpack(self.embed(self.readout(s, rope, seqs), as_head=True))
-        anchor_rows = anchor_logits = None
+        anchor_logits = None
         if anchor is not None:
-            anchor_depth = schedule[3]
-            anchor_rows = torch.nonzero(depths > anchor_depth).squeeze(-1)  # original row indices, ascending
             n_a, T_a = len(anchor_rows), anchor.shape[0]  # the anchor rows are the first n_a sorted rows
             slot = torch.empty(B, dtype=torch.long, device=tokens.device)  # sorted row -> its output row
             slot[torch.argsort(order)[anchor_rows]] = torch.arange(n_a, device=tokens.device)

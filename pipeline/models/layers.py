@@ -1,8 +1,10 @@
 """Transformer building blocks shared by the model families (pure nn.Modules).
 
-Attention has one backend switch: ``sdpa`` (torch's scaled_dot_product_attention, every device) or ``flash``
-(flash-attn's varlen kernel, CUDA only). Both use the same parameters, so a checkpoint moves between them freely;
-``auto`` picks flash when flash-attn imports and the tensors are on CUDA.
+Attention has one backend switch: ``sdpa`` (torch's scaled_dot_product_attention, every device; on CUDA its flash and
+memory-efficient kernels only, see CUDA_SDPA_BACKENDS) or ``flash`` (flash-attn's varlen kernel, CUDA only). Both use
+the same parameters, so a checkpoint moves between them freely; ``auto`` picks flash when flash-attn imports and the
+tensors are on CUDA, and for packed sequences on CUDA without flash-attn torch's own varlen kernel. No path calls a
+kernel with an empty batch (:func:`empty_attention`).
 
 Blocks take activations in one of two layouts: padded rows ``[B, L, d]`` with a key mask ``[B, L]`` bool, or packed
 real tokens ``[T, d]`` (the real tokens of n sequences end to end) with a :class:`Varlen` in place of the mask. Only
@@ -10,6 +12,8 @@ attention needs to know which (norms and MLPs act per token); in the packed layo
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -17,11 +21,19 @@ from functools import cached_property
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pipeline.models.norm_op import rms_norm, rms_norm_reference
 
 try:  # CUDA-only source build; installed on GPU hosts by scripts/install_gpu_kernels.sh
     from flash_attn import flash_attn_varlen_func
 except Exception:  # ImportError, or an ABI mismatch raising OSError/RuntimeError
     flash_attn_varlen_func = None
+
+try:  # torch's own varlen flash attention (torch >= 2.9), CUDA only: the packed layout without the flash-attn package
+    from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
+except ImportError:
+    torch_varlen_attn = None
 
 ATTN_BACKENDS = ("auto", "sdpa", "flash")
 
@@ -30,17 +42,73 @@ def flash_available() -> bool:
     return flash_attn_varlen_func is not None and torch.cuda.is_available()
 
 
+@functools.lru_cache(maxsize=None)
+def _torch_varlen_works(device: str, dtype: torch.dtype) -> bool:
+    """One tiny call of torch's varlen kernel on ``device`` (GQA, causal and not): the capability check itself, since
+    the kernel's architecture and dtype support is known only to the kernel."""
+    try:
+        q = torch.zeros(3, 2, 64, device=device, dtype=dtype)
+        cu = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+        for causal in (False, True):
+            torch_varlen(q, q[:, :1], q[:, :1], cu, 2, causal)
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: use the per-sequence SDPA path
+        return False
+
+
+def torch_varlen_available(x: torch.Tensor) -> bool:
+    """Whether torch's varlen attention runs for activations like ``x`` (CUDA, fp16/bf16, a working kernel)."""
+    return (torch_varlen_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+            and _torch_varlen_works(str(x.device), x.dtype))
+
+
+def torch_varlen(q, k, v, cu_seqlens: torch.Tensor, max_len: int, causal: bool) -> torch.Tensor:
+    """torch.nn.attention.varlen.varlen_attn over packed sequences: q [T, H, hd], k/v [T, Hkv, hd] -> [T, H, hd].
+    Its keywords changed between torch versions (causal as ``is_causal`` or ``window_size=(-1, 0)``; grouped-query
+    as ``enable_gqa`` or not at all), so they are read from its signature."""
+    params = _varlen_params()
+    kwargs = {}
+    if causal:
+        kwargs.update({"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)})
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    return torch_varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_params() -> frozenset:
+    return frozenset(inspect.signature(torch_varlen_attn).parameters)
+
+
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, computed in fp32 (norm_op.rms_norm_reference).
+
+    ``fused`` (default): one operator each way (pipeline/models/norm_op.py: torch's fused kernels on CUDA, the same
+    formula elsewhere), saving only x and a per-row fp32 rstd for backward; False: the plain autograd formula.
+    :func:`set_fused_norms` switches every norm of a model (train.fused_norm)."""
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32: bf16 sums of squares lose the scale the recurrent state depends on.
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)
+
+
+def set_fused_norms(model: nn.Module, fused: bool) -> nn.Module:
+    """Every RMSNorm of ``model`` fused or plain (same parameters and names either way)."""
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.fused = fused
+    return model
 
 
 def rope_cache(length: int, head_dim: int, theta: float, device, dtype=torch.float32):
@@ -76,6 +144,42 @@ def use_flash(backend: str, x: torch.Tensor) -> bool:
         torch.float16, torch.bfloat16)
 
 
+# SDPA backends on CUDA: the memory-efficient and flash kernels, never cuDNN's. cuDNN builds an execution plan for
+# every new (rows, length, grad mode) at 45-50 ms each, and the wavefront's core calls change their row count at every
+# step: on one H200 those builds were 55 % of the step time (docs/performance.md). The memory-efficient kernel takes
+# boolean masks and any shape without a build. The list is exclusive, so a call neither kernel takes fails loudly
+# instead of falling back to the math kernel.
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [B, Hkv, L, hd] repeated to q's H heads, head j serving query heads j*g .. j*g + g-1 (SDPA's enable_gqa
+    grouping), for kernels that take no grouped-query layout."""
+    g = q.shape[1] // k.shape[1]
+    return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         is_causal: bool = False) -> torch.Tensor:
+    """F.scaled_dot_product_attention with grouped-query k/v; on CUDA restricted to CUDA_SDPA_BACKENDS (k and v
+    expanded to q's heads, which the memory-efficient kernel needs). q: [B, H, L, hd], k/v: [B, Hkv, L, hd]."""
+    if q.is_cuda:
+        k, v = expand_kv(q, k, v)
+        with sdpa_kernel(CUDA_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True)
+
+
+def empty_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The output of attention over no token: zeros shaped like q, without calling a kernel (flash-attn and CUDA
+    SDPA cannot take an empty batch; cuDNN's returns an undefined tensor). A zero-row call happens in training: the
+    wavefront at a step where none of this rank's rows is active (K_max is the maximum over ranks), fixed_wavefront's
+    leading steps, the anchor readout with no eligible row. Built from q, k and v so that autograd still reaches
+    their projections, as it does through a kernel: ZeRO-3 gathers each module's parameters in its backward, and
+    every rank must do so equally."""
+    return q * 0 + (k.sum() + v.sum()) * 0
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, *, backend: str = "auto",
            causal: bool = False, segments: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention with a padding mask, through SDPA or flash-attn. q: [B, H, L, hd]; k/v: [B, Hkv, L, hd];
@@ -86,6 +190,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
     ``segments``: [B, L] int64 document index of each position in a packed row (-1 at padding); a query then sees
     only keys of its own document.
     """
+    if q.numel() == 0:  # no row (or no position): no kernel is called with an empty batch, on any path
+        return empty_attention(q, k, v)
     if use_flash(backend, q):
         return flash_varlen(q, k, v, key_mask, causal, segments)
     if segments is not None:
@@ -93,16 +199,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
         allowed = (segments[:, :, None] == segments[:, None, :]) | (segments[:, :, None] < 0)  # [B, Lq, Lk]
         if causal:  # padded queries see every earlier key, so no softmax row is empty
             allowed = allowed & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], enable_gqa=True)
+        return sdpa(q, k, v, attn_mask=allowed[:, None])
     if causal:
         if bool(key_mask.all()):  # no padding: SDPA's own causal kernel, no [L, L] mask materialized
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return sdpa(q, k, v, is_causal=True)
         L = q.shape[2]
         tri = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # [L, L]: query i sees keys j <= i
         # Padded query rows still see the real keys before them, so no softmax row is empty (no NaN).
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=tri[None, None] & key_mask[:, None, None, :],
-                                              enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask[:, None, None, :], enable_gqa=True)
+        return sdpa(q, k, v, attn_mask=tri[None, None] & key_mask[:, None, None, :])
+    return sdpa(q, k, v, attn_mask=key_mask[:, None, None, :])
 
 
 def flash_varlen(q, k, v, key_mask, causal: bool = False, segments: torch.Tensor | None = None):
@@ -113,13 +218,8 @@ def flash_varlen(q, k, v, key_mask, causal: bool = False, segments: torch.Tensor
         segments = torch.where(key_mask, 0, -1)
     real = segments.reshape(-1) >= 0
     idx = real.nonzero().squeeze(-1)
-    if idx.numel() == 0:
-        # No real token: a zero-row call (the wavefront at a step where none of this rank's rows is active, the
-        # anchor readout with no eligible row) or rows that are all padding. The kernel cannot take an empty batch
-        # (and lengths.max() below has nothing to reduce); every position is padding, whose output is zero as on the
-        # path below. Built from q, k and v so that autograd still reaches their projections, as it does through
-        # the kernel: ZeRO-3 gathers each module's parameters in its backward, and every rank must do so equally.
-        return q * 0 + (k.sum() + v.sum()) * 0  # [B, H, L, hd]
+    if idx.numel() == 0:  # rows that are all padding: zero output, as at padding below (lengths.max() has nothing)
+        return empty_attention(q, k, v)  # [B, H, L, hd]
     row = torch.arange(B, device=q.device).repeat_interleave(L)
     seq_id = (row * (L + 1) + segments.reshape(-1))[idx]  # unique per (row, document), in token order
     lengths = torch.unique_consecutive(seq_id, return_counts=True)[1].to(torch.int32)
@@ -145,10 +245,6 @@ class Varlen:
     lengths: tuple
     device: torch.device
 
-    @staticmethod
-    def from_lengths(lengths: torch.Tensor) -> "Varlen":
-        return Varlen(tuple(int(n) for n in lengths.tolist()), lengths.device)
-
     @property
     def total(self) -> int:
         return sum(self.lengths)
@@ -170,20 +266,21 @@ def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varle
                   causal: bool = False) -> torch.Tensor:
     """Attention within each packed sequence. q: [T, H, hd]; k/v: [T, Hkv, hd] -> [T, H, hd].
 
-    flash-attn's varlen kernel where ``backend`` selects it (see use_flash), else one SDPA call per sequence: the same
-    result, the pure-PyTorch path of the packed layout (slower than padded SDPA for many short sequences)."""
-    if q.shape[0] == 0:
-        # A zero-token call (the wavefront at a step with no active row): built from q, k and v so that autograd
-        # still reaches their projections, as ZeRO-3 needs every rank to run each module's backward equally.
-        return q * 0 + (k.sum() + v.sum()) * 0
+    flash-attn's varlen kernel where ``backend`` selects it (see use_flash); else, on CUDA, torch's own varlen kernel
+    (torch_varlen) unless ``backend`` is "sdpa"; else one SDPA call per sequence: the same result, the pure-PyTorch
+    path of the packed layout (slower than padded SDPA for many short sequences)."""
+    if q.shape[0] == 0:  # a zero-token call (the wavefront at a step with no active row)
+        return empty_attention(q, k, v)
     if use_flash(backend, q):
         cu = seqs.cu_seqlens
         return flash_attn_varlen_func(q, k, v, cu, cu, seqs.max_len, seqs.max_len, causal=causal)
+    if backend == "auto" and torch_varlen_available(q):
+        return torch_varlen(q, k, v, seqs.cu_seqlens, seqs.max_len, causal)
     out, at = [], 0
     for n in seqs.lengths:
         if n:
             qs, ks, vs = (t[at:at + n].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, hd]
-            out.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=True)[0].transpose(0, 1))
+            out.append(sdpa(qs, ks, vs, is_causal=causal)[0].transpose(0, 1))
             at += n
     return torch.cat(out)
 
