@@ -197,9 +197,13 @@ class OptimConfig:
     # {group: multiplier} of optim.lr for the parameter groups a model names in lr_groups() (ProtLingo:
     # memory_tables); the schedule scales every group alike
     lr_scale: Any = None
+    # torch's fused AdamW kernel (one launch per step instead of a foreach chain): auto = on CUDA; true / false.
+    # Same update up to rounding (tests/pipeline/test_lean_step.py).
+    fused: Any = "auto"
 
     def __post_init__(self):
         _check(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _check(self.fused in ("auto", True, False), "optim.fused", f"must be auto, true or false, got {self.fused!r}")
         _check(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         _check(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "optim.betas",
@@ -269,11 +273,19 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     # {start: S, steps: N}: steps S .. S+N-1 recorded with torch.profiler on rank 0 (pipeline/profiling.py); null: off
     profile: ProfileConfig | None = None
+    # Every RMSNorm as one fused operator each way (pipeline/models/norm_op.py: torch's fused kernels on CUDA, fp32
+    # math inside; half the activation memory of the plain formula); false: the plain autograd formula.
+    fused_norm: bool = True
+    # none | blocks: torch.compile each transformer block (fusing RoPE, QK-norm, SwiGLU and the residual adds;
+    # pipeline/train/compile.py). Dynamic shapes, so the wavefront's changing row counts do not recompile.
+    compile: str = "none"
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
         _check(self.heartbeat_seconds > 0, "train.heartbeat_seconds", f"must be > 0, got {self.heartbeat_seconds}")
         _check(self.collective_timeout > 0, "train.collective_timeout", f"must be > 0, got {self.collective_timeout}")
+        _check(self.compile in ("none", "blocks"), "train.compile", f"must be none or blocks, got {self.compile!r}")
+        _check(isinstance(self.fused_norm, bool), "train.fused_norm", f"must be true or false, got {self.fused_norm!r}")
         _check(self.activation_checkpointing in ("none", "blocks"), "train.activation_checkpointing",
                f"must be none or blocks, got {self.activation_checkpointing!r}")
         _check(self.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")

@@ -45,8 +45,8 @@ def check_parallelism(cfg, world_size: int, zero_stage: int, dtype: torch.dtype 
 
 
 def parallelize(model: torch.nn.Module, cfg, zero_stage: int, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """Apply the MoE backend, expert parallelism and activation checkpointing of ``cfg`` to ``model`` (weights
-    loaded, optimizer not yet built). Needs ``deepspeed.comm`` initialized when ``train.expert_parallel_size`` > 1."""
+    """Apply the MoE backend, expert parallelism, kernels (pipeline/parallel/kernels.py) and activation checkpointing
+    of ``cfg`` to ``model`` (weights loaded, optimizer not yet built). Needs ``deepspeed.comm`` initialized when ``train.expert_parallel_size`` > 1."""
     import torch.distributed as dist
 
     backend = check_parallelism(cfg, dist.get_world_size() if dist.is_initialized() else 1, zero_stage, dtype)
@@ -58,11 +58,15 @@ def parallelize(model: torch.nn.Module, cfg, zero_stage: int, dtype: torch.dtype
         from pipeline.parallel.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, cfg.train.expert_parallel_size, zero_stage)
+    from pipeline.families import get_family
+    from pipeline.parallel.kernels import apply_kernels
+
+    blocks = get_family(cfg.family).blocks
+    apply_kernels(model, cfg, blocks)  # fused norms, compiled blocks: before checkpointing wraps the forwards
     if cfg.train.activation_checkpointing == "blocks":
-        from pipeline.families import get_family
         from pipeline.parallel.checkpointing import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model, get_family(cfg.family).blocks)
+        apply_activation_checkpointing(model, blocks)
     return model
 
 

@@ -78,3 +78,36 @@ def param_groups(model: torch.nn.Module, optim) -> list[dict]:
                            "lr": optim.lr * (scales[lr_group] if lr_group else 1.0)}
         groups[key]["params"].append(p)
     return list(groups.values())
+
+
+def make_optimizer(groups: list[dict], optim, device: torch.device) -> torch.optim.AdamW:
+    """torch's AdamW over ``groups``: the fused kernel (optim.fused; auto = on CUDA), else torch's default choice."""
+    fused = optim.fused if optim.fused != "auto" else device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                             **({"fused": True} if fused else {}))
+
+
+def lean_overflow_check(zero_optimizer) -> bool:
+    """Replace ZeRO-1/2's per-gradient overflow check by one foreach norm of all gradients; True if replaced.
+
+    DeepSpeed checks bf16 gradients for inf/NaN before each update (bf16 ``check_grad_overflow``, on by default) and
+    skips the update when one is found: the trainer relies on that skip (train.max_nonfinite_steps). Its check loops
+    over the gradients with about 15 kernels each (amax, amin, isfinite, ...): 1,883 kernels and 49 ms of a 265 ms
+    step on one H200 for the 80M model. ``torch._foreach_norm`` finds the same thing (a norm is finite exactly when
+    every element is, short of a finite overflow of the sum of squares, which is no update worth taking either) in a
+    few launches. The flag's all-reduce and the skip stay DeepSpeed's own (``has_overflow``)."""
+    serial = getattr(zero_optimizer, "has_overflow_partitioned_grads_serial", None)
+    if serial is None or not getattr(zero_optimizer, "check_grad_overflow", False) or getattr(
+            zero_optimizer, "cpu_offload", False):
+        return False
+
+    def has_overflow_partitioned_grads_serial():
+        grads = [g for i in range(len(zero_optimizer.bit16_groups)) for g in zero_optimizer.averaged_gradients[i]
+                 if g is not None]
+        if not grads:
+            return torch.zeros(1, dtype=torch.bool)
+        norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+        return (~torch.isfinite(norms)).any().reshape(1)
+
+    zero_optimizer.has_overflow_partitioned_grads_serial = has_overflow_partitioned_grads_serial
+    return True

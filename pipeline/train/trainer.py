@@ -28,7 +28,7 @@ from pipeline.parallel import optimizer_groups, parallelize
 from pipeline.run_log import current as current_run_log
 from pipeline.tracking.tracker import Tracker
 from pipeline.train.callbacks import Callback, default_callbacks
-from pipeline.train.optim import lr_factor, param_groups, schedule_horizon
+from pipeline.train.optim import lean_overflow_check, lr_factor, make_optimizer, param_groups, schedule_horizon
 from pipeline.train.plan import RunPlan
 from pipeline.train.ranks import check_ranks_agree
 from pipeline.train.step import train_step
@@ -80,14 +80,14 @@ class Trainer:
         # into DeepSpeed's MoE groups (optimizer_groups), which ZeRO partitions over the expert-data-parallel group.
         model = parallelize(model, self.cfg, plan.zero_stage, plan.dtype)
         o = self.cfg.optim
-        optimizer = torch.optim.AdamW(optimizer_groups(model, param_groups(model, o)), lr=o.lr, betas=tuple(o.betas),
-                                      eps=o.eps)
+        optimizer = make_optimizer(optimizer_groups(model, param_groups(model, o)), o, self.device)
         # Each group's peak lr; set_lr puts peak * lr_factor into every group before each step.
         self.peak_lrs = [g["lr"] for g in optimizer.param_groups]
         ds_config = plan.ds_config
         if plan.reshard == "universal":  # this attempt loads DeepSpeed's universal checkpoint
             ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        lean_overflow_check(self.optimizer)  # bf16 ZeRO-1/2: one foreach norm instead of a check per gradient
         set_collective_timeout(self.cfg.train.collective_timeout)  # also on the groups DeepSpeed just made
 
         self.checkpointer = Checkpointer(self.cfg, self.run_dir, self.engine, self.optimizer, plan.ds_config,
