@@ -46,7 +46,7 @@ import yaml  # noqa: E402
 
 from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig, initial_state  # noqa: E402
 from pipeline.models.layers import flash_available  # noqa: E402
-from pipeline.objectives.eco_rna import EcoRNAObjectiveConfig, recurrent_loss, sample_depths  # noqa: E402
+from pipeline.objectives.eco_rna import EcoRNAObjectiveConfig, Plan, recurrent_loss, sample_depths  # noqa: E402
 from pipeline.objectives.masking import IGNORE_INDEX  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 (= H100 SXM) dense bf16, datasheet
@@ -119,7 +119,7 @@ class Case:
         self.obj = obj
 
     def loss(self, model, cfg):
-        plan = SimpleNamespace(depths=self.depths, init_state=self.s0, sync_max={"k_max": self.k_max})
+        plan = Plan(self.depths, None, {"k_max": self.k_max}, init_state=self.s0)
         out = recurrent_loss(model, self.batch, SimpleNamespace(model=cfg, objective=self.obj), plan)
         return out.sum_loss / max(out.num_tokens, 1)
 

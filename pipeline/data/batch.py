@@ -25,13 +25,22 @@ class Batch:
     # (global stream, its microbatch index): who made it, whatever rank reads the stream; seeds per-batch draws
     origin: tuple[int, int] = (0, 0)
 
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies of the tensors (DataLoader(pin_memory=True) calls this in its pinning thread), so that
+        the copy to the GPU runs asynchronously."""
+        pin = lambda t: t.pin_memory() if t is not None else None  # noqa: E731
+        return Batch(pin(self.input_ids), pin(self.labels), pin(self.attention_mask), self.sample_ids, self.sources,
+                     pin(self.document_ids), pin(self.position_ids), self.stream, self.state, self.origin)
+
     @property
     def num_supervised(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())
 
-    def to(self, device):
-        opt = [t.to(device) if t is not None else None for t in (self.document_ids, self.position_ids)]
-        return Batch(self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device),
+    def to(self, device, non_blocking: bool = False):
+        """The tensors on ``device``; ``non_blocking`` copies from pinned memory without waiting (pin_memory)."""
+        move = lambda t: t.to(device, non_blocking=non_blocking) if t is not None else None  # noqa: E731
+        opt = [move(t) for t in (self.document_ids, self.position_ids)]
+        return Batch(move(self.input_ids), move(self.labels), move(self.attention_mask),
                      self.sample_ids, self.sources, *opt, self.stream, self.state, self.origin)
 
 

@@ -97,6 +97,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.data.batch import Batch, collate, pack_rows
@@ -441,9 +442,12 @@ class StreamLoader:
             if self.num_workers == 0:
                 self._it = iter(self.dataset)
             else:
+                # pin_memory on CUDA hosts: batches arrive page-locked (Batch.pin_memory), so that the step's copy
+                # to the GPU is asynchronous (train_step moves them with non_blocking=True)
                 self._it = iter(DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers,
                                            prefetch_factor=4, persistent_workers=False,
-                                           worker_init_fn=_ignore_stop_signals))
+                                           worker_init_fn=_ignore_stop_signals,
+                                           pin_memory=torch.cuda.is_available()))
         batch = next(self._it)
         if isinstance(batch, WorkerError):
             self._it = None  # the DataLoader and its workers go with it; a retry restarts from the last batch

@@ -40,6 +40,10 @@ class EcoRNAObjectiveConfig:
     # call count then never changes, DeepSpeed ZeRO-3's module trace stays valid and keeps the core gathered across
     # iterations instead of re-gathering it at each one: 2.5x less traffic in docs/scaling.md. Only for ZeRO-3.
     fixed_wavefront: bool = False
+    # Draw each microbatch's initial state on the training device in the compute dtype (from a device generator
+    # seeded by the microbatch's origin: replayable, the same on any world size, but not the CPU's numbers); false:
+    # on the CPU in fp32 and copied (identical on every device type). The CPU draws on the CPU either way.
+    state_on_device: bool = True
 
     def __post_init__(self):
         def check(ok, name, msg):
@@ -109,11 +113,24 @@ def sample_depths(n: int, cfg: EcoRNAObjectiveConfig, gen: torch.Generator) -> t
 
 @dataclass
 class Plan:
-    """What a microbatch needs before its forward: drawn first so K_max can be synchronized across ranks."""
+    """What a microbatch needs before its forward, drawn first so K_max can be synchronized across ranks, and the
+    host facts its loss needs, so that the loss reads nothing back from the device (no sync in the microbatch loop)."""
 
-    depths: torch.Tensor  # [B] long
-    init_state: torch.Tensor  # [B, L, d] fp32
+    depths: torch.Tensor  # [B] long, on the host
+    generator: torch.Generator | None  # the microbatch's stream after the depth draws: its initial state
     sync_max: dict  # {"k_max": local max}; the engine replaces values by their maximum over all ranks
+    host_mask: torch.Tensor | None = None  # [B, L] bool: the batch's attention mask on the host
+    supervised: torch.Tensor | None = None  # [B] long: supervised tokens per row, on the host
+    init_state: torch.Tensor | None = None  # [B, L, d]: given, or once drawn from ``generator`` (draw_state)
+
+    def draw_state(self, model_cfg, attention_mask: torch.Tensor, dtype: torch.dtype | None = None,
+                   on_device: bool = False) -> torch.Tensor:
+        """The microbatch's initial state [B, L, d] on attention_mask's device (initial_state), drawn on first use
+        and kept: the generator's stream is consumed once."""
+        if self.init_state is None:
+            self.init_state = initial_state(model_cfg, attention_mask, self.generator, dtype=dtype,
+                                            on_device=on_device)
+        return self.init_state
 
 
 def depth_pmf(objective) -> list[tuple[int, float]]:
@@ -142,13 +159,13 @@ def trained_mean_depth(objective) -> float:
 
 
 def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
+    """batch: on the host (the loader's)."""
     gen = step_generator(cfg.seed, step, stream, index)
     depths = sample_depths(batch.input_ids.shape[0], cfg.objective, gen)
-    s0 = initial_state(cfg.model, batch.attention_mask.cpu(), generator=gen)
     k_max = int(depths.max()) if len(depths) else 1
     if cfg.objective.fixed_wavefront:  # every microbatch the same number of core calls (the config's docstring)
         k_max = cfg.objective.train_depth if cfg.objective.depth_law == "fixed" else cfg.objective.k_cap
-    return Plan(depths, s0, {"k_max": k_max})
+    return Plan(depths, gen, {"k_max": k_max}, batch.attention_mask.bool(), (batch.labels != IGNORE_INDEX).sum(1))
 
 
 def make_transform(cfg):
@@ -166,48 +183,73 @@ def per_row_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
 
 
 def recurrent_loss(model, batch, cfg, p: Plan) -> LossOutput:
-    """batch: pipeline.data.loader.Batch on the model's device; model: the DeepSpeed engine or a bare EcoRNA."""
+    """batch: pipeline.data.loader.Batch on the model's device; model: the DeepSpeed engine or a bare EcoRNA.
+
+    Reads nothing back from the device: which rows are eligible for the displacement and the anchor, and every count,
+    follow from the plan's host depths and supervised counts; the statistics stay on the device (the step reads them
+    once, pipeline/train/step.py)."""
     obj = cfg.objective
     dev = batch.input_ids.device
-    depths = p.depths.to(dev)
+    depths = p.depths  # [B] long, host
+    host_mask = p.host_mask if p.host_mask is not None else batch.attention_mask.cpu()
+    sup = p.supervised if p.supervised is not None else (batch.labels != IGNORE_INDEX).sum(1).cpu()  # [B] host
     use_anchor = obj.lambda_anchor > 0
-    out = model(batch.input_ids, batch.attention_mask, depths, p.init_state.to(dev), k_max=p.sync_max["k_max"],
-                backward_window=obj.backward_window, anchor_depth=obj.anchor_depth if use_anchor else None)
+    s0 = p.init_state if p.init_state is not None else p.draw_state(
+        cfg.model, batch.attention_mask, _compute_dtype(model), obj.state_on_device)
+    out = model(batch.input_ids, batch.attention_mask, depths, s0.to(dev), k_max=p.sync_max["k_max"],
+                backward_window=obj.backward_window, anchor_depth=obj.anchor_depth if use_anchor else None,
+                host_mask=host_mask)
     ce_sum, m_row = per_row_ce(out.logits, batch.labels)  # [B], [B]
-    S, m = ce_sum.sum(), int(m_row.sum())
+    S, m = ce_sum.sum(), int(sup.sum())
     zero = S.new_zeros(())
-    stats = {"mlm_loss": (float(S.detach()), m)}
+    stats = {"mlm_loss": (S.detach(), m)}
+
+    def rows(selected: torch.Tensor) -> torch.Tensor:  # host bool [B] -> row indices on the device
+        return torch.nonzero(selected).squeeze(-1).to(dev)
 
     fp_rows = depths >= 2  # I_fp
     r = relative_displacement(out.state, out.prev_state, batch.attention_mask, obj.eps_fp)
     n_fp = int(fp_rows.sum())
-    L_fp = r[fp_rows].mean() if n_fp else zero
-    stats["displacement"] = (float(r[fp_rows].detach().sum()), n_fp)
+    r_fp = r.index_select(0, rows(fp_rows))
+    L_fp = r_fp.mean() if n_fp else zero
+    stats["displacement"] = (r_fp.detach().sum(), n_fp)
 
-    L_anchor, n_a = zero, 0
+    L_anchor = zero
+    n_anchor_readout = 0
     if use_anchor:
-        rows = out.anchor_rows
-        ref_sum, ref_m = per_row_ce(out.anchor_logits, batch.labels[rows])
-        keep = ref_m > 0  # I_a = {K_i > K_a, |M_i| > 0}
-        rows, n_a = rows[keep], int(keep.sum())
+        readout_rows = depths > obj.anchor_depth  # the rows out.anchor_logits holds, in ascending order
+        n_anchor_readout = int(readout_rows.sum())
+        keep = sup[readout_rows] > 0  # I_a = {K_i > K_a, |M_i| > 0}, as positions among the readout rows
+        n_a = int(keep.sum())
         if n_a:
-            ell_k = ce_sum[rows] / m_row[rows]
-            ell_a = (ref_sum[keep] / ref_m[keep]).detach()
+            a_rows = rows(readout_rows & (sup > 0))
+            ref_sum, ref_m = per_row_ce(out.anchor_logits, batch.labels[out.anchor_rows])
+            kept = rows(keep)
+            ell_k = ce_sum[a_rows] / m_row[a_rows]
+            ell_a = (ref_sum[kept] / ref_m[kept]).detach()
             hinge = torch.relu(ell_k - ell_a - obj.anchor_margin)  # zero subgradient at equality
             L_anchor = hinge.mean()
-            stats["anchor_hinge"] = (float(hinge.detach().sum()), n_a)
-            stats["anchor_active"] = (int((hinge > 0).sum()), n_a)
+            stats["anchor_hinge"] = (hinge.detach().sum(), n_a)
+            stats["anchor_active"] = ((hinge > 0).sum(), n_a)
     aux = obj.lambda_fp * L_fp + obj.lambda_anchor * L_anchor
-    n_anchor_readout = len(out.anchor_rows) if use_anchor else 0
     totals = {"flops": cfg.model.train_flops(depths.tolist(), batch.input_ids.shape[1], obj.backward_window,
                                              n_anchor_readout),
               "row_iterations": out.row_iterations, "core_calls": out.core_calls}
-    for k in torch.unique(depths).tolist():  # diagnostics: depth histogram (row counts) and displacement per depth
-        rows_k = depths == k
-        totals[f"depth_count/K{k:02d}"] = int(rows_k.sum())
+    # diagnostics: the depth histogram (row counts, host) and the mean displacement per depth (one scatter)
+    present = torch.unique(depths).tolist()
+    r_by_depth = torch.zeros(max(present, default=0) + 1, dtype=r.dtype, device=dev).index_add_(
+        0, depths.to(dev), r.detach())
+    for k in present:
+        n_k = int((depths == k).sum())
+        totals[f"depth_count/K{k:02d}"] = n_k
         if k >= 2:
-            stats[f"displacement/K{k:02d}"] = (float(r[rows_k].detach().sum()), int(rows_k.sum()))
+            stats[f"displacement/K{k:02d}"] = (r_by_depth[k], n_k)
     return LossOutput(S + m * aux, m, stats, totals)
+
+
+def _compute_dtype(model) -> torch.dtype:
+    """The dtype the model computes in (bf16 under DeepSpeed's bf16, else its parameters' fp32)."""
+    return next(model.parameters()).dtype
 
 
 def supervised_sums(logits: torch.Tensor, labels: torch.Tensor) -> list:

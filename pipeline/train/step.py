@@ -49,10 +49,12 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, b
     if n_global == 0:  # an update needs a positive token count (A.2); skip it rather than divide by zero
         rec.update(loss=float("nan"), grad_norm=0.0)  # the trainer sets each step's lr itself: nothing to advance
         return rec
+    # Statistics stay where the loss made them (device tensors or host numbers) until the end of the step: nothing
+    # in this loop reads the device back, so the host can queue the next microbatch while the GPU works.
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     stats, totals = {}, {}
     for i, (batch, p) in enumerate(zip(micro, plans)):
-        out = family.loss(engine, batch.to(device), cfg, p)
+        out = family.loss(engine, batch.to(device, non_blocking=True), cfg, p)
         engine.backward(out.sum_loss * (world / n_global), scale_wrt_gas=False)
         engine.step()
         if between is not None:
@@ -60,28 +62,48 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, b
         loss_sum += out.sum_loss.detach().double()
         for k, (num, den) in out.stats.items():
             a, b = stats.get(k, (0.0, 0.0))
-            stats[k] = (a + num, b + den)
+            stats[k] = (a + _f64(num), b + _f64(den))
         for k, v in out.totals.items():
-            totals[k] = totals.get(k, 0.0) + v
+            totals[k] = totals.get(k, 0.0) + _f64(v)
     # Names differ between ranks (a depth drawn on one rank only): gather them so every rank reduces the same vector.
     gathered = all_gather_object((sorted(stats), sorted(totals)))
     names = sorted(set().union(*(g[0] for g in gathered)))
     tnames = sorted(set().union(*(g[1] for g in gathered)))
-    vec = torch.tensor([float(loss_sum)] + [v for k in names for v in stats.get(k, (0.0, 0.0))]
-                       + [totals.get(k, 0.0) for k in tnames], dtype=torch.float64, device=device)
+    vec = _vector([loss_sum] + [v for k in names for v in stats.get(k, (0.0, 0.0))]
+                  + [totals.get(k, 0.0) for k in tnames], device)
+    norm = engine.get_global_grad_norm()
+    if torch.is_tensor(norm):  # read with the statistics, not by a sync of its own
+        vec = torch.cat([vec, norm.detach().to(device=device, dtype=torch.float64).reshape(1)])
     dist.all_reduce(vec)
-    rec.update(loss=float(vec[0]) / n_global, grad_norm=_grad_norm(engine))
+    values = vec.tolist()  # the step's one device-to-host read
+    if torch.is_tensor(norm):
+        norm = values.pop() / world  # identical on every rank: the all-reduce summed world copies
+    rec.update(loss=values[0] / n_global, grad_norm=float(norm) if norm is not None else float("nan"))
     for i, k in enumerate(names):
-        num, den = float(vec[1 + 2 * i]), float(vec[2 + 2 * i])
+        num, den = values[1 + 2 * i], values[2 + 2 * i]
         if den:
             rec[k] = num / den
     for i, k in enumerate(tnames):
-        rec[k] = float(vec[1 + 2 * len(names) + i])
+        rec[k] = values[1 + 2 * len(names) + i]
     if family.derive_metrics is not None:  # metrics of the reduced step totals (e.g. routing entropy)
         rec.update(family.derive_metrics(rec))
     return rec
 
 
-def _grad_norm(engine) -> float:
-    norm = engine.get_global_grad_norm()
-    return float(norm) if norm is not None else float("nan")
+def _f64(x):
+    """A statistic as float64: device tensors stay on the device (read once at the end of the step)."""
+    return x.detach().double() if torch.is_tensor(x) else float(x)
+
+
+def _vector(values: list, device) -> torch.Tensor:
+    """[n] float64 on ``device`` from host numbers and device scalars, with one host-to-device copy for the numbers
+    and one stack for the tensors (not one copy per value)."""
+    host = [i for i, v in enumerate(values) if not torch.is_tensor(v)]
+    dev = [i for i, v in enumerate(values) if torch.is_tensor(v)]
+    vec = torch.zeros(len(values), dtype=torch.float64, device=device)
+    if host:
+        vec[torch.tensor(host, device=device)] = torch.tensor([values[i] for i in host], dtype=torch.float64,
+                                                              device=device)
+    if dev:
+        vec[torch.tensor(dev, device=device)] = torch.stack([values[i].to(device).reshape(()) for i in dev])
+    return vec

@@ -25,7 +25,10 @@ def deepspeed_step(stage, shards, tmp_path, aux):
 
 def plans_for(batches, cfg):
     """The plan each microbatch got in the worker: seeded by its origin (loader stream, index), whichever rank read it."""
-    return [plan(b, cfg, step=0, stream=b.origin[0], index=b.origin[1]) for b in batches]
+    plans = [plan(b, cfg, step=0, stream=b.origin[0], index=b.origin[1]) for b in batches]
+    for b, p in zip(batches, plans):  # drawn as the worker's loss draws it (on the CPU: the host stream)
+        p.draw_state(cfg.model, b.attention_mask)
+    return plans
 
 
 def sgd_update(model, loss):

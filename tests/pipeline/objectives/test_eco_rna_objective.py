@@ -50,7 +50,8 @@ def test_anchor_gradient_is_indicator_times_terminal_gradient():
     model = EcoRNA(cfg.model)
     batch = make_batch(1)
     depths = torch.tensor([4, 1, 3, 2, 5, 3])
-    p = Plan(depths, initial_state(cfg.model, batch.attention_mask, torch.Generator().manual_seed(2)), {"k_max": 5})
+    p = Plan(depths, None, {"k_max": 5},
+             init_state=initial_state(cfg.model, batch.attention_mask, torch.Generator().manual_seed(2)))
     params = list(model.parameters())
 
     out = recurrent_loss(model, batch, cfg, p)
@@ -111,7 +112,7 @@ def test_anchor_gradient_under_truncated_backprop():
     # reach it at step 5, inside the window.
     depths = torch.tensor([4, 1, 3, 2, 5, 3])
     s0 = initial_state(cfg.model, batch.attention_mask, torch.Generator().manual_seed(2))
-    p = Plan(depths, s0, {"k_max": 6})
+    p = Plan(depths, None, {"k_max": 6}, init_state=s0)
     params = list(model.parameters())
 
     out = recurrent_loss(model, batch, cfg, p)
@@ -144,14 +145,14 @@ def test_displacement_term_and_empty_sets():
     batch = make_batch(3)
     s0 = initial_state(cfg.model, batch.attention_mask, torch.Generator().manual_seed(0))
     # every row at depth 1: I_fp and I_a are empty, both auxiliary means are 0 and the loss is the MLM sum
-    ones = Plan(torch.ones(6, dtype=torch.long), s0, {"k_max": 1})
+    ones = Plan(torch.ones(6, dtype=torch.long), None, {"k_max": 1}, init_state=s0)
     out = recurrent_loss(model, batch, cfg, ones)
     assert out.stats["displacement"] == (0.0, 0) and "anchor_hinge" not in out.stats
-    torch.testing.assert_close(out.sum_loss, torch.tensor(out.stats["mlm_loss"][0]))
+    torch.testing.assert_close(out.sum_loss.detach(), torch.as_tensor(out.stats["mlm_loss"][0]))
     # displacement: relative squared change of the last update over attention-valid positions, K_i >= 2 only
     depths = torch.tensor([2, 1, 3, 2, 1, 4])
     out = recurrent_loss(model, batch, load_config(None, SMALL + ["objective.lambda_anchor=0"]),
-                         Plan(depths, s0, {"k_max": 4}))
+                         Plan(depths, None, {"k_max": 4}, init_state=s0))
     res = model(batch.input_ids, batch.attention_mask, depths, s0, k_max=4)
     v = batch.attention_mask[..., None].float()
     r = ((res.state - res.prev_state) ** 2 * v).sum((1, 2)) / (res.prev_state ** 2 * v).sum((1, 2))
