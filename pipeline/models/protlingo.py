@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from pipeline.models.layers import ATTN_BACKENDS, RMSNorm, apply_rope, attend, rope_cache
 
-MOE_BACKENDS = ("auto", "torch", "megablocks")
+MOE_BACKENDS = ("auto", "torch", "grouped", "megablocks")
 HASH_PRIME, HASH_MUL, HASH_ROUTE = 2_147_483_647, 1_000_003, 7_919
 
 
@@ -71,7 +71,9 @@ class ProtLingoConfig:
     moe_layers: list[int] = field(default_factory=list)  # zero-based block indices with a MoE FFN
     num_experts: int = 4  # routed experts E (top-1), plus one shared expert
     moe_shared_hidden: int | None = None  # |S| hidden units of the shared expert; default d_ff // 2
-    moe_backend: str = "auto"  # auto: megablocks on CUDA when installed, else torch (the reference)
+    # auto: megablocks on CUDA when installed, else grouped (torch's grouped GEMM) on CUDA in bf16, else torch (the
+    # reference: one GEMM pair per expert); pipeline/parallel/megablocks.py
+    moe_backend: str = "auto"
     router_init_std: float = 0.02  # small random router: with zero init every token would go to expert 0
     # Centered latent N-gram memory
     memory_layers: list[int] = field(default_factory=list)  # zero-based blocks the memory is inserted before

@@ -14,18 +14,18 @@ import torch
 from pipeline.errors import ConfigError
 from pipeline.parallel.groups import EP_KEY, check_expert_parallel, group_name  # noqa: F401 - re-exported
 
-def resolve_moe_backend(model_cfg, dtype: torch.dtype | None = None) -> str:
-    """``model.moe_backend`` -> 'torch' (the reference ``compute_experts``) or 'megablocks', as
-    ``pipeline/parallel/megablocks.py`` decides it (auto: MegaBlocks on CUDA when it imports and training runs in
-    bf16, ``dtype``); where it cannot run, ``megablocks`` is a ConfigError naming the key. Without MoE layers the
-    backend is moot: 'torch'."""
+def resolve_moe_backend(model_cfg, dtype: torch.dtype | None = None, expert_parallel: bool = False) -> str:
+    """``model.moe_backend`` -> 'torch' (the reference ``compute_experts``), 'grouped' (torch's grouped GEMM) or
+    'megablocks', as ``pipeline/parallel/megablocks.py`` decides it (auto: MegaBlocks on CUDA when it imports and
+    training runs in bf16, ``dtype``, else torch's grouped GEMM on CUDA in bf16); where the asked one cannot run, a
+    ConfigError naming the key. Without MoE layers the backend is moot: 'torch'."""
     backend = getattr(model_cfg, "moe_backend", "torch")
     if backend == "torch" or not getattr(model_cfg, "moe_layers", None):
         return "torch"
     from pipeline.parallel import megablocks as mb  # importable on CPU: it imports megablocks only when asked
 
     try:
-        return mb.resolve_moe_backend(backend, dtype)
+        return mb.resolve_moe_backend(backend, dtype, expert_parallel)
     except (mb.MegaBlocksUnavailable, ValueError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
 
@@ -35,11 +35,11 @@ def check_parallelism(cfg, world_size: int, zero_stage: int, dtype: torch.dtype 
     ``dtype``: the training precision (torch.bfloat16 or torch.float32), when known."""
     ep = cfg.train.expert_parallel_size
     check_expert_parallel(cfg.model, ep, world_size, zero_stage)
-    backend = resolve_moe_backend(cfg.model, dtype)
-    if backend == "megablocks" and ep > 1:
+    backend = resolve_moe_backend(cfg.model, dtype, expert_parallel=ep > 1)
+    if backend in ("megablocks", "grouped") and ep > 1:
         # Both replace compute_experts: the grouped GEMM would have to run on the tokens the all-to-all delivers to
         # each rank's local experts. That combination is not built (apply_megablocks refuses an EP module).
-        raise ConfigError(f"{EP_KEY}: {ep} with model.moe_backend megablocks is not supported; use "
+        raise ConfigError(f"{EP_KEY}: {ep} with model.moe_backend {backend} is not supported; use "
                           "model.moe_backend: torch for expert parallelism, or expert_parallel_size 1")
     return backend
 
@@ -50,10 +50,11 @@ def parallelize(model: torch.nn.Module, cfg, zero_stage: int, dtype: torch.dtype
     import torch.distributed as dist
 
     backend = check_parallelism(cfg, dist.get_world_size() if dist.is_initialized() else 1, zero_stage, dtype)
-    if backend == "megablocks":
+    if backend in ("megablocks", "grouped"):
         from pipeline.parallel.megablocks import apply_megablocks
 
-        apply_megablocks(model)  # in place: the same parameters and names, compute_experts on the grouped GEMM
+        # in place: the same parameters and names, compute_experts on MegaBlocks' or torch's grouped GEMM
+        apply_megablocks(model, "grouped_gemm" if backend == "megablocks" else "torch")
     if cfg.train.expert_parallel_size > 1:
         from pipeline.parallel.expert_parallel import apply_expert_parallel
 

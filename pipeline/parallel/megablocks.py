@@ -78,14 +78,21 @@ def megablocks_unavailable() -> str | None:
     return None
 
 
-def resolve_moe_backend(requested: str, dtype: torch.dtype | None = None) -> str:
-    """``model.moe_backend`` -> 'torch' | 'megablocks'. ``auto``: MegaBlocks when it can run here (CUDA, megablocks
-    and grouped_gemm import) and the training dtype, when given, is bf16 (its grouped GEMM's only dtype); else the
-    reference. ``megablocks`` where it cannot run raises MegaBlocksUnavailable (ValueError for a non-bf16 dtype)."""
+def resolve_moe_backend(requested: str, dtype: torch.dtype | None = None, expert_parallel: bool = False) -> str:
+    """``model.moe_backend`` -> 'torch' | 'grouped' | 'megablocks'. ``auto``: MegaBlocks when it can run here (CUDA,
+    megablocks and grouped_gemm import) and the training dtype, when given, is bf16 (its grouped GEMM's only dtype);
+    else torch's grouped GEMM ('grouped', ``grouped_experts`` with kernel 'torch') on CUDA in bf16 without expert
+    parallelism; else the reference. ``megablocks`` where it cannot run raises MegaBlocksUnavailable (ValueError for
+    a non-bf16 dtype); ``grouped`` without torch's grouped_mm a ValueError."""
     if requested not in MOE_BACKENDS:
         raise ValueError(f"model.moe_backend: must be one of {MOE_BACKENDS}, got {requested!r}")
     if requested == "torch":
         return "torch"
+    if requested == "grouped":
+        if _TORCH_GROUPED_MM is None:
+            raise ValueError(f"model.moe_backend: grouped needs torch's grouped_mm, which torch {torch.__version__} "
+                             "lacks; set model.moe_backend: torch")
+        return "grouped"
     why = megablocks_unavailable()
     bf16 = dtype is None or dtype == torch.bfloat16
     if requested == "megablocks":
@@ -95,7 +102,10 @@ def resolve_moe_backend(requested: str, dtype: torch.dtype | None = None) -> str
             raise ValueError(f"model.moe_backend: megablocks runs MegaBlocks' grouped GEMM, which is bf16 only, and "
                              f"training runs in {dtype}; enable bf16 or set model.moe_backend: torch")
         return "megablocks"
-    return "megablocks" if why is None and bf16 else "torch"
+    if why is None and bf16:
+        return "megablocks"
+    grouped = _TORCH_GROUPED_MM is not None and torch.cuda.is_available() and dtype == torch.bfloat16
+    return "grouped" if grouped and not expert_parallel else "torch"
 
 
 def _grouped_gemm_backend():

@@ -260,6 +260,22 @@ def test_resolve_moe_backend_where_megablocks_runs(monkeypatch):
     assert mb.resolve_moe_backend("torch") == "torch"
 
 
+def test_auto_picks_torchs_grouped_gemm_on_cuda_without_megablocks(monkeypatch):
+    """No MegaBlocks, a CUDA device (made to look present) and bf16: auto runs torch's grouped GEMM, not the per-expert
+    loop; in fp32, under expert parallelism or without grouped_mm it keeps the reference."""
+    monkeypatch.setattr(mb, "megablocks_unavailable", lambda: "is not installed")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mb, "_TORCH_GROUPED_MM", lambda *a, **k: None)
+    assert mb.resolve_moe_backend("auto", torch.bfloat16) == "grouped"
+    assert mb.resolve_moe_backend("auto", torch.float32) == "torch"
+    assert mb.resolve_moe_backend("auto", torch.bfloat16, expert_parallel=True) == "torch"
+    assert mb.resolve_moe_backend("grouped", torch.float32) == "grouped"
+    monkeypatch.setattr(mb, "_TORCH_GROUPED_MM", None)
+    assert mb.resolve_moe_backend("auto", torch.bfloat16) == "torch"
+    with pytest.raises(ValueError, match="grouped needs torch's grouped_mm"):
+        mb.resolve_moe_backend("grouped")
+
+
 @CPU_ONLY
 def test_megablocks_on_cpu_is_a_clear_error():
     model = ProtLingo(tiny_cfg())
