@@ -183,7 +183,7 @@ def empty_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor, *, backend: str = "auto",
            causal: bool = False, segments: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention with a padding mask, through SDPA or flash-attn. q: [B, H, L, hd]; k/v: [B, Hkv, L, hd];
-    key_mask: [B, L] bool, True at real tokens (rows right-padded) -> [B, H, L, hd].
+    key_mask: [B, L] bool, True at real tokens (rows right-padded), or None for no padding -> [B, H, L, hd].
 
     ``causal``: position i attends to keys j <= i. With right padding a real query never sees a padded key (they all
     come after it), so the causal mask and the padding mask combine without any fully masked real row.
@@ -193,6 +193,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
     if q.numel() == 0:  # no row (or no position): no kernel is called with an empty batch, on any path
         return empty_attention(q, k, v)
     if use_flash(backend, q):
+        if key_mask is None:
+            key_mask = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
         return flash_varlen(q, k, v, key_mask, causal, segments)
     if segments is not None:
         L = q.shape[2]
@@ -201,13 +203,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Te
             allowed = allowed & torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
         return sdpa(q, k, v, attn_mask=allowed[:, None])
     if causal:
-        if bool(key_mask.all()):  # no padding: SDPA's own causal kernel, no [L, L] mask materialized
+        if key_mask is None or bool(key_mask.all()):  # no padding: SDPA's causal kernel, no [L, L] mask
             return sdpa(q, k, v, is_causal=True)
         L = q.shape[2]
         tri = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # [L, L]: query i sees keys j <= i
         # Padded query rows still see the real keys before them, so no softmax row is empty (no NaN).
         return sdpa(q, k, v, attn_mask=tri[None, None] & key_mask[:, None, None, :])
-    return sdpa(q, k, v, attn_mask=key_mask[:, None, None, :])
+    return sdpa(q, k, v, attn_mask=None if key_mask is None else key_mask[:, None, None, :])
 
 
 def flash_varlen(q, k, v, key_mask, causal: bool = False, segments: torch.Tensor | None = None):

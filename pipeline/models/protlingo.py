@@ -309,11 +309,13 @@ class UpcycledMoE(nn.Module):
 
 @dataclass
 class MemoryInfo:
-    gate_sum: torch.Tensor  # scalar sum of g over real tokens (detached)
-    tokens: int
-    distinct_keys: int  # distinct (route, window) pairs looked up
-    distinct_addresses: int  # distinct (route, row) pairs: keys - addresses = collisions
-    rows_addressed: int  # table rows (all routes) addressed by any training forward so far on this rank
+    """Counts of one forward, as device scalars (read with the step's other statistics, not one by one)."""
+
+    gate_sum: torch.Tensor  # sum of g over real tokens (detached)
+    tokens: torch.Tensor  # real tokens
+    distinct_keys: torch.Tensor  # distinct (route, window) pairs looked up
+    distinct_addresses: torch.Tensor  # distinct (route, row) pairs: keys - addresses = collisions
+    rows_addressed: torch.Tensor  # table rows (all routes) addressed by any training forward so far on this rank
 
 
 class LatentNgramMemory(nn.Module):
@@ -373,17 +375,19 @@ class LatentNgramMemory(nn.Module):
         u = g * v
         conv = self.conv(F.pad(u.transpose(1, 2), (2, 0))).transpose(1, 2)  # taps i-2, i-1, i
         delta = (u + F.silu(conv)) * real[..., None].to(h.dtype)
-        with torch.no_grad():
-            addresses = torch.unique(flat[real])  # distinct (route, row) pairs of this forward
+        with torch.no_grad():  # counted without reading the device: no unique or boolean indexing (output sizes)
+            real_rl = real[..., None].expand_as(flat)  # [B, L, R]
+            hit = torch.zeros(cfg.routes * cfg.table_rows, dtype=torch.int8, device=h.device).scatter_reduce_(
+                0, flat.reshape(-1), real_rl.reshape(-1).to(torch.int8), "amax").bool()  # (route, row) looked up
             if self.training:
-                self.addressed[addresses] = True
-            n_keys = n_addr = int(addresses.numel())
+                self.addressed |= hit
+            n_addr = hit.sum()
+            n_keys = n_addr
             if not cfg.exact_addresses:  # distinct (route, window key) pairs; more keys than rows = collisions
-                route = torch.arange(cfg.routes, device=h.device).expand_as(key)
-                n_keys = int(torch.unique(torch.stack([route[real].reshape(-1), key[real].reshape(-1)], 1),
-                                          dim=0).shape[0])
-            info = MemoryInfo(gate_sum=g[real].float().sum(), tokens=int(real.sum()), distinct_keys=n_keys,
-                              distinct_addresses=n_addr, rows_addressed=int(self.addressed.sum()))
+                keys = torch.where(real_rl, key, -1).reshape(-1, cfg.routes).sort(0).values  # [B*L, R], -1 first
+                n_keys = ((keys[1:] != keys[:-1]) & (keys[1:] >= 0)).sum() + (keys[:1] >= 0).sum()
+            info = MemoryInfo(gate_sum=(g.float().squeeze(-1) * real).sum(), tokens=real.sum(), distinct_keys=n_keys,
+                              distinct_addresses=n_addr, rows_addressed=self.addressed.sum())
         return h + self.alpha * delta, info
 
 

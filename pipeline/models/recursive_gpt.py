@@ -219,7 +219,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, norms: StepNorms, rope: tuple, key_mask: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [B, L, H] (the normalized sublayer input); key_mask: [B, L] bool (True at real tokens, right-padded);
+        """x: [B, L, H] (the normalized sublayer input); key_mask: [B, L] bool (True at real tokens, right-padded) or None;
         segments: [B, L] document ids of packed rows (-1 at padding) or None -> [B, L, H]."""
         B, L, H = x.shape
         split = lambda t: t.view(B, L, self.n_heads, self.head_dim)  # noqa: E731  [B, L, nh, hd]
@@ -298,8 +298,7 @@ class _Decoder(nn.Module):
     def _inputs(self, tokens, attention_mask, position_ids=None):
         """Embeddings [B, L, H], RoPE tables ([L, hd/2], or [B, L, hd/2] from per-document ``position_ids``) and
         the padding mask [B, L]."""
-        key_mask = (torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None
-                    else attention_mask.bool())
+        key_mask = None if attention_mask is None else attention_mask.bool()  # None: no padding (layers.attend)
         h = self.embed(tokens)  # [B, L, H]
         cos, sin = rope_cache(tokens.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device, h.dtype)
         if position_ids is not None:

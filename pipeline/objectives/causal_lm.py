@@ -39,11 +39,25 @@ class CausalLMObjectiveConfig:
 
 @dataclass
 class Plan:
+    """Host facts of a microbatch, read before it moves to the device so that the loss reads nothing back."""
+
     sync_max: dict = field(default_factory=dict)  # nothing to synchronize across ranks: the depth is fixed
+    supervised: int | None = None  # supervised targets
+    padded: bool = True  # some row has padding (else the model gets no mask: SDPA's causal kernel, no check per layer)
+    words: int | None = None  # words among the targets (count_words), when counted
 
 
 def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
-    return Plan()
+    """batch: on the host (the loader's)."""
+    words = None
+    if cfg.objective.count_words:
+        path = spm_model_path(cfg)
+        table = word_start_table(str(path))
+        if table is not None:
+            words = count_words(batch.labels, table)
+        elif cfg.train.max_words is not None or cfg.checkpoint.at_words:
+            raise ConfigError(f"train.max_words / checkpoint.at_words: word counting needs {path}")
+    return Plan(supervised=batch.num_supervised, padded=not bool(batch.attention_mask.all()), words=words)
 
 
 def make_transform(cfg):
@@ -92,21 +106,17 @@ def count_words(labels: torch.Tensor, table: torch.Tensor) -> int:
 
 
 def loss(model, batch, cfg, p: Plan) -> LossOutput:
-    """batch on the model's device; model: the DeepSpeed engine or a bare RecursiveGPT / StandardGPT."""
+    """batch on the model's device; model: the DeepSpeed engine or a bare RecursiveGPT / StandardGPT. Counts come
+    from the plan (host), the loss statistic stays on the device."""
     depth = cfg.objective.train_depth
     # packed rows carry document_ids / position_ids: attention and positions stay within each document
-    logits = model(batch.input_ids, batch.attention_mask, depth, document_ids=batch.document_ids,
-                   position_ids=batch.position_ids)  # [B, L, V]
+    logits = model(batch.input_ids, batch.attention_mask if p.padded else None, depth,
+                   document_ids=batch.document_ids, position_ids=batch.position_ids)  # [B, L, V]
     S = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX,
                         reduction="sum")
-    m = int((batch.labels != IGNORE_INDEX).sum())
+    m = p.supervised if p.supervised is not None else int((batch.labels != IGNORE_INDEX).sum())
     B, L = batch.input_ids.shape
     totals = {"flops": 3 * B * cfg.model.forward_flops(L, depth)}  # forward + backward (twice the forward)
-    if cfg.objective.count_words:
-        path = spm_model_path(cfg)
-        table = word_start_table(str(path))
-        if table is not None:
-            totals["words"] = count_words(batch.labels, table)
-        elif cfg.train.max_words is not None or cfg.checkpoint.at_words:
-            raise ConfigError(f"train.max_words / checkpoint.at_words: word counting needs {path}")
-    return LossOutput(S, m, {"lm_loss": (float(S.detach()), m)}, totals)
+    if p.words is not None:
+        totals["words"] = p.words
+    return LossOutput(S, m, {"lm_loss": (S.detach(), m)}, totals)

@@ -165,7 +165,8 @@ def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
     k_max = int(depths.max()) if len(depths) else 1
     if cfg.objective.fixed_wavefront:  # every microbatch the same number of core calls (the config's docstring)
         k_max = cfg.objective.train_depth if cfg.objective.depth_law == "fixed" else cfg.objective.k_cap
-    return Plan(depths, gen, {"k_max": k_max}, batch.attention_mask.bool(), (batch.labels != IGNORE_INDEX).sum(1))
+    return Plan(depths, gen, {"k_max": k_max}, batch.attention_mask.bool().cpu(),
+                (batch.labels != IGNORE_INDEX).sum(1).cpu())
 
 
 def make_transform(cfg):

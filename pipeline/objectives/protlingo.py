@@ -50,7 +50,9 @@ class ProtLingoObjectiveConfig:
 
 
 def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
-    return Plan()  # nothing to draw before the forward, nothing to synchronize across ranks
+    """Nothing to draw before the forward, nothing to synchronize across ranks: the supervised count, read on the
+    host (the loader's batch) so that the loss reads nothing back from the device."""
+    return Plan(supervised=batch.num_supervised)
 
 
 def make_transform(cfg):
@@ -67,8 +69,8 @@ def loss(model, batch, cfg, p: Plan) -> LossOutput:
     out = model(batch.input_ids, batch.attention_mask)
     ce = F.cross_entropy(out.logits.float().transpose(1, 2), batch.labels, ignore_index=IGNORE_INDEX,
                          reduction="sum")
-    m = int((batch.labels != IGNORE_INDEX).sum())
-    stats = {"mlm_loss": (float(ce.detach()), m)}
+    m = p.supervised if p.supervised is not None else int((batch.labels != IGNORE_INDEX).sum())
+    stats = {"mlm_loss": (ce.detach(), m)}
     totals = {"flops": 3 * batch.input_ids.shape[0] * cfg.model.forward_flops(batch.input_ids.shape[1])}
     aux = ce.new_zeros(())
     if out.moe_aux is not None:
@@ -77,16 +79,16 @@ def loss(model, batch, cfg, p: Plan) -> LossOutput:
                    + obj.lambda_z * torch.stack([r.z for r in out.routing.values()]).sum())
         else:
             aux = obj.lambda_aux * out.moe_aux + obj.lambda_z * out.moe_z
-        stats["moe/aux_loss"] = (float(out.moe_aux.detach()), 1)
-        stats["moe/z_loss"] = (float(out.moe_z.detach()), 1)
+        stats["moe/aux_loss"] = (out.moe_aux.detach(), 1)
+        stats["moe/z_loss"] = (out.moe_z.detach(), 1)
     for layer, r in out.routing.items():
-        n = float(r.counts.sum())
-        stats[f"moe/L{layer:02d}/router_z"] = (float(r.z.detach()) * n, n)
-        for e, c in enumerate(r.counts.tolist()):
-            totals[f"moe/L{layer:02d}/tokens/e{e}"] = c
+        n = r.counts.sum()
+        stats[f"moe/L{layer:02d}/router_z"] = (r.z.detach() * n, n)
+        for e in range(len(r.counts)):
+            totals[f"moe/L{layer:02d}/tokens/e{e}"] = r.counts[e]
     rows = cfg.model.routes * cfg.model.table_rows
     for layer, mem in out.memory.items():
-        stats[f"memory/L{layer:02d}/gate_mean"] = (float(mem.gate_sum), mem.tokens)
+        stats[f"memory/L{layer:02d}/gate_mean"] = (mem.gate_sum, mem.tokens)
         stats[f"memory/L{layer:02d}/rows_addressed"] = (mem.rows_addressed, rows)  # mean over ranks of their own
         stats[f"memory/L{layer:02d}/rows_per_batch"] = (mem.distinct_addresses, rows)  # this microbatch's share
         stats[f"memory/L{layer:02d}/collisions"] = (mem.distinct_keys - mem.distinct_addresses, mem.distinct_keys)

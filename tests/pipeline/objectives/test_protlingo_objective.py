@@ -87,7 +87,7 @@ def test_the_moe_loss_reduction_sums_or_averages_the_layers():
         labels[:, 3] = ids[:, 3]
         batch = Batch(ids, labels, torch.ones(3, 12, dtype=torch.bool), ["a", "b", "c"])
         out = obj.loss(model, batch, cfg, obj.plan(batch, cfg, step=0, stream=0, index=0))
-        ce = out.stats["mlm_loss"][0]
+        ce = float(out.stats["mlm_loss"][0])  # a device scalar: the step reads statistics once
         losses[how] = float(out.sum_loss) - ce
     assert losses["mean"] > 0 and losses["sum"] == pytest.approx(2 * losses["mean"], rel=1e-5)
     with pytest.raises(Exception, match="objective.moe_loss_reduction: must be one of mean, sum"):
