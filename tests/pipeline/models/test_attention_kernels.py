@@ -152,3 +152,54 @@ def test_packed_layout_runs_torch_varlen_when_it_works(monkeypatch):
     a, b = (m(tokens, mask, torch.tensor([2, 3]), s0).logits for m in (m_pack, m_pad))
     torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=1e-5)
     assert calls and 0 not in calls
+
+
+# ---- on a GPU (bash bench/gpu.sh runs the gpu-marked tests) ---------------------------------------------------------
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("unpad", [False, True])
+def test_wavefront_with_zero_row_steps_on_gpu(unpad):
+    """The first GPU run's crash: bf16 padded SDPA on CUDA at wavefront steps with no active row. Now zeros, and the
+    same outputs as the CPU model at real tokens (bf16 tolerance)."""
+    m = tiny_eco(unpad=unpad)
+    g = torch.Generator().manual_seed(1)
+    mask = torch.arange(8)[None] < torch.tensor([[8], [5], [3]])
+    tokens = torch.randint(6, 12, (3, 8), generator=g)
+    s0 = initial_state(m.cfg, mask, generator=g)
+    ref = m(tokens, mask, torch.tensor([1, 2, 2]), s0, k_max=6, backward_window=4, anchor_depth=3)
+    gm = tiny_eco(unpad=unpad).cuda().bfloat16()
+    gm.load_state_dict(m.state_dict())
+    out = gm(tokens.cuda(), mask.cuda(), torch.tensor([1, 2, 2]), s0.cuda(), k_max=6, backward_window=4,
+             anchor_depth=3, host_mask=mask)
+    out.logits.float().sum().backward()
+    torch.testing.assert_close(out.logits.float().cpu()[mask], ref.logits.detach()[mask], atol=0.1, rtol=0.1)
+
+
+@pytest.mark.gpu
+@CUDA
+def test_initial_state_drawn_on_the_device_replays():
+    """state_on_device: the same generator state gives the same bf16 state on the GPU, zero at padding."""
+    cfg = tiny_eco().cfg
+    mask = (torch.arange(6)[None] < torch.tensor([[6], [2]])).cuda()
+    a, b = (initial_state(cfg, mask, torch.Generator().manual_seed(5), dtype=torch.bfloat16, on_device=True)
+            for _ in range(2))
+    assert a.is_cuda and a.dtype == torch.bfloat16 and torch.equal(a, b)
+    assert not a[~mask].any() and a[mask].float().std() > 0.1
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.skipif(layers.torch_varlen_attn is None, reason="torch has no varlen_attn")
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_varlen_kernel_matches_the_per_sequence_path_on_gpu(causal):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(13, 4, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(13, 2, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqs = layers.Varlen((5, 7, 0, 1), torch.device("cuda"))
+    assert layers.torch_varlen_available(q)
+    got = layers.varlen_attend(q, k, v, seqs, backend="auto", causal=causal)
+    want = layers.varlen_attend(q, k, v, seqs, backend="sdpa", causal=causal)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
