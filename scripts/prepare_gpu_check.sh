@@ -34,7 +34,7 @@ for a in "$@"; do
   case "$a" in
     --list) LIST=1 ;;
     --wheels-only) DATA_TOO=0 ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
     *) die "unknown argument '$a' (see --help)" ;;
   esac
 done
@@ -152,7 +152,9 @@ if [ "$DATA_TOO" = 1 ]; then
   done
   ls -lR "$DATA"
 fi
-du -sh "$WHEELS" "$DATA" 2>/dev/null || true
-kib=$(du -sk "$WHEELS" $([ "$DATA_TOO" = 1 ] && echo "$DATA") | awk '{s += $1} END {print s}')
+carried=("$WHEELS")
+[ "$DATA_TOO" = 1 ] && carried+=("$DATA")
+du -sh "${carried[@]}"
+kib=$(du -sk "${carried[@]}" | awk '{s += $1} END {print s}')
 [ "$kib" -le $((48 * 1024)) ] || die "$kib KiB to carry: over 48 MiB of the 64 MiB the transfer takes"
 echo "carry $WHEELS and $DATA to the GPU host, then run: bash bench/gpu.sh (docs/gpu_check.md)"

@@ -33,9 +33,9 @@ NAMES = [
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64", "attention"),
     ("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*)", "attention"),
     ("void flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>", "attention"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, float, float>>", "elementwise"),
-    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float>>>", "reduction"),
-    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::FusedAdamMathFunctor>", "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, float>>", "elementwise"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float>>", "reduction"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
     ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
     ("Memcpy HtoD (Pageable -> Device)", "memcpy"),
     ("void at::native::normal_kernel<float>(at::Tensor&)", "elementwise"),  # normal_, not a norm

@@ -1,6 +1,7 @@
 """The prepared GPU check's CUDA-free parts: bench/eco_rna_gpu.py's CPU dry run and its one-line exit without CUDA,
 bench/gpu.sh's syntax and its exit on a host without CUDA."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,3 +32,33 @@ def test_without_cuda_the_gpu_scripts_exit_with_one_line(tmp_path):
     env = {**os.environ, "PY": sys.executable, "GPU_WORK": str(tmp_path / "work")}
     r = subprocess.run(["bash", "bench/gpu.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "torch sees no CUDA device" in r.stdout, r.stdout + r.stderr
+
+
+# The scripts that create .venv (and the demo that runs one of them first) may use it; every other script must run
+# on a host without it (the first GPU run's depth task exited 127 on scripts/launch.sh's .venv/bin/deepspeed).
+MAKES_VENV = {"scripts/setup.sh", "scripts/test.sh", "scripts/quickstart.sh", "scripts/protlingo_demo.sh"}
+DEFAULT_PY = re.compile(r"if \[ -x \.venv/bin/python \]; then PY=\.venv/bin/python; else PY=python3; fi")
+
+
+def test_no_script_hard_codes_the_venv():
+    bad = []
+    for path in sorted(p for d in ("bench", "scripts", "tools") for p in (REPO / d).rglob("*")
+                       if p.suffix in (".sh", ".py")):
+        rel = str(path.relative_to(REPO))
+        if rel in MAKES_VENV:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0] if path.suffix == ".sh" else line
+            if ".venv/bin" in code and not DEFAULT_PY.search(code):
+                bad.append(f"{rel}:{i}: {line.strip()}")
+    assert bad == []
+
+
+def test_gpu_sh_bad_argument_is_one_line():
+    r = subprocess.run(["bash", "bench/gpu.sh", "--bogus"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stdout.strip().splitlines() == ["bench/gpu.sh: unknown argument '--bogus' (see --help)"]
+    r = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PY": "/nonexistent/python"})
+    assert r.returncode == 1 and r.stdout.strip().splitlines() == [
+        "bench/gpu.sh: no python '/nonexistent/python' (set PY)"]
