@@ -378,7 +378,7 @@ def count_step(overrides=(), *, family=None, config: Path = CONFIG, ds_config: P
         out["repeat_equal"] = all(all(r[k] == out[k] for k in keys) for r in results[1:])
     out["config"] = {"rows": micro[0].input_ids.shape[0], "length": micro[0].input_ids.shape[1],
                      "grad_accum_steps": cfg.train.grad_accum_steps, "step": OPS_STEP,
-                     "depths": [p.depths.tolist() for p in
+                     "depths": [list(p.depths) for p in
                                 (base.plan(b, cfg, step=OPS_STEP, stream=b.origin[0], index=b.origin[1])
                                  for b in micro)],
                      "params": sum(p.numel() for p in engine.module.parameters())}

@@ -170,6 +170,11 @@ def initial_state(cfg: EcoRNAConfig, attention_mask: torch.Tensor, generator: to
     return s0 if dtype is None else s0.to(dtype)
 
 
+def host_to(values: list, device) -> torch.Tensor:
+    """Host ints as a long tensor on ``device``, copied without waiting (a blocking copy synchronizes the stream)."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
 def state_table(cfg_model, length: int, seed: int) -> torch.Tensor:
     """The evaluation initial-state table [length, d], N(0, sigma_init^2), fixed by ``seed``: position-indexed, so a
     sequence's initial state does not depend on the batch (or rank) it is evaluated in. Cached (validation asks for
@@ -404,19 +409,24 @@ class EcoRNA(nn.Module):
         scattered back to [B, L, ...] (zero at padding).
         """
         B, L = tokens.shape
-        # The schedule is host arithmetic on the depths: given on the host (the training objective's plan), nothing
-        # here reads the device; given on the device, one copy.
-        host = torch.as_tensor(depths).expand(B).long().cpu()
-        ks = host.tolist()
+        dev = tokens.device
+        # The schedule is host arithmetic on the depths: given as host ints (the training objective's plan) nothing
+        # here reads the device, and the indices it makes are copied without waiting; given as a tensor, one read.
+        if isinstance(depths, int):
+            ks = [depths] * B
+        elif torch.is_tensor(depths):
+            ks = depths.expand(B).tolist()
+        else:
+            ks = [int(k) for k in depths]
         k_max = max(ks, default=1) if k_max is None else int(k_max)
         if B and (min(ks) < 1 or max(ks) > k_max):
             raise ValueError(f"depths must lie in [1, k_max={k_max}], got {ks}")
         window = k_max if backward_window is None else min(int(backward_window), k_max)
-        order_host = torch.argsort(host, descending=True, stable=True)
-        schedule = ([ks[i] for i in order_host.tolist()], k_max, window, anchor_depth)
-        order = order_host.to(tokens.device)
+        order_host = sorted(range(B), key=lambda i: -ks[i])  # by depth, descending; stable (ties keep row order)
+        schedule = ([ks[i] for i in order_host], k_max, window, anchor_depth)
+        order = host_to(order_host, dev)
         # original row indices of the rows with K_i > K_a, ascending (None without an anchor depth)
-        anchor_rows = None if anchor_depth is None else torch.nonzero(host > anchor_depth).squeeze(-1).to(tokens.device)
+        anchor_rows = None if anchor_depth is None else host_to([i for i in range(B) if ks[i] > anchor_depth], dev)
         if self.unpadded(tokens):
             host_mask = attention_mask.cpu() if host_mask is None else host_mask
             return self._forward_packed(tokens, host_mask.bool()[order_host], anchor_rows, init_state, order,
@@ -455,7 +465,8 @@ class EcoRNA(nn.Module):
         seqs = Varlen(tuple(mask_s.sum(1).tolist()), tokens.device)  # cu_seqlens made on the compute device
         extent = [0, *itertools.accumulate(seqs.lengths)]  # tokens of the first n sorted rows
         flat = mask_s.reshape(-1).nonzero().squeeze(-1)  # [T] real positions of the sorted rows, row-major
-        row, pos = (flat // L).to(tokens.device), (flat % L).to(tokens.device)
+        row = (flat // L).to(tokens.device, non_blocking=True)
+        pos = (flat % L).to(tokens.device, non_blocking=True)
         where = order[row] * L + pos  # [T] each token's index in the caller's [B * L]
         x = self.embed(tokens.reshape(-1)[where])  # [T, d]
         cos, sin = self.rope(L, x.device, x.dtype)

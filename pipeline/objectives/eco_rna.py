@@ -6,6 +6,7 @@ Z_acc, the supervised-token count of the whole optimizer step over every rank an
 """
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from pipeline.errors import ConfigError
 from pipeline.data.tokenizer import NucleotideTokenizer
-from pipeline.models.eco_rna import initial_state, relative_displacement, state_table  # noqa: F401 (re-exported)
+from pipeline.models.eco_rna import host_to, initial_state, relative_displacement, state_table  # noqa: F401
 from pipeline.objectives.masking import IGNORE_INDEX, make_mlm_transform
 
 
@@ -116,11 +117,11 @@ class Plan:
     """What a microbatch needs before its forward, drawn first so K_max can be synchronized across ranks, and the
     host facts its loss needs, so that the loss reads nothing back from the device (no sync in the microbatch loop)."""
 
-    depths: torch.Tensor  # [B] long, on the host
+    depths: tuple  # K_i of each row (host ints: the schedule and the row selections are plain Python)
     generator: torch.Generator | None  # the microbatch's stream after the depth draws: its initial state
     sync_max: dict  # {"k_max": local max}; the engine replaces values by their maximum over all ranks
     host_mask: torch.Tensor | None = None  # [B, L] bool: the batch's attention mask on the host
-    supervised: torch.Tensor | None = None  # [B] long: supervised tokens per row, on the host
+    supervised: tuple | None = None  # supervised tokens of each row (host ints)
     init_state: torch.Tensor | None = None  # [B, L, d]: given, or once drawn from ``generator`` (draw_state)
 
     def draw_state(self, model_cfg, attention_mask: torch.Tensor, dtype: torch.dtype | None = None,
@@ -161,12 +162,12 @@ def trained_mean_depth(objective) -> float:
 def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
     """batch: on the host (the loader's)."""
     gen = step_generator(cfg.seed, step, stream, index)
-    depths = sample_depths(batch.input_ids.shape[0], cfg.objective, gen)
-    k_max = int(depths.max()) if len(depths) else 1
+    depths = tuple(sample_depths(batch.input_ids.shape[0], cfg.objective, gen).tolist())
+    k_max = max(depths, default=1)
     if cfg.objective.fixed_wavefront:  # every microbatch the same number of core calls (the config's docstring)
         k_max = cfg.objective.train_depth if cfg.objective.depth_law == "fixed" else cfg.objective.k_cap
     return Plan(depths, gen, {"k_max": k_max}, batch.attention_mask.bool().cpu(),
-                (batch.labels != IGNORE_INDEX).sum(1).cpu())
+                tuple((batch.labels != IGNORE_INDEX).sum(1).tolist()))
 
 
 def make_transform(cfg):
@@ -191,60 +192,50 @@ def recurrent_loss(model, batch, cfg, p: Plan) -> LossOutput:
     once, pipeline/train/step.py)."""
     obj = cfg.objective
     dev = batch.input_ids.device
-    depths = p.depths  # [B] long, host
+    ks = [int(k) for k in p.depths]  # K_i, host
     host_mask = p.host_mask if p.host_mask is not None else batch.attention_mask.cpu()
-    sup = p.supervised if p.supervised is not None else (batch.labels != IGNORE_INDEX).sum(1).cpu()  # [B] host
+    sup = list(p.supervised) if p.supervised is not None else (batch.labels != IGNORE_INDEX).sum(1).tolist()
     use_anchor = obj.lambda_anchor > 0
     s0 = p.init_state if p.init_state is not None else p.draw_state(
         cfg.model, batch.attention_mask, _compute_dtype(model), obj.state_on_device)
-    out = model(batch.input_ids, batch.attention_mask, depths, s0.to(dev), k_max=p.sync_max["k_max"],
+    out = model(batch.input_ids, batch.attention_mask, ks, s0.to(dev), k_max=p.sync_max["k_max"],
                 backward_window=obj.backward_window, anchor_depth=obj.anchor_depth if use_anchor else None,
                 host_mask=host_mask)
     ce_sum, m_row = per_row_ce(out.logits, batch.labels)  # [B], [B]
-    S, m = ce_sum.sum(), int(sup.sum())
+    S, m = ce_sum.sum(), sum(sup)
     zero = S.new_zeros(())
     stats = {"mlm_loss": (S.detach(), m)}
 
-    def rows(selected: torch.Tensor) -> torch.Tensor:  # host bool [B] -> row indices on the device
-        return torch.nonzero(selected).squeeze(-1).to(dev)
-
-    fp_rows = depths >= 2  # I_fp
+    fp_rows = [i for i, k in enumerate(ks) if k >= 2]  # I_fp
     r = relative_displacement(out.state, out.prev_state, batch.attention_mask, obj.eps_fp)
-    n_fp = int(fp_rows.sum())
-    r_fp = r.index_select(0, rows(fp_rows))
-    L_fp = r_fp.mean() if n_fp else zero
-    stats["displacement"] = (r_fp.detach().sum(), n_fp)
+    r_fp = r.index_select(0, host_to(fp_rows, dev))
+    L_fp = r_fp.mean() if fp_rows else zero
+    stats["displacement"] = (r_fp.detach().sum(), len(fp_rows))
 
     L_anchor = zero
-    n_anchor_readout = 0
-    if use_anchor:
-        readout_rows = depths > obj.anchor_depth  # the rows out.anchor_logits holds, in ascending order
-        n_anchor_readout = int(readout_rows.sum())
-        keep = sup[readout_rows] > 0  # I_a = {K_i > K_a, |M_i| > 0}, as positions among the readout rows
-        n_a = int(keep.sum())
-        if n_a:
-            a_rows = rows(readout_rows & (sup > 0))
-            ref_sum, ref_m = per_row_ce(out.anchor_logits, batch.labels[out.anchor_rows])
-            kept = rows(keep)
-            ell_k = ce_sum[a_rows] / m_row[a_rows]
-            ell_a = (ref_sum[kept] / ref_m[kept]).detach()
-            hinge = torch.relu(ell_k - ell_a - obj.anchor_margin)  # zero subgradient at equality
-            L_anchor = hinge.mean()
-            stats["anchor_hinge"] = (hinge.detach().sum(), n_a)
-            stats["anchor_active"] = ((hinge > 0).sum(), n_a)
+    readout_rows = [i for i, k in enumerate(ks) if k > obj.anchor_depth] if use_anchor else []  # out.anchor_rows
+    keep = [j for j, i in enumerate(readout_rows) if sup[i] > 0]  # I_a = {K_i > K_a, |M_i| > 0}: readout positions
+    if keep:
+        a_rows = host_to([readout_rows[j] for j in keep], dev)
+        ref_sum, ref_m = per_row_ce(out.anchor_logits, batch.labels[out.anchor_rows])
+        kept = host_to(keep, dev)
+        ell_k = ce_sum[a_rows] / m_row[a_rows]
+        ell_a = (ref_sum[kept] / ref_m[kept]).detach()
+        hinge = torch.relu(ell_k - ell_a - obj.anchor_margin)  # zero subgradient at equality
+        L_anchor = hinge.mean()
+        stats["anchor_hinge"] = (hinge.detach().sum(), len(keep))
+        stats["anchor_active"] = ((hinge > 0).sum(), len(keep))
     aux = obj.lambda_fp * L_fp + obj.lambda_anchor * L_anchor
-    totals = {"flops": cfg.model.train_flops(depths.tolist(), batch.input_ids.shape[1], obj.backward_window,
-                                             n_anchor_readout),
+    totals = {"flops": cfg.model.train_flops(ks, batch.input_ids.shape[1], obj.backward_window, len(readout_rows)),
               "row_iterations": out.row_iterations, "core_calls": out.core_calls}
     # diagnostics: the depth histogram (row counts, host) and the mean displacement per depth (one scatter)
-    present = torch.unique(depths).tolist()
-    r_by_depth = torch.zeros(max(present, default=0) + 1, dtype=r.dtype, device=dev).index_add_(
-        0, depths.to(dev), r.detach())
-    for k in present:
-        n_k = int((depths == k).sum())
-        totals[f"depth_count/K{k:02d}"] = n_k
+    count = collections.Counter(ks)
+    r_by_depth = torch.zeros(max(ks, default=0) + 1, dtype=r.dtype, device=dev).index_add_(
+        0, host_to(ks, dev), r.detach())
+    for k in sorted(count):
+        totals[f"depth_count/K{k:02d}"] = count[k]
         if k >= 2:
-            stats[f"displacement/K{k:02d}"] = (r_by_depth[k], n_k)
+            stats[f"displacement/K{k:02d}"] = (r_by_depth[k], count[k])
     return LossOutput(S + m * aux, m, stats, totals)
 
 

@@ -26,26 +26,25 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, b
     Collectives, in order: one all-reduce (SUM) of the token counts, one (MAX) of the plans' sync values, then the
     microbatches' forward/backward, then one all-gather of the statistic names and one all-reduce (SUM) of their
     values. Every rank makes the same calls in the same order, whatever its data. The reduced tensors live on
-    ``device``: an NCCL process group reduces only CUDA tensors.
+    ``device``: an NCCL process group reduces only CUDA tensors. One rank makes no collective. Device reads: one per
+    collective before the loop, none inside it, one for the statistics and the gradient norm after it.
     """
     world = dist.get_world_size()
     # a microbatch's draws (depths, initial states) are seeded by its origin, not by the rank reading it: a run
     # continued on another world size draws what the uninterrupted run would have
     plans = [family.plan(b, cfg, step=step, stream=b.origin[0], index=b.origin[1]) for b in micro]
     # tokens computed: rows x padded length of every microbatch [B, L], real tokens included (padding_ratio)
-    counts = torch.tensor([sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro),
-                           sum(len(b.sample_ids) for b in micro), sum(b.input_ids.numel() for b in micro)],
-                          dtype=torch.float64, device=device)
-    dist.all_reduce(counts)
-    n_global, tokens_global, samples_global = int(counts[0]), int(counts[1]), int(counts[2])
+    counts = [sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro),
+              sum(len(b.sample_ids) for b in micro), sum(b.input_ids.numel() for b in micro)]
+    n_global, tokens_global, samples_global, computed = (int(v) for v in _all_reduce(counts, torch.float64, device))
     sync_keys = sorted(plans[0].sync_max) if plans else []
     if sync_keys:  # e.g. K_max: every rank must call the shared core equally often
-        sync = torch.tensor([[p.sync_max[k] for k in sync_keys] for p in plans], dtype=torch.int64, device=device)
-        dist.all_reduce(sync, op=dist.ReduceOp.MAX)
-        for p, row in zip(plans, sync.tolist()):
-            p.sync_max = dict(zip(sync_keys, row))
+        local = [p.sync_max[k] for p in plans for k in sync_keys]
+        synced = _all_reduce(local, torch.int64, device, dist.ReduceOp.MAX)
+        for i, p in enumerate(plans):
+            p.sync_max = dict(zip(sync_keys, synced[i * len(sync_keys):(i + 1) * len(sync_keys)]))
     rec = {"supervised_tokens": n_global, "tokens": tokens_global, "samples": samples_global,
-           "tokens_computed": int(counts[3]), "skipped": int(n_global == 0)}
+           "tokens_computed": computed, "skipped": int(n_global == 0)}
     if n_global == 0:  # an update needs a positive token count (A.2); skip it rather than divide by zero
         rec.update(loss=float("nan"), grad_norm=0.0)  # the trainer sets each step's lr itself: nothing to advance
         return rec
@@ -66,7 +65,7 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, b
         for k, v in out.totals.items():
             totals[k] = totals.get(k, 0.0) + _f64(v)
     # Names differ between ranks (a depth drawn on one rank only): gather them so every rank reduces the same vector.
-    gathered = all_gather_object((sorted(stats), sorted(totals)))
+    gathered = all_gather_object((sorted(stats), sorted(totals))) if world > 1 else [(sorted(stats), sorted(totals))]
     names = sorted(set().union(*(g[0] for g in gathered)))
     tnames = sorted(set().union(*(g[1] for g in gathered)))
     vec = _vector([loss_sum] + [v for k in names for v in stats.get(k, (0.0, 0.0))]
@@ -74,7 +73,8 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, b
     norm = engine.get_global_grad_norm()
     if torch.is_tensor(norm):  # read with the statistics, not by a sync of its own
         vec = torch.cat([vec, norm.detach().to(device=device, dtype=torch.float64).reshape(1)])
-    dist.all_reduce(vec)
+    if world > 1:
+        dist.all_reduce(vec)
     values = vec.tolist()  # the step's one device-to-host read
     if torch.is_tensor(norm):
         norm = values.pop() / world  # identical on every rank: the all-reduce summed world copies
@@ -88,6 +88,15 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, b
     if family.derive_metrics is not None:  # metrics of the reduced step totals (e.g. routing entropy)
         rec.update(family.derive_metrics(rec))
     return rec
+
+
+def _all_reduce(values: list, dtype, device, op=dist.ReduceOp.SUM) -> list:
+    """Host numbers reduced over the ranks, back on the host (one device read); one rank reduces nothing."""
+    if dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=dtype, device=device)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
 
 
 def _f64(x):

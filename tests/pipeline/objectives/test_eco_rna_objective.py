@@ -184,7 +184,7 @@ def test_fixed_wavefront_runs_k_cap_steps_with_the_same_update():
 
     own = plan(batch, cfg, step=3, stream=0, index=1)
     fixed = plan(batch, load_config(None, common + ["objective.fixed_wavefront=true"]), step=3, stream=0, index=1)
-    assert torch.equal(own.depths, fixed.depths) and own.sync_max["k_max"] == int(own.depths.max()) < 9
+    assert own.depths == fixed.depths and own.sync_max["k_max"] == max(own.depths) < 9
     assert fixed.sync_max == {"k_max": 9}
     results = []
     for p in (own, fixed):
@@ -195,3 +195,19 @@ def test_fixed_wavefront_runs_k_cap_steps_with_the_same_update():
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)
     with pytest.raises(Exception, match="objective.fixed_wavefront"):
         load_config(None, SMALL + ["objective.fixed_wavefront=true", "objective.k_cap=null"])
+
+
+def test_the_fixed_depth_control_trains_through_the_same_loss():
+    """The control (launchers/configs/eco_rna_control_*.yaml) takes the recurrent objective's model call, host mask
+    included: its loss is its plain masked-LM cross-entropy."""
+    from pipeline.families import get_family
+    from pipeline.objectives.eco_rna import plan
+
+    cfg = load_config("launchers/configs/eco_rna_control_demo.yaml", [])
+    torch.manual_seed(0)
+    model = get_family(cfg.family).build_model(cfg.model)
+    batch = make_batch(3)
+    out = recurrent_loss(model, batch, cfg, plan(batch, cfg, step=0, stream=0, index=0))
+    ce, m_row = per_row_ce(model(batch.input_ids, batch.attention_mask).logits, batch.labels)
+    torch.testing.assert_close(out.sum_loss, ce.sum())
+    assert out.num_tokens == int(m_row.sum()) > 0
