@@ -67,7 +67,7 @@ def test_counts_add_up_and_repeat(base):
     assert min(base["ops_forward"], base["ops_backward"], base["ops_optimizer"]) > 0
     assert base["ops_by_phase"]["forward"].get("aten::mm", 0) > 0
     assert base["ops_by_phase"]["backward"].get("aten::mm", 0) > 0
-    assert 0 < base["sync_micro"] < base["sync_step"]
+    assert 0 <= base["sync_micro"] < base["sync_step"]
 
 
 def test_a_sync_in_the_loss_and_one_after_the_loop(base):
