@@ -470,7 +470,7 @@ class EcoRNA(nn.Module):
         where = order[row] * L + pos  # [T] each token's index in the caller's [B * L]
         x = self.embed(tokens.reshape(-1)[where])  # [T, d]
         cos, sin = self.rope(L, x.device, x.dtype)
-        rope = (cos[pos], sin[pos])  # [T, hd/2]: each token at its own position
+        rope = (cos[pos], sin[pos])  # [T, hd]: each token at its own position
         e = self.prelude_norm(self.prelude(x, rope, seqs))
         d = e.shape[-1]
         prefixes = {B: seqs}

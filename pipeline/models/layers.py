@@ -112,25 +112,29 @@ def set_fused_norms(model: nn.Module, fused: bool) -> nn.Module:
 
 
 def rope_cache(length: int, head_dim: int, theta: float, device, dtype=torch.float32):
-    """cos/sin tables [length, head_dim/2] for rotary embeddings."""
+    """cos/sin tables [length, head_dim] for rotary embeddings in :func:`rotate`'s layout: cos over both halves, sin
+    negated over the first half (so the rotation is two multiplies and an add, not four, a subtract and an add)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    angles = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq)  # [L, hd/2]
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], -1).to(dtype), torch.cat([-sin, sin], -1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, H, L, hd]; rotate interleaved halves (GPT-NeoX layout: first half with second half).
 
-    cos/sin: [L, hd/2] shared by every row, or [B, L, hd/2] per row (packed rows: positions restart per document).
+    cos/sin: [L, hd] shared by every row, or [B, L, hd] per row (packed rows: positions restart per document).
     """
     cos, sin = (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos[None, None], sin[None, None])
     return rotate(x, cos, sin)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotation itself: x [..., hd] with cos/sin broadcastable to [..., hd/2]."""
+    """The rotation itself: x [..., hd] with rope_cache's cos/sin broadcastable to [..., hd]. With x = (x1, x2)
+    halves and angles a: (x1 cos a - x2 sin a, x2 cos a + x1 sin a), the same operations in the same order as
+    written out, so the same numbers."""
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return x * cos + torch.cat([x2, x1], dim=-1) * sin
 
 
 def use_flash(backend: str, x: torch.Tensor) -> bool:
@@ -312,14 +316,14 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple, key_mask: "torch.Tensor | Varlen") -> torch.Tensor:
-        """x: [B, L, d] with key_mask [B, L] bool, True at real tokens, and rope [L, hd/2] tables; or packed tokens
-        x: [T, d] with key_mask a Varlen and rope [T, hd/2] tables (each token's own position)."""
+        """x: [B, L, d] with key_mask [B, L] bool, True at real tokens, and rope [L, hd] tables; or packed tokens
+        x: [T, d] with key_mask a Varlen and rope [T, hd] tables (each token's own position)."""
         if isinstance(key_mask, Varlen):
             T = x.shape[0]
             q = self.q_norm(self.q_proj(x).view(T, self.n_heads, self.head_dim))  # [T, H, hd]
             k = self.k_norm(self.k_proj(x).view(T, self.n_kv_heads, self.head_dim))  # [T, Hkv, hd]
             v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
-            cos, sin = (t[:, None] for t in rope)  # [T, 1, hd/2]: one position per token, shared by its heads
+            cos, sin = (t[:, None] for t in rope)  # [T, 1, hd]: one position per token, shared by its heads
             # back to v's dtype: under autocast the fp32 tables make q, k fp32, and flash-attn takes bf16/fp16 only
             q, k = rotate(q, cos, sin).to(v.dtype), rotate(k, cos, sin).to(v.dtype)
             out = varlen_attend(q, k, v, key_mask, backend=self.backend)

@@ -296,7 +296,7 @@ class _Decoder(nn.Module):
                 nn.init.zeros_(m.gate.weight)
 
     def _inputs(self, tokens, attention_mask, position_ids=None):
-        """Embeddings [B, L, H], RoPE tables ([L, hd/2], or [B, L, hd/2] from per-document ``position_ids``) and
+        """Embeddings [B, L, H], RoPE tables ([L, hd], or [B, L, hd] from per-document ``position_ids``) and
         the padding mask [B, L]."""
         key_mask = None if attention_mask is None else attention_mask.bool()  # None: no padding (layers.attend)
         h = self.embed(tokens)  # [B, L, H]
