@@ -134,3 +134,16 @@ def test_core_shapes_follow_the_schedule(sample_shards):
     law = sp.shape_census(3, SHAPE_RUN, shards=sample_shards)
     assert {(b, n) for b, n, _g in law["core"]} - set(law["batches"])
     assert len(law["core"]) > len(s["core"])
+
+
+def test_the_80m_step_keeps_its_lean_figures():
+    """CI's hold on the GPU step (no GPU here): the 80M config's training step, counted on its narrow twin.
+    Measured 2026-12-04: 20,895 operators and 65 reads inside the microbatch loop before (commit 354b0c0); 14,691
+    and 0 after the fused norm, the host-side plan and the lean RoPE (docs/performance.md). Fails when a device
+    read comes back into the loop, and when the fused norm stops being one operator (train.fused_norm=false gives
+    20,789: the switch is the difference)."""
+    lean = sp.count_step(sites=False)
+    assert lean["sync_micro"] == 0, lean["micro_sites"]
+    assert lean["ops_step"] <= 15_000, lean["ops_step"]
+    plain = sp.count_step(["train.fused_norm=false"], sites=False)
+    assert plain["ops_step"] - lean["ops_step"] >= 4_000, (plain["ops_step"], lean["ops_step"])
