@@ -141,7 +141,7 @@ def test_the_80m_step_keeps_its_lean_figures():
     Measured 2026-12-04: 20,895 operators and 65 reads inside the microbatch loop before (commit 354b0c0); 14,691
     and 0 after the fused norm, the host-side plan and the lean RoPE (docs/performance.md). Fails when a device
     read comes back into the loop, and when the fused norm stops being one operator (train.fused_norm=false gives
-    20,789: the switch is the difference)."""
+    19,973: the switch is the difference)."""
     lean = sp.count_step(sites=False)
     assert lean["sync_micro"] == 0, lean["micro_sites"]
     assert lean["ops_step"] <= 15_000, lean["ops_step"]
