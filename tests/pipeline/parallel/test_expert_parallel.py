@@ -51,7 +51,8 @@ def reference(world: int, steps: int = STEPS) -> list[dict]:
 
 def _reference_step(model, opt, family, cfg, batches) -> dict:
     Z = sum(b.num_supervised for b in batches)
-    total = sum(family.loss(model, b, cfg, None).sum_loss for b in batches) / Z
+    total = sum(family.loss(model, b, cfg, family.plan(b, cfg, step=0, stream=0, index=0)).sum_loss
+                for b in batches) / Z
     opt.zero_grad()
     total.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
