@@ -60,7 +60,7 @@ def test_eco_rna_module_calls_are_the_real_ones(k_max):
     batch = make_batch(2)
     depths = torch.full((len(batch.sample_ids),), k_max)
     depths[0] = 1
-    plan = Plan(depths, initial_state(cfg.model, batch.attention_mask), {"k_max": k_max})
+    plan = Plan(depths, None, {"k_max": k_max}, init_state=initial_state(cfg.model, batch.attention_mask))
     got = count_calls(model, lambda: recurrent_loss(model, batch, cfg, plan).sum_loss.backward())
     want = expected_calls(cfg, model, k_max)
     assert {n: got[n] for n in want} == want
