@@ -247,6 +247,23 @@ def test_hashed_addresses_stay_in_the_table_and_collisions_are_counted():
     assert int(rows.min()) >= 0 and int(rows.max()) < 40 and int(key.max()) < cfg.window_keys
 
 
+def test_memory_counts_equal_unique_over_the_real_tokens():
+    """The counts are made without reading the device (scatter, sort); the reference is torch.unique over the real
+    positions, here with padded rows so that the mask matters."""
+    cfg = memory_cfg(memory_radius=3, memory_table_size=40)
+    mem = LatentNgramMemory(cfg).train()
+    h = torch.randn(3, 30, cfg.d_model)
+    real = torch.arange(30)[None] < torch.tensor([[30], [17], [4]])
+    _, info = mem(h, real, real)
+    rows, key = mem.addresses(mem.norm(h), real)
+    flat = rows + torch.arange(cfg.routes) * cfg.table_rows
+    route = torch.arange(cfg.routes).expand_as(key)
+    assert int(info.distinct_addresses) == torch.unique(flat[real]).numel()
+    assert int(info.distinct_keys) == torch.unique(torch.stack([route[real], key[real]], -1).reshape(-1, 2),
+                                                   dim=0).shape[0]
+    assert int(info.tokens) == int(real.sum()) and int(info.rows_addressed) == torch.unique(flat[real]).numel()
+
+
 def test_memory_is_zero_at_init_and_follows_eq_8_to_12():
     cfg = memory_cfg()
     mem = LatentNgramMemory(cfg)
