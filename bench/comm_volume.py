@@ -236,7 +236,7 @@ def measure(args, cases: list[tuple[str, list]]) -> list[dict]:
     (out / "cases.json").write_text(json.dumps(specs, indent=1))
     record = out / "counted.json"
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.nproc), "--master_port",
            str(port), str(Path(__file__).resolve()), "--worker", "--cases", str(out / "cases.json"),

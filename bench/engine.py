@@ -208,7 +208,7 @@ def measure_p4(shards: Path, run_dir: Path, steps: int, warmup: int, threads: in
 # --------------------------------------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 

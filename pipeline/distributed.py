@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
 
 
-def _ensure_dist_env():
-    """Let ``python launchers/pretrain.py`` run as a single process without a launcher."""
-    if "RANK" in os.environ:
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _single_process_group(backend: str, timeout: dict):
+    """Start a one-process group for ``python launchers/pretrain.py`` run without a launcher.
+
+    The store listens on a port the kernel picks at ``listen`` time (port 0), never on one probed and released
+    beforehand: between such a probe and the store's ``listen`` another process can take the port (EADDRINUSE at
+    start, 4 launches of a CI run of the suite). DeepSpeed's ``init_distributed`` then adopts the started group."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, **timeout)
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(store.port))
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, **timeout)
 
 
 def init_distributed(timeout_s: float | None = None):
@@ -35,14 +35,14 @@ def init_distributed(timeout_s: float | None = None):
     """
     import deepspeed  # heavy: imported when a process group is really started
 
-    _ensure_dist_env()
     timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    if torch.cuda.is_available():
-        deepspeed.init_distributed(dist_backend="nccl", **timeout)
-        return
-    # Reading __compatible_ops__ probes every op (compiler subprocesses); DeepSpeed does that here on CPU anyway.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo", **timeout)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        # Reading __compatible_ops__ probes every op (compiler subprocesses); DeepSpeed does that here on CPU anyway.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if "RANK" not in os.environ and not dist.is_initialized():
+        _single_process_group(backend, timeout)
+    deepspeed.init_distributed(dist_backend=backend, **timeout)
 
 
 def set_collective_timeout(seconds: float):

@@ -10,5 +10,5 @@ cd "$(dirname "$0")/.."
 if [ -z "${PY:-}" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-PORT=${MASTER_PORT:-$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+PORT=${MASTER_PORT:-$("$PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')}
 exec "$PY" -m deepspeed.launcher.runner --master_port "$PORT" --num_gpus "${NPROC:-2}" "$@"

@@ -27,7 +27,7 @@ TINY = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
