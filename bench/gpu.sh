@@ -27,6 +27,8 @@
 #   7. the gpu-marked tests.
 #   8. only with GPU_WITH=depth (minutes; left out of the 8-minute check): the synthetic depth task
 #      (bench/depth_task.py, one seed, H = GPU_DEPTH_HOPS).
+#   Only with GPU_WITH=compiled: after the Eco-RNA training of step 5, a second one with compiled blocks
+#      (train.compile=blocks) and twice the tokens per microbatch (the memory the fused RMSNorm freed), key rna_compiled.
 # Environment:
 #   PY                 the python to use (default .venv/bin/python when it exists, else python3)
 #   GPU_WORK           scratch folder (default /tmp/bench_gpu; emptied first)
@@ -36,7 +38,7 @@
 #   GPU_TRAIN_SECONDS  each family's training budget after start-up (train.max_hours; default 60)
 #   GPU_PROFILE_STEP   the step torch.profiler records (default 15; after the warm-up, before the budget runs out)
 #   GPU_SKIP           steps to leave out: eco_rna moe rna protlingo gpt eval tests (a family's data step still runs)
-#   GPU_WITH           extra steps: depth
+#   GPU_WITH           extra steps: depth compiled
 #   GPU_DEPTH_HOPS     pointers of the depth task's held-out answers (default 4)
 #   GPU_INSTALL        0: never build MegaBlocks here
 #   GPU_EVAL_SEEDS     evaluation seeds of step 6 (default 0-2)
@@ -253,6 +255,13 @@ if prepped rna && ! skip rna; then
     "${TINY_RNA[@]}" && TRAINED=1
 fi
 
+case "$WITH" in *" compiled "*)
+  if [ -d "$WORK/shards_rna" ]; then
+    train_family rna_compiled "Eco-RNA 80M compiled" launchers/configs/eco_rna_80m.yaml data.train_shards="$WORK/shards_rna" \
+      train.compile=blocks train.micro_batch_size=64 train.max_tokens_per_microbatch=32768 "${TINY_RNA[@]}"
+  fi ;;
+esac
+
 EVAL=""
 if [ "$TRAINED" = 1 ] && ! skip eval; then
   echo "== reconstruction depth study (CPU, background) of $RNA_RUN"
@@ -335,7 +344,7 @@ PY
 fi
 
 if [ -n "$ARTIFACTS" ] && mkdir -p "$ARTIFACTS" 2>/dev/null; then
-  for key in rna protlingo gpt; do
+  for key in rna rna_compiled protlingo gpt; do
     [ -f "$WORK/run_$key/metrics.jsonl" ] && cp "$WORK/run_$key/metrics.jsonl" "$ARTIFACTS/metrics_$key.jsonl"
     for tr in "$WORK/run_$key"/profile/trace_steps_*.json; do
       [ -f "$tr" ] && gzip -c "$tr" >"$ARTIFACTS/trace_${key}_$(basename "$tr").gz"

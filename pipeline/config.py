@@ -277,7 +277,7 @@ class TrainConfig:
     # math inside; half the activation memory of the plain formula); false: the plain autograd formula.
     fused_norm: bool = True
     # none | blocks: torch.compile each transformer block (fusing RoPE, QK-norm, SwiGLU and the residual adds;
-    # pipeline/train/compile.py). Dynamic shapes, so the wavefront's changing row counts do not recompile.
+    # pipeline/parallel/kernels.py). Dynamic shapes, so the wavefront's changing row counts do not recompile.
     compile: str = "none"
 
     def __post_init__(self):
