@@ -285,8 +285,9 @@ fi
 
 if prepped protlingo && ! skip protlingo; then
   # the run's own config (grad_accum_steps 4: a step is 4 microbatches of 16,384 tokens) from the random ESM2 start
+  # profiled at step 5 at most: its 1.8 s steps (4 microbatches) reached only step 12 in 45 s on the second run
   train_family protlingo "ProtLingo 150M" "$PROT_CONFIG" data.train_shards="$WORK/shards_protlingo" \
-    train.init_from="$WORK/protlingo_init" "${TINY_PROT[@]}"
+    train.init_from="$WORK/protlingo_init" "train.profile={start: $(( PROF < 5 ? PROF : 5 )), steps: 1}" "${TINY_PROT[@]}"
 fi
 if prepped gpt && ! skip gpt; then
   # max_epochs: the carried text is ~0.6M tokens, so the config's 10 BabyLM epochs would end the run early

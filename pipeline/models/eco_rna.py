@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.models.layers import (ATTN_BACKENDS, RMSNorm, SandwichBlock, Varlen, flash_available, init_linear_,
-                                    residual_std, rope_cache, torch_varlen_available)
+from pipeline.models.layers import (ATTN_BACKENDS, RMSNorm, SandwichBlock, Varlen, flash_available, host_tensor,
+                                    init_linear_, residual_std, rope_cache, torch_varlen_available)
 
 
 @dataclass
@@ -171,8 +171,8 @@ def initial_state(cfg: EcoRNAConfig, attention_mask: torch.Tensor, generator: to
 
 
 def host_to(values: list, device) -> torch.Tensor:
-    """Host ints as a long tensor on ``device``, copied without waiting (a blocking copy synchronizes the stream)."""
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+    """Host ints as a long tensor on ``device``, copied without waiting (layers.host_tensor)."""
+    return host_tensor(values, torch.long, device)
 
 
 def state_table(cfg_model, length: int, seed: int) -> torch.Tensor:

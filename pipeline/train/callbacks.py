@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from pipeline.config import ConfigError
 from pipeline.profiling import StepProfiler
+from pipeline.train.step import all_reduce_host
 from pipeline.train.stop import TrainingStopped
 from pipeline import validation
 
@@ -115,9 +116,8 @@ class MixtureMetrics(Callback):
     def on_step_end(self, trainer, rec):
         seen = trainer.data.seen()  # name -> (samples, tokens) of this rank; tokens = sequence lengths incl. framing
         names = list(seen)
-        vec = torch.tensor([seen[n][0] for n in names] + [seen[n][1] for n in names], dtype=torch.float64,
-                           device=trainer.device)  # NCCL reduces only CUDA tensors
-        dist.all_reduce(vec)
+        vec = all_reduce_host([seen[n][0] for n in names] + [seen[n][1] for n in names], torch.float64,
+                              trainer.device)  # NCCL reduces only CUDA tensors
         weights = trainer.dataset.mixture.weights(trainer.state.step - 1)  # the 0-based step just taken
         for i, n in enumerate(names):
             rec[f"mix/weight/{n}"] = float(weights[i])
@@ -311,9 +311,8 @@ class StopOnRequest(Callback):
 
     def stop_reason(self, trainer, rec):
         trainer.collective = f"the stop-flag all-reduce after step {trainer.state.step}"
-        flag = torch.tensor([float(trainer.stop.requested())], device=trainer.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return (trainer.stop.reason or "a stop request on another rank") if flag.item() else None
+        flag = all_reduce_host([float(trainer.stop.requested())], torch.float32, trainer.device, dist.ReduceOp.MAX)
+        return (trainer.stop.reason or "a stop request on another rank") if flag[0] else None
 
     def on_stop(self, trainer):
         if trainer.rank == 0:

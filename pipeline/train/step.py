@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from pipeline.config import RunConfig
 from pipeline.distributed import all_gather_object
+from pipeline.models.layers import host_tensor
 
 
 def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, between=None) -> dict:
@@ -36,11 +37,11 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, b
     # tokens computed: rows x padded length of every microbatch [B, L], real tokens included (padding_ratio)
     counts = [sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro),
               sum(len(b.sample_ids) for b in micro), sum(b.input_ids.numel() for b in micro)]
-    n_global, tokens_global, samples_global, computed = (int(v) for v in _all_reduce(counts, torch.float64, device))
+    n_global, tokens_global, samples_global, computed = (int(v) for v in all_reduce_host(counts, torch.float64, device))
     sync_keys = sorted(plans[0].sync_max) if plans else []
     if sync_keys:  # e.g. K_max: every rank must call the shared core equally often
         local = [p.sync_max[k] for p in plans for k in sync_keys]
-        synced = _all_reduce(local, torch.int64, device, dist.ReduceOp.MAX)
+        synced = all_reduce_host(local, torch.int64, device, dist.ReduceOp.MAX)
         for i, p in enumerate(plans):
             p.sync_max = dict(zip(sync_keys, synced[i * len(sync_keys):(i + 1) * len(sync_keys)]))
     rec = {"supervised_tokens": n_global, "tokens": tokens_global, "samples": samples_global,
@@ -90,11 +91,11 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, b
     return rec
 
 
-def _all_reduce(values: list, dtype, device, op=dist.ReduceOp.SUM) -> list:
-    """Host numbers reduced over the ranks, back on the host (one device read); one rank reduces nothing."""
+def all_reduce_host(values: list, dtype, device, op=dist.ReduceOp.SUM) -> list:
+    """Host numbers reduced over the ranks, back on the host (one device read, none at world size 1)."""
     if dist.get_world_size() == 1:
         return list(values)
-    t = torch.tensor(values, dtype=dtype, device=device)
+    t = host_tensor(values, dtype, device)
     dist.all_reduce(t, op=op)
     return t.tolist()
 
@@ -111,8 +112,7 @@ def _vector(values: list, device) -> torch.Tensor:
     dev = [i for i, v in enumerate(values) if torch.is_tensor(v)]
     vec = torch.zeros(len(values), dtype=torch.float64, device=device)
     if host:
-        vec[torch.tensor(host, device=device)] = torch.tensor([values[i] for i in host], dtype=torch.float64,
-                                                              device=device)
+        vec[host_tensor(host, torch.long, device)] = host_tensor([values[i] for i in host], torch.float64, device)
     if dev:
-        vec[torch.tensor(dev, device=device)] = torch.stack([values[i].to(device).reshape(()) for i in dev])
+        vec[host_tensor(dev, torch.long, device)] = torch.stack([values[i].to(device).reshape(()) for i in dev])
     return vec

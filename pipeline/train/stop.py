@@ -11,6 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from pipeline.train.step import all_reduce_host
+
 
 class TrainingStopped(RuntimeError):
     """The run stopped itself with a non-zero exit (divergence); the message says why and what is kept."""
@@ -142,8 +144,6 @@ class MidStep:
         if what == "computed":
             if n == 1 or i == n:
                 return  # the end of the step: the per-step check decides (and saves)
-            flag = torch.tensor([float(want)], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            want = bool(flag.item())
+            want = bool(all_reduce_host([float(want)], torch.float32, self.device, dist.ReduceOp.MAX)[0])
         if want:
             raise StopMidStep(f"microbatch {i} of {n} {what}")

@@ -203,3 +203,27 @@ def test_torch_varlen_kernel_matches_the_per_sequence_path_on_gpu(causal):
     got = layers.varlen_attend(q, k, v, seqs, backend="auto", causal=causal)
     want = layers.varlen_attend(q, k, v, seqs, backend="sdpa", causal=causal)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("unpad", [False, True])
+def test_the_wavefront_never_waits_for_the_device(unpad):
+    """Forward and backward of a wavefront with idle steps, an anchor readout and (unpad) a packed layout whose
+    row count changes at every step: no operation synchronizes with the device (torch's sync debug mode turns each
+    one into an error). A blocking host-to-device copy of an index (``torch.tensor(..., device=cuda)``, a pageable
+    ``.to(cuda)``) fails it: each stalled the host once per wavefront row count (layers.host_tensor)."""
+    m = tiny_eco(unpad=unpad).cuda().bfloat16()
+    g = torch.Generator().manual_seed(1)
+    mask = torch.arange(8)[None] < torch.tensor([[8], [5], [3], [7]])
+    tokens = torch.randint(6, 12, (4, 8), generator=g).cuda()
+    s0 = initial_state(m.cfg, mask, generator=g).cuda()
+    dev_mask = mask.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = m(tokens, dev_mask, [1, 2, 4, 3], s0, k_max=6, backward_window=4, anchor_depth=2, host_mask=mask)
+        out.logits.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(p.grad is not None for p in m.core.parameters())
