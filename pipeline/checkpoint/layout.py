@@ -4,7 +4,8 @@ resume point.
 Layout::
 
     RUN_DIR/.lock                       held (flock) by rank 0 of the training using RUN_DIR; names its host and pid
-    RUN_DIR/checkpoints/stepNNNNNNNN/   DeepSpeed shards + client_state.json + config.yaml + COMPLETE (written last)
+    RUN_DIR/checkpoints/stepNNNNNNNN/   DeepSpeed shards + client_state.json + config.yaml + SHA256SUMS + COMPLETE
+                                        (written last)
     RUN_DIR/checkpoints/latest          the tag of the newest complete checkpoint (written after COMPLETE)
 
 A checkpoint is complete when its ``COMPLETE`` marker exists and its ``client_state.json`` parses: the marker is
@@ -12,11 +13,18 @@ written after every rank's shards and the client state, so a kill at any moment 
 checkpoint or one that resume skips. Checkpoints written before the marker existed count as complete when their
 client state parses (pipeline/checkpoint/migrate.py).
 
+``SHA256SUMS`` (``sha256sum`` format, so ``cd stepNNNNNNNN && sha256sum -c SHA256SUMS`` checks it by hand) holds the
+digest of every other file of the checkpoint, computed when it is marked complete. A file whose bytes changed since
+(bit rot, a bad copy, a disk that returned other bytes) is found before any of it is loaded: torch's zip reader checks
+no CRC, so a flipped byte inside a tensor would otherwise be trained on. Checkpoints from before the digests are
+checked as before (readable archives only).
+
 Nothing here writes or deletes outside ``RUN_DIR``.
 """
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +40,7 @@ from pipeline.outputs import write_atomic  # noqa: F401 - re-exported
 LATEST = "latest"
 BEST = "best"  # checkpoint.keep_best: the tag of the best checkpoint by a validation metric, outside rotation
 COMPLETE = "COMPLETE"
+DIGESTS = "SHA256SUMS"
 CHECKPOINT_FORMAT = migrate.CURRENT_FORMAT  # client_state.json["format"]
 
 
@@ -88,18 +97,71 @@ def is_complete(tag_dir: Path) -> bool:
     return (tag_dir / COMPLETE).is_file() or migrate.complete_without_marker(client)
 
 
-def damaged_files(tag_dir: Path) -> list[Path]:
-    """The tag's torch files (``*.pt``, each a zip archive) whose archive cannot be opened: truncated or cut short
-    after COMPLETE was written (a copy that stopped, a disk that lost the tail). Reads each file's central directory
-    only (its last bytes), not the tensors."""
-    bad = []
+def file_sha256(path: Path) -> str:
+    """The sha256 of ``path``, streamed (hashlib.file_digest: memory stays bounded whatever the file's size)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def checkpoint_files(tag_dir: Path) -> list[Path]:
+    """Every file of a checkpoint but its markers, sorted by relative path."""
+    return sorted(p for p in Path(tag_dir).rglob("*") if p.is_file() and p.name not in (COMPLETE, DIGESTS))
+
+
+def write_digests(tag_dir: Path):
+    lines = [f"{file_sha256(p)}  {p.relative_to(tag_dir).as_posix()}\n" for p in checkpoint_files(tag_dir)]
+    write_atomic(Path(tag_dir) / DIGESTS, "".join(lines))
+
+
+def read_digests(tag_dir: Path) -> dict[str, str] | None:
+    """{relative path: sha256} from the checkpoint's SHA256SUMS; None for a checkpoint written before digests."""
+    f = Path(tag_dir) / DIGESTS
+    if not f.is_file():
+        return None
+    out = {}
+    for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64:
+            out[f"{DIGESTS} line {n}"] = ""  # a damaged digest file damages the checkpoint it vouches for
+            continue
+        out[name] = digest
+    return out
+
+
+def damaged_files(tag_dir: Path) -> list[tuple[Path, str]]:
+    """(file, what is wrong) for each file of a complete checkpoint that is not what was written: a torch file
+    (``*.pt``, a zip archive) whose archive cannot be opened (truncated, cut short after COMPLETE was written), and
+    any file whose sha256 differs from SHA256SUMS or that SHA256SUMS lists and is gone. The archive
+    check reads each file's central directory only; the digest check reads every byte (docs/checkpoints.md gives
+    its cost)."""
+    tag_dir, bad = Path(tag_dir), []
     for f in sorted(tag_dir.glob("*.pt")):
         try:
             with zipfile.ZipFile(f):
                 pass
         except (zipfile.BadZipFile, OSError):
-            bad.append(f)
+            bad.append((f, "is damaged (not a readable torch archive: truncated?)"))
+    for name, digest in (read_digests(tag_dir) or {}).items():
+        f = tag_dir / name
+        if any(f == b for b, _ in bad):
+            continue
+        if not digest:
+            bad.append((tag_dir / DIGESTS, f"is damaged ({name} is not a digest line)"))
+        elif not f.is_file():
+            bad.append((f, f"is missing (listed in {DIGESTS})"))
+        elif file_sha256(f) != digest:
+            bad.append((f, f"is damaged (its sha256 differs from the one recorded in {DIGESTS} when the checkpoint "
+                           "was written: its bytes changed since)"))
     return bad
+
+
+def check_intact(tag_dir: Path):
+    """ConfigError naming the first damaged file of checkpoint ``tag_dir`` (``damaged_files``), before a tool or a
+    new run reads it."""
+    if bad := damaged_files(tag_dir):
+        f, why = bad[0]
+        raise ConfigError(f"{f}: {why.removeprefix('is ')}; this checkpoint cannot be trusted: use an earlier one "
+                          "(or restore the file)")
 
 
 def read_latest(ckpt_dir: Path, pointer: str = LATEST) -> str | None:
@@ -116,22 +178,30 @@ def resume_tag(ckpt_dir: Path, check_files: bool = False) -> tuple[str | None, s
     ``latest`` wins when it names a complete checkpoint; otherwise the newest complete checkpoint, and the note says
     why. A checkpoint directory whose checkpoints are all incomplete, or whose ``latest`` names a checkpoint that is
     gone with no complete one left, is a ConfigError: never a fresh start over a run that has history. With
-    ``check_files`` (a training resuming) a complete checkpoint with a torch file cut short counts as incomplete.
+    ``check_files`` (a training resuming, a tool reading a run) a complete checkpoint with a damaged file
+    (``damaged_files``) counts as incomplete. Files are checked newest candidate first and only until one is intact,
+    so a resume reads the bytes of one checkpoint, not of every one kept.
     """
     tags = checkpoint_tags(ckpt_dir)
     named = read_latest(ckpt_dir)
-    damaged = {}  # (check_files: a training's resume) complete checkpoints with a file that cannot be read: skipped
-    for t in tags if check_files else ():  # like incomplete ones; tools reading a checkpoint report its file instead
-        if is_complete(ckpt_dir / t) and (bad := damaged_files(ckpt_dir / t)):
-            damaged[t] = bad[0]
-    if named and named in tags and is_complete(ckpt_dir / named) and named not in damaged:
+    complete = [t for t in tags if is_complete(ckpt_dir / t)]
+    damaged = {}  # complete checkpoints found with a damaged file: (file, why), skipped like incomplete ones
+    order = ([named] if named in complete else []) + [t for t in reversed(complete) if t != named]
+    chosen = None
+    for t in order:
+        bad = damaged_files(ckpt_dir / t) if check_files else []
+        if not bad:
+            chosen = t
+            break
+        damaged[t] = bad[0]
+    if chosen is not None and chosen == named:
         return named, None
-    complete = [t for t in tags if is_complete(ckpt_dir / t) and t not in damaged]
-    if not complete:
+    if chosen is None:
         if damaged:
-            t, f = max(damaged.items())
-            raise ConfigError(f"{ckpt_dir / t}: {f.name} is damaged (not a readable torch archive: truncated?) and no "
-                              "earlier complete checkpoint is intact; restore the file or use another run_dir")
+            t = max(damaged, key=tag_step)
+            f, why = damaged[t]
+            raise ConfigError(f"{ckpt_dir / t}: {f.relative_to(ckpt_dir / t)} {why} and no earlier complete "
+                              "checkpoint is intact; restore the file or use another run_dir")
         if tags:
             raise ConfigError(f"{ckpt_dir}: holds checkpoints ({', '.join(tags[-3:])}) but none is complete (no "
                               f"{COMPLETE} marker or an unreadable client_state.json); refusing to start over them. "
@@ -148,13 +218,20 @@ def resume_tag(ckpt_dir: Path, check_files: bool = False) -> tuple[str | None, s
     elif named not in tags:
         why = f"{LATEST} names {named}, which does not exist"
     elif named in damaged:
-        why = f"{LATEST} names {named}, whose {damaged[named].name} is damaged (not a readable torch archive: truncated?)"
+        f, what = damaged[named]
+        why = f"{LATEST} names {named}, whose {f.relative_to(ckpt_dir / named)} {what}"
     else:
         why = f"{LATEST} names {named}, which is incomplete"
-    return complete[-1], f"{ckpt_dir}: {why}; resuming from the newest complete checkpoint {complete[-1]}"
+    skipped = [t for t in damaged if t != named]
+    if skipped:
+        why += "; skipped as damaged: " + ", ".join(
+            f"{t} ({damaged[t][0].relative_to(ckpt_dir / t)})" for t in skipped)
+    return chosen, f"{ckpt_dir}: {why}; resuming from the newest complete checkpoint {chosen}"
 
 
 def mark_complete(tag_dir: Path):
+    """Record the digests of every file, then the COMPLETE marker: the marker vouches for the digests too."""
+    write_digests(tag_dir)
     write_atomic(tag_dir / COMPLETE, time.strftime("%Y-%m-%dT%H:%M:%S\n"))
 
 

@@ -19,7 +19,7 @@ import torch
 
 from pipeline.config import ConfigError, RunConfig, build_config, load_yaml
 from pipeline.families import get_family
-from pipeline.checkpoint.layout import read_client, resume_tag
+from pipeline.checkpoint.layout import check_intact, read_client, resume_tag
 
 EXPORTED_WEIGHTS = "model.safetensors"
 
@@ -117,6 +117,7 @@ def load_state_dict(tag_dir: Path, trusted: bool = False) -> dict[str, torch.Ten
         return export_state_names(state, tag_dir)
     if not torch.cuda.is_available():  # no device work here; spare the user DeepSpeed's "no GPU found" warning
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    check_intact(tag_dir)
     if not trusted:
         check_pickles(tag_dir)
     if any(tag_dir.glob(EXPERT_FILES)):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.checkpoint.layout import COMPLETE, checkpoint_tags, damaged_files, is_complete, resume_tag
+from pipeline.checkpoint.layout import (COMPLETE, check_intact, checkpoint_tags, damaged_files, is_complete,
+                                        resume_tag)
 from pipeline.checkpoint.read import (check_pickles, check_same_model, is_export, is_foreign_checkpoint,
                                       load_esm2, read_client_state, resolve_tag_dir)
 from pipeline.config import ConfigError, RunConfig, load_yaml
@@ -36,8 +37,8 @@ def find_resume_tag(resume: str, ckpt_dir: Path) -> tuple[str | None, str | None
         raise ConfigError(f"--resume {resume}: incomplete checkpoint (no {COMPLETE} marker or an unreadable "
                           "client_state.json); it cannot be resumed")
     if bad := damaged_files(tag_dir):
-        raise ConfigError(f"--resume {resume}: {bad[0].name} is damaged (not a readable torch archive: "
-                          "truncated?); resume from an earlier checkpoint")
+        f, why = bad[0]
+        raise ConfigError(f"--resume {resume}: {f.relative_to(tag_dir)} {why}; resume from an earlier checkpoint")
     if tag_dir.resolve().parent != ckpt_dir.resolve():
         # Continuing another run's checkpoint here would write into its folder, rotate its checkpoints away and
         # look its MLflow run up in this run's store: starting from another run is --init-from.
@@ -151,6 +152,8 @@ def check_init_source(cfg: RunConfig, family, world_size: int, zero_stage: int,
     if not is_export(src) and not trusted:
         check_pickles(src)
     if t.init_from_optimizer:
+        if not is_export(src):  # DeepSpeed loads its files directly (load_state_dict checks the weights-only path)
+            check_intact(src)
         if is_export(src):
             raise ConfigError(f"train.init_from_optimizer: {src} is an export (weights only, no optimizer "
                               "state); set it to false or start from a DeepSpeed checkpoint")

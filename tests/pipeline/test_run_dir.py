@@ -127,3 +127,65 @@ def test_the_run_dir_lock_imports_neither_torch_nor_the_configs():
             "print(sorted(m for m in ('torch', 'pipeline.config', 'pipeline.checkpoint.read') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _weights(tag_dir, payload=b"\x01" * 4096):
+    (tag_dir / "mp_rank_00_model_states.bin").write_bytes(payload)
+    (tag_dir / "sub").mkdir(exist_ok=True)
+    (tag_dir / "sub" / "extra.json").write_text("{}")
+
+
+def test_digests_find_a_changed_byte_a_missing_file_and_leave_older_checkpoints_alone(tmp_path):
+    """SHA256SUMS lists every file (subfolders included) but the markers; one inverted byte in a file of the same
+    size, a listed file gone, or a damaged digest line each make the checkpoint damaged, named by file; a checkpoint
+    from before digests (no SHA256SUMS) is not digest-checked."""
+    from pipeline.checkpoint.layout import DIGESTS, damaged_files, file_sha256
+
+    d = tmp_path / "checkpoints"
+    make_ckpt(d, 2)
+    tag = d / "step00000002"
+    for f in tag.iterdir():
+        if f.name == COMPLETE:
+            f.unlink()
+    _weights(tag)
+    mark_complete(tag)
+    listed = (tag / DIGESTS).read_text().splitlines()
+    assert [ln.split("  ")[1] for ln in listed] == ["client_state.json", "mp_rank_00_model_states.bin",
+                                                   "sub/extra.json"]
+    assert listed[1].split("  ")[0] == file_sha256(tag / "mp_rank_00_model_states.bin")
+    assert damaged_files(tag) == []
+    w = tag / "mp_rank_00_model_states.bin"
+    w.write_bytes(b"\x01" * 2000 + b"\xfe" + b"\x01" * 2095)  # same size, one byte inverted
+    (bad, why), = damaged_files(tag)
+    assert bad == w and "sha256 differs" in why
+    w.unlink()
+    (bad, why), = damaged_files(tag)
+    assert bad == w and "missing" in why
+    _weights(tag)
+    (tag / DIGESTS).write_text((tag / DIGESTS).read_text().replace("  sub/", " sub/"))
+    (bad, why), = damaged_files(tag)
+    assert bad.name == DIGESTS and "line 3" in why
+    (tag / DIGESTS).unlink()
+    w.write_bytes(b"\x00" * 10)
+    assert damaged_files(tag) == []  # written before digests: checked as before (its torch archives only)
+
+
+def test_a_changed_byte_in_latest_resumes_from_the_previous_checkpoint_with_a_note(ckpts):
+    for s in (4, 6):
+        tag = ckpts / f"step{s:08d}"
+        (tag / COMPLETE).unlink()
+        _weights(tag)
+        mark_complete(tag)
+    w = ckpts / "step00000006" / "mp_rank_00_model_states.bin"
+    w.write_bytes(w.read_bytes()[:-1] + b"\x00")
+    assert resume_tag(ckpts) == ("step00000006", None)  # without check_files: the markers only
+    tag, note = resume_tag(ckpts, check_files=True)
+    assert tag == "step00000004"
+    assert "latest names step00000006, whose mp_rank_00_model_states.bin is damaged (its sha256 differs" in note
+    (ckpts / "step00000004" / "sub" / "extra.json").write_text("{ }")
+    tag, note = resume_tag(ckpts, check_files=True)  # step 2 is intact
+    assert tag == "step00000002" and "skipped as damaged: step00000004 (sub/extra.json)" in note
+    (ckpts / "step00000002" / "client_state.json").write_text('{"step": 2, "format": 2, "milestone": true}')
+    with pytest.raises(ConfigError, match=r"step00000006: mp_rank_00_model_states.bin is damaged \(its sha256 "
+                                          r"differs.* and no earlier complete checkpoint is intact"):
+        resume_tag(ckpts, check_files=True)

@@ -69,3 +69,41 @@ def test_a_fresh_start_sets_earlier_logs_aside(sample_shards, tmp_path):
     assert f"the logs of an earlier start without checkpoints were moved to {run_dir / 'earlier-start-1'}" in r.stdout
     assert (run_dir / "earlier-start-1" / "metrics.jsonl").read_text() == '{"step": 1, "loss": 3.0}\n'
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
+
+
+def test_bit_rot_inside_a_complete_checkpoint_is_never_trained_on(sample_shards, tmp_path):
+    """Campaign case 1: 64 bytes inverted inside a COMPLETE checkpoint's mp_rank_00_model_states.pt (same size, a
+    readable archive) resumed silently and trained on the corrupted weights. Now the digest recorded at save time
+    finds it: resume takes the previous checkpoint with a note naming the file (the damaged one set aside, byte for
+    byte), and convert refuses the damaged checkpoint in one line naming the file."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    run = tmp_path / "run"
+    first = train(sample_shards, run, 6)
+    assert first.returncode == 0, first.stderr[-3000:]
+    states = run / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt"
+    data = bytearray(states.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    states.write_bytes(bytes(data))
+    rotted = hashlib.sha256(data).hexdigest()
+
+    conv = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--checkpoint", str(states.parent),
+                           "--output", str(tmp_path / "export")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert conv.returncode != 0 and "Traceback" not in conv.stderr, conv.stderr[-3000:]
+    assert (f"{states}: damaged (its sha256 differs from the one recorded in SHA256SUMS" in conv.stderr), conv.stderr
+    assert not (tmp_path / "export").exists()
+
+    r = train(sample_shards, run, 6)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("latest names step00000006, whose mp_rank_00_model_states.pt is damaged (its sha256 differs from the "
+            "one recorded in SHA256SUMS") in r.stdout, r.stdout[-3000:]
+    assert "resuming from the newest complete checkpoint step00000004" in r.stdout
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    (aside,) = (run / "checkpoints").glob("abandoned_after_step00000004_*")
+    kept = aside / "step00000006" / "mp_rank_00_model_states.pt"
+    assert hashlib.sha256(kept.read_bytes()).hexdigest() == rotted  # set aside as it was, never deleted
