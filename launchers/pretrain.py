@@ -3,7 +3,8 @@ r"""Pretraining entry point.
 
     deepspeed --num_gpus 2 launchers/pretrain.py --ds_config ds_configs/zero2.json \
         [--config launchers/configs/NAME.yaml] [--set key.path=value ...] [--resume auto|never|CHECKPOINT_DIR]
-        [--init-from CHECKPOINT_OR_EXPORT] [--allow-config-change] [--trust-checkpoint]
+        [--init-from CHECKPOINT_OR_EXPORT] [--allow-config-change] [--allow-data-change]
+        [--trust-checkpoint]
         [--dry-run [--world-size N --nproc-per-node M]]
 
 Several nodes: the same arguments under `deepspeed --hostfile`, torchrun or SLURM (launchers/slurm/pretrain.sbatch);
@@ -56,6 +57,9 @@ def parse_args(argv=None):
                         "(sets train.init_from; train.init_from_optimizer: true also loads the AdamW moments)")
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume even though the seed, batch arithmetic or data spec differ from the checkpoint's")
+    p.add_argument("--allow-data-change", dest="allow_data_change", action="store_true",
+                   help="resume although the shard directories were rebuilt since the checkpoint (their manifests "
+                        "differ): the loader starts the new data from its beginning")
     p.add_argument("--trust-checkpoint", dest="trust_checkpoint", action="store_true",
                    help="resume or start from a DeepSpeed checkpoint whose files need more than tensors and "
                         "DeepSpeed's own classes, with torch.load(weights_only=False), which runs any code they "
@@ -119,9 +123,11 @@ def main(argv=None) -> int:
         if args.dry_run:
             world, local, origin = planned_world(args.world_size, args.nproc_per_node)
             print(train.dry_run(cfg, args.ds_config, args.resume, args.allow_config_change, world, local, origin,
-                                trust_checkpoint=args.trust_checkpoint), flush=True)
+                                trust_checkpoint=args.trust_checkpoint, allow_data_change=args.allow_data_change),
+                  flush=True)
             return 0
-        train.run(cfg, args.ds_config, args.resume, args.allow_config_change, trust_checkpoint=args.trust_checkpoint)
+        train.run(cfg, args.ds_config, args.resume, args.allow_config_change, trust_checkpoint=args.trust_checkpoint,
+                  allow_data_change=args.allow_data_change)
     except (ConfigError, ShardError, FileNotFoundError) as e:
         run_log.report_fatal(rank, str(e), rank_specific=_distributed())
         return 2

@@ -72,9 +72,10 @@ class Checkpointer:
     """A training's checkpoints in ``run_dir/checkpoints``, for DeepSpeed ``engine`` and its ZeRO ``optimizer``."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, engine, optimizer, ds_config: dict, rank: int, world: int,
-                 trusted: bool = False):
+                 trusted: bool = False, data_fingerprint: dict | None = None):
         self.cfg, self.run_dir, self.ckpt_dir = cfg, run_dir, run_dir / "checkpoints"
         self.trusted = trusted  # --trust-checkpoint: DeepSpeed's loads may unpickle anything (weights_only_loads)
+        self.data_fingerprint = data_fingerprint  # {config key: manifest digest and counts}: resume checks it
         self.engine, self.optimizer = engine, optimizer
         self.zero_stage = ds_config.get("zero_optimization", {}).get("stage", 0)
         self.ds_config, self.rank, self.world = ds_config, rank, world
@@ -95,7 +96,8 @@ class Checkpointer:
         loader = all_gather_object(loader_state)
         client = {"format": CHECKPOINT_FORMAT, **state.client(), "world_size": self.world,
                   "zero_stage": self.zero_stage, "loader": loader, "mlflow_run_id": tracker.run_id,
-                  "mlflow_tracking_uri": tracker.uri, "milestone": milestone, "config": self.cfg.to_dict()}
+                  "mlflow_tracking_uri": tracker.uri, "milestone": milestone, "config": self.cfg.to_dict(),
+                  "data_fingerprint": self.data_fingerprint}
         if self.rank == 0 and tag_dir.exists():
             # The same tag from an abandoned timeline (after a rollback) or a save that died: never let its old
             # COMPLETE marker vouch for the files about to be rewritten.

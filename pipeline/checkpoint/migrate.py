@@ -22,6 +22,7 @@ Keys added within format 2 (no version bump: each default is the old behaviour e
     schedule                        the lr horizon the checkpoint's own config gave: optim.schedule_steps, else
                                     train.max_steps, in steps
     cumulative, best, val_best, init_from   {} / None (no totals, no best so far, no recorded parent)
+    data_fingerprint                None: the manifests trained on were not recorded, so a resume cannot check them
 
 The loader's per-stream state inside ``loader`` has its own version (pipeline/data/loader.py, STATE_VERSION) and
 is migrated by the loader, which alone knows its fields.
@@ -76,6 +77,10 @@ def _run_totals(c: dict):
         c.setdefault(key, None)
 
 
+def _data_fingerprint(c: dict):
+    c.setdefault("data_fingerprint", None)
+
+
 # (name, migration), applied in this order; a migration fills what is missing and leaves present keys alone.
 MIGRATIONS: list[tuple[str, Callable[[dict], None]]] = [
     ("zero_stage", _zero_stage),
@@ -86,6 +91,7 @@ MIGRATIONS: list[tuple[str, Callable[[dict], None]]] = [
     ("loader", _loader),
     ("schedule", _schedule),
     ("run_totals", _run_totals),
+    ("data_fingerprint", _data_fingerprint),
 ]
 
 

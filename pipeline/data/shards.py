@@ -116,6 +116,20 @@ def sha256_file(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def data_fingerprint(spec: str | Path) -> dict | None:
+    """What a checkpoint records of the shard directory ``spec`` it trained on: the sha256 of its manifest.json (which
+    lists every shard with its sample count and digest, so any rebuild changes it), with its shard and sample counts
+    for the message; None for a brace-notation URL pattern (no manifest to digest)."""
+    path = Path(spec) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        m = load_manifest(spec)
+    except (OSError, ShardError):  # named by the shard checks that follow (pipeline.data.compat)
+        return None
+    return {"sha256": sha256_file(path), "shards": len(m.shards), "samples": m.total_samples}
+
+
 def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
     """Write ``manifest.json`` atomically (temp file + rename), so a reader never sees half of it."""
     path = Path(directory) / MANIFEST

@@ -15,7 +15,7 @@ from pipeline.train.plan import RunPlan
 
 def dry_run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False,
             world_size: int = 1, local_world_size: int | None = None, origin: str = "", *,
-            trust_checkpoint: bool = False) -> str:
+            trust_checkpoint: bool = False, allow_data_change: bool = False) -> str:
     """What a training of ``cfg`` on ``world_size`` ranks, ``local_world_size`` per node, would do, as text.
 
     It resolves the inputs with the training's own code: ``RunPlan`` (batch arithmetic, ds_config, resume point and
@@ -29,7 +29,7 @@ def dry_run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_con
         raise ConfigError(f"world size {world_size} does not split into nodes of {local} ranks "
                           "(--world-size, --nproc-per-node, or the launcher's WORLD_SIZE and LOCAL_WORLD_SIZE)")
     plan = RunPlan(cfg, ds_config_path, resume, allow_config_change, world_size=world_size,
-                   trust_checkpoint=trust_checkpoint)
+                   trust_checkpoint=trust_checkpoint, allow_data_change=allow_data_change)
     try:
         dataset = plan.build_dataset(rank=0)  # stream g's shards do not depend on the rank reading it
     except ValueError as e:  # the loader's own input checks (workers, windows, cluster sampling): one line

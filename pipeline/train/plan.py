@@ -18,6 +18,7 @@ from pipeline.checkpoint.resume import check_init_source, check_reshard, check_r
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data.compat import check_shards_fit
 from pipeline.data.loader import ShardStream
+from pipeline.data.shards import data_fingerprint
 from pipeline.data.streams import Source, StreamLayout, reshard_states, resolve_shards, saved_layout
 from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.families import get_family
@@ -27,13 +28,15 @@ from pipeline import validation
 
 class RunPlan:
     def __init__(self, cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False,
-                 world_size: int | None = None, *, trust_checkpoint: bool = False):
+                 world_size: int | None = None, *, trust_checkpoint: bool = False, allow_data_change: bool = False):
         """Resolve and check every input (config, ds_config, resume point, data) without starting anything.
 
         ``world_size``: the number of ranks to plan for; None reads WORLD_SIZE (set by the launcher), as a training
         does. The dry run passes another one to check a bigger run from a login node. ``trust_checkpoint``
         (--trust-checkpoint): DeepSpeed may unpickle the checkpoint to resume or start from even when its files need
-        more than tensors and DeepSpeed's classes (pipeline.checkpoint.read.check_pickles)."""
+        more than tensors and DeepSpeed's classes (pipeline.checkpoint.read.check_pickles). ``allow_data_change``
+        (--allow-data-change): resume although the shard directories' manifests differ from the ones the checkpoint
+        trained on; the loader then starts the new data from its beginning."""
         self.cfg = cfg
         self.family = get_family(cfg.family)
         self.run_dir = Path(cfg.run_dir)
@@ -67,7 +70,10 @@ class RunPlan:
                                 allow_config_change)
             self.reshard = check_reshard(self.saved, source, world_size, self.zero_stage,
                                          cfg.train.expert_parallel_size)
-        self.loader_layout, self.resumed_loader = self._loader_layout(self.saved)
+        # what each source's manifest is now (the checkpoint records it); data that changed under a resume is refused
+        self.data_fingerprint = {key: data_fingerprint(spec) for key, spec in self.shard_specs()}
+        self.data_changed = self._check_data(allow_data_change) if self.saved else None
+        self.loader_layout, self.resumed_loader = self._loader_layout(None if self.data_changed else self.saved)
         self.dataset_samples = 0  # one epoch: every sample of every source once (for train.max_epochs)
         for key, spec in self.shard_specs():
             # The shards' tokenizer (manifest) must be the one this family reads, with ids inside model.vocab_size.
@@ -85,6 +91,25 @@ class RunPlan:
         self.init_source, self.foreign_state = (
             check_init_source(cfg, self.family, world_size, self.zero_stage, trust_checkpoint)
             if cfg.train.init_from and not self.resume_tag else (None, None))
+
+    def _check_data(self, allow: bool) -> str | None:
+        """None when every source's manifest is the one the checkpoint trained on (or the checkpoint predates the
+        record); else, with ``allow``, the note to print (the loader starts over); without it, a ConfigError."""
+        saved = self.saved.get("data_fingerprint") or {}
+        changed = [(key, saved[key], now) for key, now in self.data_fingerprint.items()
+                   if key in saved and saved[key] and now and saved[key]["sha256"] != now["sha256"]]
+        if not changed:
+            return None
+        key, was, now = changed[0]
+        spec = dict(self.shard_specs())[key]
+        what = (f"{key}: {Path(spec) / 'manifest.json'} is not the data checkpoint {self.ckpt_dir / self.resume_tag} "
+                f"trained on ({was['shards']} shards, {was['samples']:,} samples then; {now['shards']} shards, "
+                f"{now['samples']:,} samples now)")
+        if not allow:
+            raise ConfigError(f"{what}: its loader position means nothing in other data. Restore that data, or use "
+                              "another run_dir, or resume with --allow-data-change to read this data from its "
+                              "beginning")
+        return f"{what}; --allow-data-change: the loader starts this data from its beginning"
 
     def _check_step_fits(self, world_size: int):
         """Refuse, before anything starts, a step that reads more samples than the training set holds: each step

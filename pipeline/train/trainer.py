@@ -40,9 +40,11 @@ CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_i
 
 class Trainer:
     def __init__(self, cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False,
-                 callbacks: list[Callback] | None = None, *, trust_checkpoint: bool = False):
+                 callbacks: list[Callback] | None = None, *, trust_checkpoint: bool = False,
+                 allow_data_change: bool = False):
         """Resolve and check every input (RunPlan); ``callbacks`` run after the default ones."""
-        self.plan = RunPlan(cfg, ds_config_path, resume, allow_config_change, trust_checkpoint=trust_checkpoint)
+        self.plan = RunPlan(cfg, ds_config_path, resume, allow_config_change, trust_checkpoint=trust_checkpoint,
+                            allow_data_change=allow_data_change)
         self.cfg, self.family, self.run_dir = cfg, self.plan.family, self.plan.run_dir
         self.callbacks = default_callbacks(cfg) + list(callbacks or [])
         self.state = TrainState(init_from=str(self.plan.init_source.resolve()) if self.plan.init_source else None)
@@ -62,6 +64,8 @@ class Trainer:
         dist.barrier()  # rank 0 has cleared the last attempt's errors before any rank can record one
         if self.rank == 0 and plan.resume_note:
             print(f"note: {plan.resume_note}", flush=True)
+        if self.rank == 0 and plan.data_changed:
+            print(f"note: {plan.data_changed}", flush=True)
         self.stop = StopRequest(self.cfg.train.max_hours)
         self.stop.install()
         self.device = self._device()
@@ -91,7 +95,8 @@ class Trainer:
         set_collective_timeout(self.cfg.train.collective_timeout)  # also on the groups DeepSpeed just made
 
         self.checkpointer = Checkpointer(self.cfg, self.run_dir, self.engine, self.optimizer, plan.ds_config,
-                                         self.rank, self.world, trusted=plan.trust_checkpoint)
+                                         self.rank, self.world, trusted=plan.trust_checkpoint,
+                                         data_fingerprint=plan.data_fingerprint)
         self.state.horizon = schedule_horizon(self.cfg, plan.dataset_samples)
         run_id, parent = self._start_point(weights_only)
         if self.rank == 0:
@@ -308,9 +313,10 @@ class Trainer:
 
 
 def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False, *,
-        trust_checkpoint: bool = False) -> Trainer:
+        trust_checkpoint: bool = False, allow_data_change: bool = False) -> Trainer:
     """A training from start to end in this process (one rank of it); launchers/pretrain.py's main path."""
-    trainer = Trainer(cfg, ds_config_path, resume, allow_config_change, trust_checkpoint=trust_checkpoint)
+    trainer = Trainer(cfg, ds_config_path, resume, allow_config_change, trust_checkpoint=trust_checkpoint,
+                      allow_data_change=allow_data_change)
     try:
         try:
             trainer.setup()

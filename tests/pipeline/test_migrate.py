@@ -16,7 +16,8 @@ def current(cfg, **extra) -> dict:
     return {"format": migrate.CURRENT_FORMAT, "step": 4, "batches_consumed": 8, "cumulative": {"samples": 32.0},
             "schedule": {"unit": "steps", "total": 100}, "best": [1.5, 3], "val_best": None, "init_from": None,
             "world_size": 2, "zero_stage": 2, "loader": [{"batches_consumed": 4}] * 2, "mlflow_run_id": None,
-            "mlflow_tracking_uri": None, "milestone": False, "config": cfg.to_dict(), **extra}
+            "mlflow_tracking_uri": None, "milestone": False, "config": cfg.to_dict(),
+            "data_fingerprint": {"data.train_shards": {"sha256": "ab" * 32, "shards": 4, "samples": 1200}}, **extra}
 
 
 def without(client: dict, dotted: str) -> dict:
@@ -130,3 +131,10 @@ def test_run_totals(cfg):
         4, 8, {}, None, None, None)
     state.restore(current(cfg))
     assert state.best == (1.5, 3) and state.cumulative == {"samples": 32.0}
+
+
+def test_data_fingerprint(cfg):
+    """No data_fingerprint: the manifests trained on are unknown, so a resume does not check them (None); a current
+    record is kept as written."""
+    assert migrate.client_state(without(current(cfg), "data_fingerprint"))["data_fingerprint"] is None
+    assert migrate.client_state(current(cfg))["data_fingerprint"]["data.train_shards"]["shards"] == 4

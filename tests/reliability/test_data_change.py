@@ -1,0 +1,45 @@
+"""Campaign case 2: after ``data_prep --overwrite`` rebuilt the shard directory (6 shards instead of 4), the same
+training command resumed and trained on without a note: the loader position of one data set was applied to another.
+Now the checkpoint records the digest of each source's manifest.json, and a resume on other data is refused in one
+line naming the manifest and both shard counts, unless --allow-data-change, which starts the new data from its
+beginning and says so."""
+import subprocess
+import sys
+
+from conftest import REPO, SAMPLE_FASTA, TINY, read_jsonl, run_pretrain
+
+
+def prep(out, shard_size, *extra):
+    subprocess.run([sys.executable, "-m", "data_prep", "rnacentral", "--input", str(SAMPLE_FASTA), "--output",
+                    str(out), "--shard-size", str(shard_size), *extra], cwd=REPO, check=True, capture_output=True)
+
+
+def train(shards, run_dir, steps, *extra):
+    return run_pretrain(1, "ds_configs/zero2.json", TINY + [
+        f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={steps}", "checkpoint.every_steps=2"],
+        list(extra), timeout=300)
+
+
+def test_resume_on_rebuilt_data_is_refused_unless_allowed(tmp_path):
+    shards, run = tmp_path / "shards", tmp_path / "run"
+    prep(shards, 400)
+    first = train(shards, run, 4)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {p.name: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
+    prep(shards, 250, "--overwrite")  # the same directory, rebuilt with more shards
+
+    r = train(shards, run, 6)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert (f"data.train_shards: {shards / 'manifest.json'} is not the data checkpoint "
+            f"{run / 'checkpoints' / 'step00000004'} trained on (") in line and "--allow-data-change" in line, line
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert {p.name: p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()} == before
+
+    r = train(shards, run, 6, "--allow-data-change")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "--allow-data-change: the loader starts this data from its beginning" in r.stdout, r.stdout[-3000:]
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    # the new checkpoint records the new data: the same command resumes from it without the flag
+    r = train(shards, run, 8)
+    assert r.returncode == 0 and "is not the data" not in r.stdout + r.stderr, r.stderr[-3000:]
