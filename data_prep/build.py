@@ -20,7 +20,7 @@ import numpy as np
 
 from .batch import Reader, json_string, starts_with_header
 from .checks import DamageCheck, PrepError
-from .common import LOWERCASE, split_of
+from .common import LOWERCASE, input_fingerprint, split_of
 from .fasta import FastaError, input_position
 from .progress import Progress
 from .settings import Settings, filter_reasons
@@ -182,7 +182,8 @@ class SequenceBuild:
 
     def _read_input(self, n_input: int, path: Path) -> None:
         s = self.settings
-        inp = {k: {"path": str(path), "records": 0, "kept": 0, "residues": 0} for k in self.splits}
+        fp = input_fingerprint(path)  # merge refuses jobs that read different versions of an input
+        inp = {k: {"path": str(path), **fp, "records": 0, "kept": 0, "residues": 0} for k in self.splits}
         done_before = sum(self.sizes[:n_input])
         self.own = (s.num_jobs, s.job_index)
         if self.fast is not None and self.fast.takes(path):

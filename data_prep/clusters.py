@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .checks import DamageCheck, PrepError, sum_stats
-from .common import LOWERCASE, TSV_HEADER
+from .common import FINGERPRINT, LOWERCASE, TSV_HEADER, input_fingerprint
 from .fasta import FastaError, input_position, iter_fasta, numbered_lines
 from .progress import Progress
 
@@ -217,7 +217,8 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
     try:
         with Progress(f"{source_name} members", sum(sizes), *progress) as bar:
             for n_input, path in enumerate(inputs):
-                inp = {"path": str(path), "records": 0, "members": 0, "kept": 0, "residues": 0}
+                inp = {"path": str(path), **input_fingerprint(path), "records": 0, "members": 0, "kept": 0,
+                       "residues": 0}
                 for rec in iter_fasta(path, upper_check, on_invalid="yield"):
                     inp["records"] += 1
                     if first_record is None:
@@ -357,7 +358,7 @@ def merge_stats(docs: list[dict], names: list[str]) -> tuple[list, dict]:
                 raise PrepError(f"{name}: stats.{key} differs from job 0's (jobs ran on different inputs)")
         if [x["records"] for x in d["inputs"]] != [x["records"] for x in first["inputs"]]:
             raise PrepError(f"{name}: read other FASTA record counts than job 0")
-    inputs = [{"path": x["path"], "records": x["records"],
+    inputs = [{**{k: v for k, v in x.items() if k in FINGERPRINT}, "records": x["records"],
                **{c: sum(d["inputs"][k][c] for d in docs) for c in ("members", "kept", "residues")}}
               for k, x in enumerate(first["inputs"])]
     stats: dict = {k: sum(d["stats"][k] for d in docs) for k in SUMMED}

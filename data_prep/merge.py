@@ -11,8 +11,8 @@ from pathlib import Path
 
 from .checks import PrepError, sum_stats
 from .clusters import merge_stats
-from .common import (FILTERED, FILTERED_HEADER, JOB_MANIFEST_RE, SPLIT_FILE, SPLITS, job_manifest_name, split_doc,
-                     write_json)
+from .common import (FILTERED, FILTERED_HEADER, FINGERPRINT, JOB_MANIFEST_RE, SPLIT_FILE, SPLITS, job_manifest_name,
+                     split_doc, write_json)
 from .settings import Result
 
 
@@ -68,6 +68,11 @@ MIXED_JOBS = ": their records would not add up to one run's; rerun the odd jobs 
     "before merging"
 
 
+def _version(x: dict) -> str:
+    size = f"{x['size']:,}" if "size" in x else "?"
+    return f"{size} bytes, sampled sha256 {x.get('sha256_sampled', '?')[:12]}"
+
+
 def _jobs(indices: list[int]) -> str:
     return f"job{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
 
@@ -111,6 +116,11 @@ def _merge_dir(output: Path):
                 raise PrepError(f"{found[(i, n)].name}: {key} differs from job 0's")
         if [x["path"] for x in d["inputs"]] != [x["path"] for x in first["inputs"]]:
             raise PrepError(f"{found[(i, n)].name}: ran on different inputs than job 0")
+        for x, y in zip(d["inputs"], first["inputs"]):
+            if any(k in x and k in y and x[k] != y[k] for k in FINGERPRINT):  # absent: written before the record
+                raise PrepError(f"{found[(i, n)].name}: read another version of {x['path']} than job 0 did "
+                                f"({_version(x)} against {_version(y)}): the file changed between the jobs, so their "
+                                "records do not add up to one run's; rerun every job on one version (--overwrite)")
     _check_same_options(docs, [found[(i, n)].name for i in range(n)])
     shards = [ShardInfo(**s) for d in docs for s in d["shards"]]
     for s in shards:
@@ -130,7 +140,7 @@ def _merge_dir(output: Path):
         inputs, stats = merge_stats(docs, [found[(i, n)].name for i in range(n)])
         seen = stats["fasta_records"]
     else:
-        inputs = [{"path": x["path"], **{c: sum(d["inputs"][k].get(c, 0) for d in docs)
+        inputs = [{**{f: v for f, v in x.items() if f in FINGERPRINT}, **{c: sum(d["inputs"][k].get(c, 0) for d in docs)
                                           for c in ("records", "kept", "residues")}}
                   for k, x in enumerate(first["inputs"])]
         stats = {}

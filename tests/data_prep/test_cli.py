@@ -6,6 +6,7 @@ Every run that writes imports torch through webdataset (~2 s), so the `runs` fix
 waves (the second needs the first's output), and the tests inspect the results.
 """
 import gzip
+import hashlib
 import json
 import shutil
 import subprocess
@@ -131,7 +132,8 @@ def test_repo_sample(runs, root, sample_raw):
     assert (m.total_samples, m.total_tokens) == (2107, 341_942)
     assert m.source == "rnacentral" and m.filtered == {"empty": 0, "shorter_than_10": 0}
     assert m.tokenizer == {"name": "nucleotide", "vocab": list(VOCAB), "alphabet": "rna"}
-    assert m.inputs == [{"path": str(SAMPLE), "records": 2107, "kept": 2107, "residues": 341_942}]
+    assert m.inputs == [{"path": str(SAMPLE), "size": SAMPLE.stat().st_size, "sha256_sampled": hashlib.sha256(
+        SAMPLE.read_bytes()).hexdigest(), "records": 2107, "kept": 2107, "residues": 341_942}]  # small: all sampled
     assert m.stats["residues"] == 341_942 and m.stats["records_kept"] == 2107
     ref = reference(sample_raw)
     got = samples(out)

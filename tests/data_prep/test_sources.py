@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from data_prep.__main__ import main
+from data_prep.common import input_fingerprint
 from pipeline.data.protein_tokenizer import VOCAB as ESM_VOCAB, ProteinTokenizer
 from pipeline.data.shard_reader import read_shard
 from pipeline.data.shards import load_manifest, sha256_file
@@ -82,7 +83,8 @@ def test_opengenome2(work, capsys):
     assert m.stats["residues"] == sum(map(len, bases)) == sum(len(r[2]) for r in recs)
     assert m.stats["lowercase_residues"] == sum(sum(c.islower() for c in b) for b in bases) == 45 * 60
     assert m.stats["input"] == {"taxonomy_tags": 45, "contig_splits": 45, "splice_markers_dropped": 90}
-    assert m.inputs == [{"path": str(src), "records": 134, "kept": 134, "residues": m.stats["residues"]}]
+    assert m.inputs == [{"path": str(src), **input_fingerprint(src), "records": 134, "kept": 134,
+                         "residues": m.stats["residues"]}]
     got = samples(work / "og2_out")
     for i, (rid, _, seq) in enumerate(recs):
         tokens, meta = got[f"{i:012d}"]
