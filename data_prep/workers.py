@@ -3,13 +3,16 @@ this one, then merged. For the FASTA sources on the batch reader the parent deco
 the workers its chunks of whole records (data_prep/feed.py); each worker's Feed is handed to its job explicitly."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import gc
 import multiprocessing
 import os
 import queue as queue_mod
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -118,6 +121,31 @@ def _worker(queue, index: int, kwargs: dict, feed: Feed | None = None, parent: i
     queue.put((index, 0, "", 0.0))
 
 
+@contextlib.contextmanager
+def _workers_lock(output: Path):
+    """An exclusive flock on ``.OUTPUT.workers.lock`` beside the output for the whole --workers run, taken before
+    anything is created or removed: a second run of the same command is refused here and touches nothing of the
+    first one's staging directory. (Each job's work directory has its own lock, but the workers meet it only after
+    the fork, and a failed job made the parent clean the staging directory up: the first run's work went with it.)
+    The kernel drops the lock when its holder dies, so a killed run never blocks the next."""
+    path = output.with_name(f".{output.name}.workers.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise PrepError(f"{output} is being written by another data_prep --workers run ({holder}); wait for it to "
+                        "end, or write to another --output") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # still held: a run that opens it now finds a new file, free
+        os.close(fd)
+
+
 def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list[Path], output: Path,
                 settings: Settings = Settings(), overwrite: bool = False, **kwargs) -> Result:
     """One data_prep run on ``workers`` processes of this machine: N = workers jobs in forked processes, written
@@ -139,13 +167,28 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
     if output.exists() and not output.is_dir():
         raise PrepError(f"output {output} exists and is not a directory")
     check_output_replaceable(output, overwrite)
+    made = [p for p in reversed(output.parents) if not p.exists()]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with _workers_lock(output):
+            return _run_workers(workers, source, alphabet, inputs, output, settings, kwargs)
+    except PrepError:  # a bad input or a refusal: nothing is kept, the folders made for the output included
+        for p in reversed(made):
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: list[Path], output: Path,
+                 settings: Settings, kwargs: dict) -> Result:
     # Imported once here, before the fork, not in every worker: webdataset pulls in torch (~2 s). Not at the top of
     # the module: argument and output-directory mistakes are reported without waiting for it.
     import pipeline.data.shards  # noqa: F401
 
     staging = output.with_name(f"{output.name}.workers-partial")
-    made = [p for p in reversed(staging.parents) if not p.exists()]
-    staging.mkdir(parents=True, exist_ok=True)
+    staging.mkdir(exist_ok=True)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.SimpleQueue()
     progress = kwargs.pop("progress", ("auto", 60.0))
@@ -212,11 +255,6 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
         bad = [(k, rc, msg) for (_, k), rc, msg in bad]
         if bad:  # bad input: a rerun would fail the same way, so nothing is kept
             shutil.rmtree(staging, ignore_errors=True)
-            for p in reversed(made):
-                try:
-                    p.rmdir()
-                except OSError:
-                    break
             raise PrepError(bad[0][2])
         if any(rc == 130 for _, (rc, _) in failed):
             raise KeyboardInterrupt

@@ -75,3 +75,34 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_note(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (f"data_prep: {partial}: taking over the work left by pid 999999 on some-host, which is no longer "
             "running") in r.stderr
+
+
+def test_a_refused_second_run_touches_nothing_of_the_first(tmp_path):
+    """Campaign case 4: the same ``--workers 2`` command started while the first still ran was refused by the work
+    directory's lock, but that refusal was handled as bad input and removed OUT.workers-partial: the first run died
+    with its work lost. Now the second is refused before it creates or removes anything, in one line, and the first
+    finishes with the output a lone run writes."""
+    fasta = big_fasta(tmp_path / "big.fa", copies=400)  # seconds: the second run starts well within them
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "data_prep", "rnacentral", "--input", str(fasta), "--output", str(out),
+           "--workers", "2", "--shard-size", "500", "--progress", "off"]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    staging = tmp_path / "out.workers-partial"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and first.poll() is None and not any(staging.glob(".job*/*.tar")):
+        time.sleep(0.05)
+    assert first.poll() is None, "the first run ended before the second could start"
+    second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    running = first.poll() is None
+    out1, err1 = first.communicate(timeout=300)
+    assert running, "the first run ended before the second was refused: the test proves nothing"
+    assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr
+    (line,) = [ln for ln in second.stderr.splitlines() if ln.strip()]
+    assert f"{out} is being written by another data_prep --workers run (pid {first.pid} on " in line, line
+    assert first.returncode == 0, err1
+    lone = subprocess.run([*cmd[:7], str(tmp_path / "lone"), *cmd[8:]], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert lone.returncode == 0, lone.stderr
+    got, want = (json.loads((d / "manifest.json").read_text()) for d in (out, tmp_path / "lone"))
+    assert [s["sha256"] for s in got["shards"]] == [s["sha256"] for s in want["shards"]]
+    assert not list(tmp_path.glob(".*.workers.lock"))
