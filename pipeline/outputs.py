@@ -1,20 +1,26 @@
 """The one rule for every tool that writes a directory (exports, upcycled checkpoints, random ESM2 models, data_prep
 shards): it replaces only a directory that it wrote itself, and it finds out before any work.
 
-A tool's own directory is recognised by the marker file it writes (an export's ``export.json``, a Hugging Face
-model's ``config.json`` with ``model_type``, data_prep's ``manifest.json``). With ``--force`` (data_prep:
-``--overwrite``) such a directory is swapped out only after the new one is complete; anything else that is not
-empty (a training run, a folder of exports, a home directory) is refused with one line naming what is inside, and
-nothing is deleted. The new directory is built beside the output (same filesystem) and renamed into place, so an
+The export tools (convert_checkpoint, upcycle_esm2, make_random_esm2) own a directory only through the marker
+``.written-by.json`` they write into it (``publish_dir``): it names the tool and the run that wrote it and lists
+every file that run wrote. A file name anyone can create (``export.json``, ``config.json``) proves nothing. With
+``--force`` such a directory is swapped out only after the new one is complete, and only the files its marker lists
+go: anything else in it (``launchers/evaluate.py``'s results, a user's notes) is carried into the new directory and
+named in a note. Anything else that is not empty (a training run, a folder of exports, a home directory, an export
+written before markers) is refused with one line naming what is inside, and nothing is deleted. data_prep
+recognises its outputs by their manifests (data_prep/common.py). The new directory is built beside the output (same filesystem) and renamed into place, so an
 output that is a mount point, where that rename must fail, is refused at the start too. ``write_atomic`` is the same
 rule for one file.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,9 +57,65 @@ def check_output_dir(out: Path, *, force: bool, owned: Callable[[Path], bool], w
         raise OutputDirError(f"{out} already holds {what}; pass {flag} to replace it")
 
 
+MARKER = ".written-by.json"  # {"tool", "run", "written", "files"}: publish_dir writes it, written_by reads it
+
+
 def has_file(name: str) -> Callable[[Path], bool]:
-    """``owned`` for a tool whose directories are recognised by one marker file."""
+    """``owned`` for a tool whose directories are recognised by one file of its own (data_prep's manifests)."""
     return lambda directory: (directory / name).is_file()
+
+
+def _marker(directory: Path) -> dict | None:
+    try:
+        doc = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("files"), list) else None
+
+
+def written_by(tool: str) -> Callable[[Path], bool]:
+    """``owned`` for a tool that publishes with ``publish_dir``: the directory holds that tool's marker."""
+    return lambda directory: (_marker(directory) or {}).get("tool") == tool
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")
+                  if (p.is_file() or p.is_symlink()) and p.name != MARKER)
+
+
+def publish_dir(new: Path, out: Path, tool: str) -> list[str]:
+    """Mark the finished directory ``new`` as ``tool``'s and put it in place of ``out`` (``replace_dir``).
+
+    The marker lists every file of ``new``. An existing ``out`` (one ``check_output_dir`` allowed) keeps what its
+    own marker does not list: those files are moved into ``new`` first (one the new run also wrote keeps the new
+    one's name and the old one gets ``.previous``). Returns the files kept, for the tool's note."""
+    old = _marker(out) if out.is_dir() else None
+    kept = [] if old is None else [f for f in _files(out) if f not in set(old["files"])]
+    doc = {"tool": tool, "run": f"pid {os.getpid()} on {socket.gethostname()}",
+           "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": _files(new)}
+    (new / MARKER).write_text(json.dumps(doc, indent=1) + "\n")
+    moved = []  # (where it was, where it is now): put back if the swap fails, since the caller then deletes new
+    try:
+        for f in kept:
+            dest = new / f
+            if dest.exists() or dest.is_symlink():
+                dest = dest.with_name(dest.name + ".previous")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(out / f, dest)
+            moved.append((out / f, dest))
+        replace_dir(new, out)
+    except BaseException:
+        for was, now in reversed(moved):
+            os.replace(now, was)
+        raise
+    return kept
+
+
+def kept_note(kept: list[str], tool: str) -> str:
+    """The note a tool prints for ``publish_dir``'s kept files."""
+    shown = ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+    return (f"note: kept {len(kept)} file{'s' if len(kept) > 1 else ''} that {tool} did not write: {shown} (results "
+            "in them describe the replaced weights)")
 
 
 def staging_dir(out: Path) -> Path:

@@ -52,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.eval.cli import TRUST_FLAG, TRUST_HELP  # noqa: E402
 
+TOOL = "convert_checkpoint.py"  # the name its outputs' marker gives (pipeline/outputs.py)
+
 
 def text_family(cfg) -> bool:
     """Whether the family reads sentencepiece text (its spec's ``text``)."""
@@ -227,14 +229,13 @@ def main(argv=None) -> int:
 
     from pipeline.config import ConfigError
     from pipeline.eval.cli import locate_checkpoint, progress, require_trust
-    from pipeline.outputs import check_output_dir, has_file, replace_dir, staging_dir
+    from pipeline.outputs import check_output_dir, kept_note, publish_dir, staging_dir, written_by
 
     out: Path = args.output
     tmp = None
     bar = None
     try:
-        check_output_dir(out, force=args.force, owned=has_file("export.json"), what="an export",
-                         tool="convert_checkpoint.py")
+        check_output_dir(out, force=args.force, owned=written_by(TOOL), what="an export", tool=TOOL)
         if args.spm is not None and not args.spm.is_file():
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
         import torch
@@ -298,7 +299,7 @@ def main(argv=None) -> int:
              "task_depths": dict(getattr(hf_cfg, "task_depths", None) or {})}, indent=1))
         (tmp / "README.md").write_text(model_card(tag_dir=tag_dir, cfg=cfg, meta=meta, fmt=fmt, hf_cfg=hf_cfg,
                                                   dtype=args.dtype, trusted=args.trust_checkpoint, tokenizer=tokenizer))
-        replace_dir(tmp, out)  # an existing export (--force) goes only once the new one is in place
+        kept = publish_dir(tmp, out, TOOL)  # an existing export (--force) goes only once the new one is in place
         tmp = None
         bar.update()
     except (ValueError, OSError) as e:  # ConfigError, ShardError: ValueErrors; FileNotFoundError: an OSError
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
     state = f" + {buffers:,} buffer values" if buffers else ""  # saved state (ProtLingo's memory usage flags)
     extra = f", {tokenizer['model']}" if spm is not None else ""
     print(f"exported {tag_dir} -> {out} ({n:,} parameters{state}, {args.dtype}, {fmt} names{extra})")
+    if kept:
+        print(kept_note(kept, TOOL), file=sys.stderr)
     return 0
 
 

@@ -10,7 +10,6 @@ tools/upcycle_esm2.py at the downloaded directory instead (docs/protlingo.md, "B
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -30,15 +29,6 @@ def esm2_config(size: str):
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-def is_hf_esm_dir(directory: Path) -> bool:
-    """What this tool writes: a Hugging Face ESM model directory (config.json with model_type esm, no export.json)."""
-    try:
-        return (json.loads((directory / "config.json").read_text()).get("model_type") == "esm"
-                and not (directory / "export.json").exists())
-    except (OSError, ValueError):
-        return False
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="8M")
@@ -47,10 +37,10 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="replace a directory this tool wrote (a Hugging Face ESM "
                    "directory); anything else is never replaced")
     args = p.parse_args(argv)
-    from pipeline.outputs import OutputDirError, check_output_dir, replace_dir, staging_dir
+    from pipeline.outputs import OutputDirError, check_output_dir, kept_note, publish_dir, staging_dir, written_by
 
     try:
-        check_output_dir(args.out, force=args.force, owned=is_hf_esm_dir, what="an ESM2 model",
+        check_output_dir(args.out, force=args.force, owned=written_by("make_random_esm2.py"), what="an ESM2 model",
                          tool="make_random_esm2.py")
     except OutputDirError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -63,10 +53,12 @@ def main(argv=None) -> int:
     tmp = staging_dir(args.out)
     try:
         model.save_pretrained(str(tmp))
-        replace_dir(tmp, args.out)
+        kept = publish_dir(tmp, args.out, "make_random_esm2.py")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if kept:
+        print(kept_note(kept, "make_random_esm2.py"), file=sys.stderr)
     n = sum(t.numel() for t in model.parameters())
     print(f"wrote a random ESM2-{args.size} ({n:,} parameters) to {args.out}")
     return 0

@@ -69,12 +69,12 @@ def main(argv=None) -> int:
 
     from pipeline.checkpoint import EXPORTED_WEIGHTS, load_esm2
     from pipeline.config import ConfigError, build_config, dump_yaml, load_config
-    from pipeline.outputs import check_output_dir, has_file, replace_dir, staging_dir
+    from pipeline.outputs import check_output_dir, kept_note, publish_dir, staging_dir, written_by
     from pipeline.models.protlingo import (NOT_BACKBONE, ProtLingo, ProtLingoConfig, backbone_mismatch, config_from_hf,
                                            hf_to_protlingo, upcycle_state_dict)
 
     try:
-        check_output_dir(args.out, force=args.force, owned=has_file("export.json"), what="an export",
+        check_output_dir(args.out, force=args.force, owned=written_by("upcycle_esm2.py"), what="an export",
                          tool="upcycle_esm2.py")
         hf_cfg, hf_state = load_esm2(args.esm)
         base = config_from_hf(hf_cfg)
@@ -117,10 +117,12 @@ def main(argv=None) -> int:
             "moe_layers": cfg.moe_layers, "num_experts": cfg.num_experts, "shared_hidden": cfg.shared_hidden,
             "memory_layers": cfg.memory_layers, "perturb": args.perturb, "seed": args.seed}}
         (tmp / "export.json").write_text(json.dumps(meta, indent=1))
-        replace_dir(tmp, args.out)
+        kept = publish_dir(tmp, args.out, "upcycle_esm2.py")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed upcycle leaves nothing behind
         raise
+    if kept:
+        print(kept_note(kept, "upcycle_esm2.py"), file=sys.stderr)
     print(f"upcycled {args.esm} -> {args.out}: {len(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts, "
           f"memory before {cfg.memory_layers or 'no'} blocks; {cfg.num_params():,} parameters "
           f"({cfg.num_active_params():,} active)")

@@ -236,7 +236,7 @@ def test_export_loads_without_deepspeed_and_gives_the_same_numbers(trained_run, 
                            "--output", str(export)], cwd=REPO, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr  # the run's own checkpoint: no --trust-checkpoint
     assert sorted(p.name for p in export.iterdir()) == [  # weights, configs, the model's code, the tokenizer
-        "README.md", "config.json", "config.yaml", "eco_rna.py", "export.json", "hf_base.py", "layers.py",
+        ".written-by.json", "README.md", "config.json", "config.yaml", "eco_rna.py", "export.json", "hf_base.py", "layers.py",
         "model.safetensors", "modeling_eco_rna.py", "norm_op.py", "tokenizer.json", "tokenizer_config.json"]
     assert "convert: 100%" in proc.stderr and proc.stdout.startswith("exported ")  # progress on stderr only
     assert json.loads((export / "export.json").read_text())["tokenizer"]["name"] == "nucleotide"
@@ -252,3 +252,15 @@ def test_export_loads_without_deepspeed_and_gives_the_same_numbers(trained_run, 
                             str(trained_run), "--output", str(export), TRUST], cwd=REPO, env=launch_env(),
                            capture_output=True, text=True)
     assert again.returncode == 2 and "already holds an export; pass --force" in again.stderr
+    # Campaign case 5: a re-export with --force deleted the results evaluate wrote into the export and a user's
+    # notes. Now only what the convert run wrote is replaced; the rest is carried over and named in a note.
+    ours = {"NOTES.md": b"which run this is\n", "eval-reconstruction.json": (tmp_path / "run.json").read_bytes()}
+    for name, data in ours.items():
+        (export / name).write_bytes(data)
+    forced = subprocess.run([sys.executable, str(REPO / "tools/convert_checkpoint.py"), "--checkpoint",
+                             str(trained_run), "--output", str(export), TRUST, "--force"], cwd=REPO, env=launch_env(),
+                            capture_output=True, text=True)
+    assert forced.returncode == 0, forced.stderr
+    assert {name: (export / name).read_bytes() for name in ours} == ours
+    assert ("note: kept 2 files that convert_checkpoint.py did not write: NOTES.md, eval-reconstruction.json"
+            in forced.stderr), forced.stderr

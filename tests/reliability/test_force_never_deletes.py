@@ -61,9 +61,23 @@ def tools(t: Path, out: Path) -> dict:
     }
 
 
-@pytest.mark.parametrize("target", ["run_dir", "exports_folder"])
+def named_like_an_export(t: Path) -> Path:
+    """Campaign case 6: a user's folder holding files named as the tools' own (export.json, a config.json of model
+    type esm) with the user's notes beside them; a name anyone can create once made the folder "tool-written"."""
+    d = t / "mine"
+    d.mkdir()
+    (d / "export.json").write_text("{}")
+    (d / "config.json").write_text('{"model_type": "esm"}')
+    (d / "notes.md").write_text("my notes\n")
+    return d
+
+
+TARGETS = {"run_dir": run_dir, "exports_folder": exports_folder, "named_like_an_export": named_like_an_export}
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
 def test_force_never_replaces_what_the_tool_did_not_write(tmp_path, target):
-    out = run_dir(tmp_path) if target == "run_dir" else exports_folder(tmp_path)
+    out = TARGETS[target](tmp_path)
     before = digest(out)
     inside = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir()))
     for name, argv in tools(tmp_path, out).items():

@@ -64,7 +64,7 @@ def test_existing_output_is_refused_without_force_and_tags_are_listed(tmp_path):
     out = tmp_path / "export"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"an earlier export")
-    (out / "export.json").write_text("{}")
+    (out / ".written-by.json").write_text('{"tool": "convert_checkpoint.py", "files": ["model.safetensors"]}')
     proc = run(CONVERT, "--checkpoint", run_dir, "--output", out, "--trust-checkpoint")
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         f"error: {out} already holds an export; pass --force to replace it"]
