@@ -44,8 +44,8 @@ def input_fingerprint(path: Path) -> dict:
     """What a job records of an input so that ``merge`` can tell whether every job read the same version of it: its
     size and the sha256 of 17 blocks of 64 KiB spread evenly over it, first and last included (the whole file when
     it is smaller than that). A full digest would read every byte a second time in each job; the sampled one reads
-    1.1 MiB and still catches a file replaced, appended to, cut or rewritten in place (not a change confined to
-    the unsampled bytes, which the records' own counts usually betray)."""
+    1.1 MiB and still catches a file replaced, appended to or cut (not an edit that keeps the size and touches
+    only unsampled bytes)."""
     size = Path(path).stat().st_size
     h = hashlib.sha256()
     with open(path, "rb") as f:
