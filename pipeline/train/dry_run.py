@@ -49,6 +49,7 @@ def dry_run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_con
                  f"{plan.zero_stage}, {'bf16' if plan.dtype == torch.bfloat16 else 'fp32'}):")
     lines.append(json.dumps(plan.ds_config, indent=1))
     lines += _plan_data(plan, dataset, local)
+    lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
 
 

@@ -19,7 +19,8 @@ from pipeline.config import ConfigError, RunConfig
 from pipeline.data.compat import check_shards_fit
 from pipeline.data.loader import ShardStream
 from pipeline.data.shards import data_fingerprint
-from pipeline.data.streams import Source, StreamLayout, reshard_states, resolve_shards, saved_layout
+from pipeline.data.streams import (Source, StreamLayout, is_url_pattern, reshard_states, resolve_shards,
+                                   saved_layout)
 from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.families import get_family
 from pipeline.parallel import check_parallelism
@@ -86,6 +87,7 @@ class RunPlan:
                                   f"streams ({self.loader_layout.describe()})")
         self._check_step_fits(world_size)
         self.val_dirs = validation.check_validation(cfg, self.family)  # refused like the train shards
+        self.warnings = self._warnings()  # the run goes on; rank 0 and the dry run print them
         # A run that has checkpoints of its own continues from them; init_from only seeds its first start. A foreign
         # checkpoint's weights are read and converted here (foreign_state), so a mismatch fails before DeepSpeed.
         self.init_source, self.foreign_state = (
@@ -110,6 +112,19 @@ class RunPlan:
                               "another run_dir, or resume with --allow-data-change to read this data from its "
                               "beginning")
         return f"{what}; --allow-data-change: the loader starts this data from its beginning"
+
+    def _warnings(self) -> list[str]:
+        """Settings that run but are almost certainly not what was meant."""
+        cfg, out = self.cfg, []
+        if cfg.optim.warmup_steps > cfg.train.max_steps:
+            out.append(f"optim.warmup_steps ({cfg.optim.warmup_steps:,}) exceeds train.max_steps "
+                       f"({cfg.train.max_steps:,}): the learning rate never reaches optim.lr")
+        train_dirs = {Path(spec).resolve(): key for key, spec in self.shard_specs() if not is_url_pattern(spec)}
+        for d in self.val_dirs:
+            if Path(d).resolve() in train_dirs:
+                out.append(f"data.val_shards: {d} is also {train_dirs[Path(d).resolve()]}: validation would "
+                           "measure training data, not held-out data")
+        return out
 
     def _check_step_fits(self, world_size: int):
         """Refuse, before anything starts, a step that reads more samples than the training set holds: each step

@@ -66,6 +66,8 @@ class Trainer:
             print(f"note: {plan.resume_note}", flush=True)
         if self.rank == 0 and plan.data_changed:
             print(f"note: {plan.data_changed}", flush=True)
+        for w in plan.warnings if self.rank == 0 else ():
+            print(f"warning: {w}", flush=True)
         self.stop = StopRequest(self.cfg.train.max_hours)
         self.stop.install()
         self.device = self._device()
