@@ -178,9 +178,10 @@ def resume_tag(ckpt_dir: Path, check_files: bool = False) -> tuple[str | None, s
     ``latest`` wins when it names a complete checkpoint; otherwise the newest complete checkpoint, and the note says
     why. A checkpoint directory whose checkpoints are all incomplete, or whose ``latest`` names a checkpoint that is
     gone with no complete one left, is a ConfigError: never a fresh start over a run that has history. With
-    ``check_files`` (a training resuming, a tool reading a run) a complete checkpoint with a damaged file
-    (``damaged_files``) counts as incomplete. Files are checked newest candidate first and only until one is intact,
-    so a resume reads the bytes of one checkpoint, not of every one kept.
+    ``check_files`` (a training resuming; tools check the checkpoint they load, ``check_intact``) a complete
+    checkpoint with a damaged file (``damaged_files``) counts as incomplete. Files are checked newest candidate first
+    and only until one is intact, so a resume reads the bytes of one checkpoint, not of every one kept (on every
+    rank: each resolves its resume point itself).
     """
     tags = checkpoint_tags(ckpt_dir)
     named = read_latest(ckpt_dir)
