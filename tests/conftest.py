@@ -25,6 +25,25 @@ TINY = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff
         "train.micro_batch_size=4", "train.log_every=1", "optim.warmup_steps=2"]
 
 
+# What a launcher gives each rank to find its process group. A test that starts a group in this process
+# (bench.step_proxies.count_step, via pipeline.distributed) sets them here and keeps the group's store listening on
+# MASTER_PORT; a launch that inherited them would join that rendezvous instead of starting its own (EADDRINUSE on the
+# store's port: 4 launches and the 7 tests of a fixture in one CI run, all after tests/bench/test_step_proxies.py).
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SESSION_RENDEZVOUS = {k: os.environ.get(k) for k in RENDEZVOUS}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_rendezvous_leak():
+    """After each test module, this process's rendezvous variables are what they were when the session started."""
+    yield
+    for k, v in SESSION_RENDEZVOUS.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -50,7 +69,8 @@ def deepspeed_cmd(nproc: int, ds_config: str, overrides: list, extra: list = ())
 
 def launch_env() -> dict:
     env = dict(os.environ)
-    env.pop("MLFLOW_TRACKING_URI", None)
+    for k in ("MLFLOW_TRACKING_URI", *RENDEZVOUS):  # a launch starts its own process group
+        env.pop(k, None)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
