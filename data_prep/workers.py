@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import gc
 import multiprocessing
 import os
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.outputs import replace_dir
+from pipeline.outputs import replace_dir, take_lock
 
 from . import Source, batch
 from .checks import PrepError
@@ -129,17 +128,12 @@ def _workers_lock(output: Path):
     the fork, and a failed job made the parent clean the staging directory up: the first run's work went with it.)
     The kernel drops the lock when its holder dies, so a killed run never blocks the next."""
     path = output.with_name(f".{output.name}.workers.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
+    fd, holder = take_lock(path, f"pid {os.getpid()} on {socket.gethostname()}")
+    if fd is None:
+        holder = holder or "another process"
         raise PrepError(f"{output} is being written by another data_prep --workers run ({holder}); wait for it to "
-                        "end, or write to another --output") from None
+                        "end, or write to another --output")
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
         yield
     finally:
         path.unlink(missing_ok=True)  # still held: a run that opens it now finds a new file, free

@@ -14,6 +14,7 @@ rule for one file.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -147,6 +148,22 @@ def replace_dir(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def take_lock(path: Path, holder: str) -> tuple[int | None, str]:
+    """An exclusive, non-blocking ``flock`` on ``path`` (created if missing) whose file names its holder: (fd, "")
+    when taken, the file then holding ``holder``; (None, what the file names) when another process holds it. The
+    kernel drops the lock when its holder dies, so a killed holder never leaves a stale lock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        os.close(fd)
+        return None, text
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder.encode(), 0)
+    return fd, ""
 
 
 def write_atomic(path: Path, text: str):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pipeline.checkpoint import migrate
 from pipeline.errors import ConfigError
-from pipeline.outputs import write_atomic  # noqa: F401 - re-exported
+from pipeline.outputs import take_lock, write_atomic  # noqa: F401 - write_atomic re-exported
 
 LATEST = "latest"
 BEST = "best"  # checkpoint.keep_best: the tag of the best checkpoint by a validation metric, outside rotation
@@ -285,17 +285,11 @@ class RunDirLock:
 
     def acquire(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown holder"
-            os.close(fd)
-            raise ConfigError(f"run_dir {self.path.parent}: in use by another training ({holder}); wait for it to "
-                              "end or give this run another run_dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                      .encode(), 0)
+        fd, holder = take_lock(self.path, f"host {socket.gethostname()}, pid {os.getpid()}, since "
+                                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+        if fd is None:
+            raise ConfigError(f"run_dir {self.path.parent}: in use by another training ({holder or 'unknown holder'}"
+                              "); wait for it to end or give this run another run_dir")
         self.fd = fd
 
     def release(self):
