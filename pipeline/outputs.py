@@ -8,9 +8,9 @@ every file that run wrote. A file name anyone can create (``export.json``, ``con
 go: anything else in it (``launchers/evaluate.py``'s results, a user's notes) is carried into the new directory and
 named in a note. Anything else that is not empty (a training run, a folder of exports, a home directory, an export
 written before markers) is refused with one line naming what is inside, and nothing is deleted. data_prep
-recognises its outputs by their manifests (data_prep/common.py). The new directory is built beside the output (same filesystem) and renamed into place, so an
-output that is a mount point, where that rename must fail, is refused at the start too. ``write_atomic`` is the same
-rule for one file.
+recognises its outputs by their manifests (data_prep/common.py). The new directory is built beside the output (same
+filesystem) and renamed into place, so an output that is a mount point, where that rename must fail, is refused at
+the start too. ``write_atomic`` is the same rule for one file; ``take_lock`` the one lock that names its holder.
 """
 from __future__ import annotations
 
