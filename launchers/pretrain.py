@@ -56,7 +56,9 @@ def parse_args(argv=None):
                    help="start a new run from another run's weights: a run dir, checkpoint tag dir or export "
                         "(sets train.init_from; train.init_from_optimizer: true also loads the AdamW moments)")
     p.add_argument("--allow-config-change", action="store_true",
-                   help="resume even though the seed, batch arithmetic or data spec differ from the checkpoint's")
+                   help="resume even though the config differs from the checkpoint's beyond budgets, cadences, tracking and "
+                        "validation (the optimizer, objective, seed, batch or data spec; never the model); each "
+                        "change is written to train.log")
     p.add_argument("--allow-data-change", dest="allow_data_change", action="store_true",
                    help="resume although the shard directories were rebuilt since the checkpoint (their manifests "
                         "differ): the loader starts the new data from its beginning")

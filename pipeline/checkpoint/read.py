@@ -85,10 +85,11 @@ def read_client_state(tag_dir: Path) -> dict:
 def check_same_model(saved: dict, cfg: RunConfig, source: Path):
     """ConfigError unless ``saved`` (a checkpoint's config as a dict) has this run's family and model layout.
 
-    Every model field but the kernel choices fixes the parameter layout; the first differing key is named.
+    Every model field but the execution choices (the model config's RESUME_FREE: kernels, padding) fixes the
+    parameter layout; the first differing key is named.
     """
-    kernels = ("attn_backend", "moe_backend")
-    ours = {k: v for k, v in cfg.to_dict()["model"].items() if k not in kernels}
+    free = getattr(type(cfg.model), "RESUME_FREE", ())
+    ours = {k: v for k, v in cfg.to_dict()["model"].items() if k not in free}
     diff = [k for k, v in ours.items() if saved["model"].get(k) != v]
     if saved.get("family") != cfg.family:
         raise ConfigError(f"family: {cfg.family} differs from {saved.get('family')} of checkpoint {source}")

@@ -3,7 +3,6 @@ run on the data the uninterrupted run would have seen, and train.init_from's sou
 starts DeepSpeed or writes a file, so the dry run goes through the same checks."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -15,10 +14,19 @@ from pipeline.checkpoint.read import (check_pickles, check_same_model, is_export
 from pipeline.config import ConfigError, RunConfig, load_yaml
 from pipeline.parallel import EP_KEY
 
-# What a resumed run must share with its checkpoint to see the data the uninterrupted run would have seen
-# (--allow-config-change overrides): the seed, the batch arithmetic and the data spec.
-RESUME_INVARIANTS = ("seed", "train.micro_batch_size", "train.grad_accum_steps", "train.global_batch_size",
-                     "train.max_tokens_per_microbatch", "data")
+# What may differ between a resumed run's config and its checkpoint's: budgets and deadlines, cadences, logging,
+# tracking, validation and execution choices that change neither the weights' layout nor what is read or computed.
+# Everything else (the model, the objective, the optimizer, the seed, the batch arithmetic, the data) must be the
+# checkpoint's: a change there is refused unless --allow-config-change. A model config lists its own execution
+# choices (same parameters, same outputs) in its RESUME_FREE class attribute.
+MAY_CHANGE_ON_RESUME = (
+    "run_dir", "checkpoint", "tracking", "eval", "optim.schedule_steps",
+    "data.verify", "data.num_workers", "data.val_shards",
+    "train.max_steps", "train.max_words", "train.max_epochs", "train.max_hours", "train.log_every", "train.log_samples",
+    "train.peak_flops_per_device", "train.init_from", "train.init_from_optimizer", "train.expert_parallel_size",
+    "train.max_nonfinite_steps", "train.heartbeat_seconds", "train.collective_timeout", "train.activation_checkpointing",
+    "train.profile", "train.fused_norm", "train.compile",
+)
 
 
 def find_resume_tag(resume: str, ckpt_dir: Path) -> tuple[str | None, str | None]:
@@ -78,37 +86,48 @@ def check_reshard(saved: dict, source: Path, world_size: int, zero_stage: int, e
 
 
 def check_resume_config(saved: dict, cfg: RunConfig, source: Path, saved_world: int | None, world_size: int,
-                        allow_config_change: bool):
-    """A resumed run must see the data the uninterrupted run would have seen: same seed, batch arithmetic and
-    data spec (RESUME_INVARIANTS) as ``saved`` (the checkpoint's config, migrated), unless ``allow_config_change``.
-    On another world size the global batch (micro x accumulation x ranks) must stay, so grad_accum_steps scales
-    inversely with the ranks."""
+                        allow_config_change: bool) -> list[str]:
+    """A resumed run continues its checkpoint's config (``saved``, migrated): every key outside MAY_CHANGE_ON_RESUME
+    must hold the checkpoint's value, or the run is refused with one line listing each change. With
+    ``allow_config_change`` the changes go through; returns them as "key: old -> new" for the log. On another world
+    size the global batch (micro x accumulation x ranks) must stay, so grad_accum_steps scales inversely with the
+    ranks (and is no change)."""
     ours = cfg.to_dict()
-    for key in RESUME_INVARIANTS:
-        a, b = get_path(saved, key), get_path(ours, key)
-        if key == "data":  # checking digests, or how many workers read the streams, does not change what is read
-            a, b = ({k: v for k, v in (x or {}).items() if k not in ("verify", "num_workers", "val_shards")}
-                    for x in (a, b))
-        if key == "train.grad_accum_steps" and saved_world and saved_world != world_size:
-            mb = get_path(ours, "train.micro_batch_size")
-            a, b = a * saved_world, b * world_size  # microbatches per optimizer step, all ranks
-            if a != b and not allow_config_change:
-                fit = f"set train.grad_accum_steps={a // world_size}" if a % world_size == 0 else (
-                    f"{a} microbatches per step do not divide among {world_size} ranks")
-                raise ConfigError(f"train.grad_accum_steps: {b // world_size} x {world_size} ranks x "
-                                  f"micro {mb} is not the global batch of checkpoint {source} ({a} microbatches "
-                                  f"on {saved_world} ranks); {fit}")
+    free = MAY_CHANGE_ON_RESUME + tuple(f"model.{k}" for k in getattr(type(cfg.model), "RESUME_FREE", ()))
+    changes = [(k, a, b) for k, a, b in config_diff(saved, ours) if not k.startswith(tuple(p + "." for p in free))
+               and k not in free]
+    if saved_world and saved_world != world_size:
+        changes = [c for c in changes if c[0] != "train.grad_accum_steps"]
+        a = get_path(saved, "train.grad_accum_steps") * saved_world  # microbatches per optimizer step, all ranks
+        b = get_path(ours, "train.grad_accum_steps") * world_size
+        if a != b and not allow_config_change:
+            fit = f"set train.grad_accum_steps={a // world_size}" if a % world_size == 0 else (
+                f"{a} microbatches per step do not divide among {world_size} ranks")
+            raise ConfigError(f"train.grad_accum_steps: {b // world_size} x {world_size} ranks x micro "
+                              f"{get_path(ours, 'train.micro_batch_size')} is not the global batch of checkpoint "
+                              f"{source} ({a} microbatches on {saved_world} ranks); {fit}")
         if a != b:
-            if allow_config_change:
-                if os.environ.get("RANK", "0") == "0":
-                    print(f"warning: {key} changed since checkpoint {source} ({a!r} -> {b!r}); continuing "
-                          "(--allow-config-change): the data order is no longer the uninterrupted run's",
-                          flush=True)
-                continue
-            key, a, b = diff_path(a, b, key)
-            raise ConfigError(f"{key}: {b!r} differs from {a!r} in checkpoint {source}; a resumed run must keep the "
-                              "seed, batch arithmetic and data spec of its checkpoint (--allow-config-change to "
-                              "continue anyway, --init-from to start a new run from it)")
+            changes.append(("train.grad_accum_steps", f"{a} microbatches a step", f"{b}"))
+    listed = [f"{k}: {a!r} -> {b!r}" for k, a, b in changes]
+    model = [k for k, _, _ in changes if k.startswith("model.")]
+    if model and allow_config_change:  # DeepSpeed would fail on the weights' shapes, or load them into another model
+        raise ConfigError(f"{model[0]}: checkpoint {source} holds the weights of its own model ({'; '.join(listed)}); "
+                          "--allow-config-change continues other changes, never the model's: use another run_dir "
+                          "to train this model")
+    if changes and not allow_config_change:
+        raise ConfigError(f"the config differs from the one checkpoint {source} trained with ({'; '.join(listed)}): "
+                          "a resume continues its checkpoint's run. Use another run_dir for a new run (--init-from to start it from "
+                          "these weights), or --allow-config-change to continue with the change (logged in train.log)")
+    return listed
+
+
+def config_diff(saved, ours, key: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, saved value, our value) of every leaf that differs; a key the checkpoint's config lacks (added
+    to the config since, migrated as its old behaviour where that matters) is no difference."""
+    if isinstance(saved, dict) and isinstance(ours, dict):
+        return [d for k in sorted(saved) if k in ours
+                for d in config_diff(saved[k], ours[k], f"{key}.{k}" if key else k)]
+    return [] if saved == ours else [(key, saved, ours)]
 
 
 def resumed_horizon(client: dict, cfg: RunConfig, announce: bool) -> dict:

@@ -49,6 +49,8 @@ class EcoRNAConfig:
     delta_init: float = 1.0
     alpha_init: float | None = None
     init_std: float = 0.02
+    # Execution choices (same parameters, same outputs) a resumed run may change (pipeline/checkpoint/resume.py)
+    RESUME_FREE = ("attn_backend", "unpad")
     attn_backend: str = "auto"
     # true: blocks run on the packed real tokens [T, d] (varlen attention: flash-attn's kernel when attn_backend
     # selects it, torch's varlen kernel on CUDA with attn_backend "auto", else one SDPA call per sequence); false:

@@ -66,6 +66,8 @@ class ProtLingoConfig:
     cls_token_id: int = 0
     eos_token_id: int = 2
     init_std: float = 0.02
+    # Execution choices (same parameters, same outputs) a resumed run may change (pipeline/checkpoint/resume.py)
+    RESUME_FREE = ("attn_backend", "moe_backend")
     attn_backend: str = "auto"
     # Upcycled MoE
     moe_layers: list[int] = field(default_factory=list)  # zero-based block indices with a MoE FFN

@@ -74,6 +74,8 @@ class _GPTConfig:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    # Execution choices (same parameters, same outputs) a resumed run may change (pipeline/checkpoint/resume.py)
+    RESUME_FREE = ("attn_backend",)
     attn_backend: str = "auto"
 
     def __post_init__(self):

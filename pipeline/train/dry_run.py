@@ -99,6 +99,10 @@ def _plan_resume(plan: RunPlan) -> list[str]:
                          f"{ckpt}/abandoned_after_{plan.resume_tag}_TIME/")
         if plan.resume_note:
             lines.append(f"  note: {plan.resume_note}")
+        if plan.finished:
+            lines.append(f"  already finished (train.max_steps {plan.cfg.train.max_steps}): a training would exit "
+                         "at once")
+        lines += [f"  config changed (--allow-config-change): {c}" for c in plan.config_changes]
         if plan.cfg.train.init_from:
             lines.append("  train.init_from is not read: the run has checkpoints of its own")
         if plan.resumed_loader is not None:

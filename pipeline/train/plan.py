@@ -65,10 +65,11 @@ class RunPlan:
         # resuming on another world size, ZeRO stage or EP size: None, "universal" (DeepSpeed's universal
         # checkpoint) or "consolidated" (expert parallelism: the project's full-tensor path)
         self.reshard = None
+        self.config_changes = []  # "key: old -> new" that --allow-config-change let through (printed, so logged)
         if self.saved:  # before DeepSpeed starts: a resume that would change the data order is refused here
             source = self.ckpt_dir / self.resume_tag
-            check_resume_config(self.saved["config"], cfg, source, self.saved.get("world_size"), world_size,
-                                allow_config_change)
+            self.config_changes = check_resume_config(self.saved["config"], cfg, source,
+                                                      self.saved.get("world_size"), world_size, allow_config_change)
             self.reshard = check_reshard(self.saved, source, world_size, self.zero_stage,
                                          cfg.train.expert_parallel_size)
         # what each source's manifest is now (the checkpoint records it); data that changed under a resume is refused
@@ -93,6 +94,11 @@ class RunPlan:
         self.init_source, self.foreign_state = (
             check_init_source(cfg, self.family, world_size, self.zero_stage, trust_checkpoint)
             if cfg.train.init_from and not self.resume_tag else (None, None))
+
+    @property
+    def finished(self) -> bool:
+        """The checkpoint resumed is already at train.max_steps: nothing to do."""
+        return bool(self.saved) and self.saved["step"] >= self.cfg.train.max_steps
 
     def _check_data(self, allow: bool) -> str | None:
         """None when every source's manifest is the one the checkpoint trained on (or the checkpoint predates the

@@ -66,6 +66,9 @@ class Trainer:
             print(f"note: {plan.resume_note}", flush=True)
         if self.rank == 0 and plan.data_changed:
             print(f"note: {plan.data_changed}", flush=True)
+        for change in plan.config_changes if self.rank == 0 else ():
+            print(f"warning: config changed since checkpoint {plan.resume_tag} (--allow-config-change): {change}",
+                  flush=True)
         for w in plan.warnings if self.rank == 0 else ():
             print(f"warning: {w}", flush=True)
         self.stop = StopRequest(self.cfg.train.max_hours)
@@ -294,12 +297,13 @@ class Trainer:
         c, s, ckpt_dir = self.state.cumulative, self.state, self.checkpointer.ckpt_dir
         latest = self.checkpointer.latest(None)
         best = f"{s.best[0]:.4f} at step {s.best[1]}" if s.best else "n/a"
+        final = f"{s.last_loss:.4f}" if steps_this_attempt else "n/a (no step this attempt)"
         m, sec = divmod(int(seconds), 60)
         took = f"{m // 60}h{m % 60:02d}m{sec:02d}s" if m >= 60 else f"{m}m{sec:02d}s"
         lines = [
             f"==== run {self.run_dir} {status.lower()}: step {s.step}/{self.cfg.train.max_steps} "
             f"(stopped by {self.stopped_by}), {steps_this_attempt} steps in {took} ====",
-            f"loss: final {s.last_loss:.4f}, best {best} | tokens {c.get('tokens', 0):.4g} | samples "
+            f"loss: final {final}, best {best} | tokens {c.get('tokens', 0):.4g} | samples "
             f"{c.get('samples', 0):.4g} | skipped steps {c.get('skipped', 0):.0f} | non-finite steps "
             f"{c.get('nonfinite', 0):.0f}",
             f"checkpoints: {ckpt_dir} (latest {latest or 'none'})",
@@ -319,6 +323,12 @@ def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_
     """A training from start to end in this process (one rank of it); launchers/pretrain.py's main path."""
     trainer = Trainer(cfg, ds_config_path, resume, allow_config_change, trust_checkpoint=trust_checkpoint,
                       allow_data_change=allow_data_change)
+    if trainer.plan.finished:  # nothing to do: no process group, no engine, nothing written
+        if int(os.environ.get("RANK", "0")) == 0:
+            step = trainer.plan.saved["step"]
+            print(f"run {trainer.run_dir} already finished at step {step} (train.max_steps {cfg.train.max_steps}); "
+                  f"raise train.max_steps (e.g. --set train.max_steps={2 * step}) to train further", flush=True)
+        return trainer
     try:
         try:
             trainer.setup()

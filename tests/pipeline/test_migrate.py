@@ -87,7 +87,7 @@ def _data_key(cfg, key, old_value, changed):
     same = load_config(None, [f"data.{key}={'null' if old_value is None else old_value}"])
     check_resume_config(client["config"], same, "ckpt", 2, 2, False)
     other = load_config(None, [f"data.{key}={changed}"])
-    with pytest.raises(ConfigError, match=rf"^data\.{key}: {changed} differs from {old_value}"):
+    with pytest.raises(ConfigError, match=rf"\(data\.{key}: {old_value} -> {changed}\)"):
         check_resume_config(client["config"], other, "ckpt", 2, 2, False)
 
 
