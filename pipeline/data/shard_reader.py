@@ -193,8 +193,13 @@ def read_clusters(path: str | Path, expected_samples: int | None = None
                   ) -> list[tuple[str, list[np.ndarray], dict]]:
     """All samples of a cluster shard as (key, member token arrays in the cluster's order, meta), in file order;
     the errors of read_shard, plus a sample without offsets or with offsets that do not split its tokens."""
-    return [(key, [tokens[int(a):int(b)] for a, b in zip(offsets[:-1], offsets[1:])], meta)
+    return [(key, cluster_members(tokens, offsets), meta)
             for key, tokens, offsets, meta in _read(Path(path), expected_samples, clusters=True, meta=True)]
+
+
+def cluster_members(tokens: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
+    """A cluster's member token arrays (views of ``tokens``), split at its checked ``offsets`` [members + 1]."""
+    return [tokens[int(a):int(b)] for a, b in zip(offsets[:-1], offsets[1:])]
 
 
 def shard_sequences(directory: str | Path, limit: int | None = None) -> list[np.ndarray]:
@@ -229,15 +234,22 @@ def _read(path: Path, expected_samples: int | None, *, clusters: bool, meta: boo
     False) or (key, tokens, offsets) (True); with ``meta`` (key, tokens, offsets or None, meta)."""
     out, shard = [], _ShardFile(path)
     for key, parts in shard.groups():
-        if "keys.txt" in parts or "bounds.npy" in parts:
-            out += _block(path, key, parts, clusters, meta, vocab_size)
-        else:
-            out.append(_record(path, key, parts, clusters, meta, vocab_size))
+        out += group_samples(path, key, parts, clusters=clusters, meta=meta, vocab_size=vocab_size)
     if expected_samples is not None and len(out) != expected_samples:
         raise ShardError(f"{path}: holds {len(out)} samples but the manifest says {expected_samples} "
                          "(truncated shard?)")
     shard.verify(sha256)
     return out
+
+
+def group_samples(path: Path | str, key: str, parts: dict, *, clusters: bool, meta: bool,
+                  vocab_size: int | None = None) -> list:
+    """The samples of one member group ``key`` ({extension: bytes}, as a WebDataset reader groups a tar), a block
+    (format 2) or one sample (format 1), each checked and shaped as :func:`_read` returns it; ``path`` (a file or a
+    URL) only names the shard in a ShardError. pipeline/data/wds_compat.py decodes WebDataset's samples with it."""
+    if "keys.txt" in parts or "bounds.npy" in parts:
+        return _block(path, key, parts, clusters, meta, vocab_size)
+    return [_record(path, key, parts, clusters, meta, vocab_size)]
 
 
 def _check_layout(path: Path, what: str, key: str, parts: dict, clusters: bool, meta: bool) -> None:
