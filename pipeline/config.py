@@ -670,8 +670,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
 
 
 def _related(a: str, b: str) -> bool:
-    """Whether config keys ``a`` and ``b`` are the same or one is a section holding the other."""
-    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+    """Whether config keys ``a`` and ``b`` are the same or one holds the other (a section, or a list's element:
+    ``optim.betas`` holds ``optim.betas[1]``)."""
+    return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
 
 
 def dump_yaml(cfg: RunConfig) -> str:

@@ -75,6 +75,16 @@ def test_non_finite_override(tmp_path):
     assert_one_line_error(pretrain(tmp_path, overrides=["objective.mu_k=.inf"]), "objective.mu_k", "finite")
 
 
+@pytest.mark.parametrize("override, error", [
+    ("optim.betas=[0.9,abc]", "optim.betas[1]: expected a number, got 'abc'"),
+    ("eval.depths=[1,x]", "eval.depths[1]: expected an integer, got 'x'"),
+])
+def test_a_bad_list_element_is_blamed_on_its_set(tmp_path, override, error):
+    """Campaign case: a bad element of a list given by --set was blamed on the default YAML the user never passed."""
+    line = assert_one_line_error(pretrain(tmp_path, overrides=[override]), f"--set {override}: {error}")
+    assert "eco_rna_demo.yaml" not in line, line
+
+
 # ---- ds_config JSON: (name, JSON text, [strings the error line must name]) ------------------------------------------
 DS_CASES = [
     ("invalid-json", '{"zero_optimization": {"stage": 2},,}', ["invalid JSON"]),
