@@ -165,10 +165,16 @@ def check_intact(tag_dir: Path):
 
 
 def read_latest(ckpt_dir: Path, pointer: str = LATEST) -> str | None:
-    """What ``latest`` (or another pointer file, ``best``) names (stripped), or None when it is missing or empty."""
+    """What ``latest`` (or another pointer file, ``best``) names (stripped), or None when it is missing, empty or not
+    UTF-8 text (then resume falls back to the newest complete checkpoint, and the next save rewrites it). A directory
+    in its place is a ConfigError: no save could replace it."""
+    path = ckpt_dir / pointer
+    if path.is_dir():
+        raise ConfigError(f"{path}: a directory where the {pointer} pointer file belongs (it names the checkpoint to "
+                          "resume from); move it out of the checkpoint directory")
     try:
-        return (ckpt_dir / pointer).read_text().strip() or None
-    except OSError:
+        return path.read_text(encoding="utf-8").strip() or None
+    except (OSError, UnicodeDecodeError):
         return None
 
 
@@ -215,7 +221,7 @@ def resume_tag(ckpt_dir: Path, check_files: bool = False) -> tuple[str | None, s
     if not (ckpt_dir / LATEST).exists():
         why = f"{LATEST} is missing"
     elif named is None:
-        why = f"{LATEST} is empty"
+        why = f"{LATEST} is empty or not UTF-8 text"
     elif named not in tags:
         why = f"{LATEST} names {named}, which does not exist"
     elif named in damaged:

@@ -49,6 +49,23 @@ def test_a_damaged_latest_never_starts_over(sample_shards, tmp_path):
     (aside,) = (cut / "checkpoints").glob("abandoned_after_step00000004_*")
     assert (aside / "step00000006" / "mp_rank_00_model_states.pt").read_bytes() == damaged  # kept, not deleted
 
+    # latest holding a non-UTF-8 byte: the newest complete checkpoint, with a note (the next save rewrites it);
+    # latest a directory: one line naming it, exit 2 (no save could replace it).
+    odd = tmp_path / "odd"
+    shutil.copytree(base, odd)
+    (odd / "checkpoints" / "latest").write_bytes(b"step0000\xff0004\n")
+    r = train(sample_shards, odd, 6, "--dry-run")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert (f"{odd / 'checkpoints'}: latest is empty or not UTF-8 text; resuming from the newest complete checkpoint "
+            "step00000006") in r.stdout, r.stdout[-3000:]
+    (odd / "checkpoints" / "latest").unlink()
+    (odd / "checkpoints" / "latest").mkdir()
+    r = train(sample_shards, odd, 6, "--dry-run")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()] == [
+        f"error: {odd / 'checkpoints' / 'latest'}: a directory where the latest pointer file belongs (it names the "
+        "checkpoint to resume from); move it out of the checkpoint directory"], r.stderr[-3000:]
+
     # Every checkpoint damaged: one line naming the newest tag and file, exit 2, nothing changed.
     for f in (base / "checkpoints").glob("step*/mp_rank_00_model_states.pt"):
         f.write_bytes(f.read_bytes()[:100])
