@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint.layout import (BEST, CHECKPOINT_FORMAT, COMPLETE, LATEST, mark_complete, read_latest,
-                                        rotate, set_aside_later_checkpoints, write_atomic)
+from pipeline.checkpoint.layout import (BEST, CHECKPOINT_FORMAT, COMPLETE, LATEST, checkpoint_tags, mark_complete,
+                                        read_latest, rotate, set_aside_later_checkpoints, tag_step, write_atomic)
 from pipeline.checkpoint.read import (EXPERT_KEY, is_foreign_checkpoint, load_ds_file, read_client_state,
                                       weights_only_loads, zero12_optimizer_state)
 from pipeline.checkpoint.resume import expert_parallel_size, resumed_horizon
@@ -98,6 +98,11 @@ class Checkpointer:
                   "zero_stage": self.zero_stage, "loader": loader, "mlflow_run_id": tracker.run_id,
                   "mlflow_tracking_uri": tracker.uri, "milestone": milestone, "config": self.cfg.to_dict(),
                   "data_fingerprint": self.data_fingerprint}
+        bad = self.nonfinite_weight()
+        if bad:  # a checkpoint is the last good state of a run: never one whose weights are NaN or inf
+            raise CheckpointWriteError(f"step {state.step}: the weights hold non-finite values ({bad}) though the "
+                                       f"step's loss and gradient norm were finite; {tag} is not written and "
+                                       f"{LATEST} still names {self.latest('no checkpoint')}")
         if self.rank == 0 and tag_dir.exists():
             # The same tag from an abandoned timeline (after a rollback) or a save that died: never let its old
             # COMPLETE marker vouch for the files about to be rewritten.
@@ -137,6 +142,14 @@ class Checkpointer:
         """The tag ``latest`` names (``default`` when none)."""
         return read_latest(self.ckpt_dir) or default
 
+    def nonfinite_weight(self) -> str | None:
+        """The first parameter holding a NaN or inf on any rank (ZeRO-3: each rank checks its partition), or None.
+        One pass over the weights and one gather, at a save or a resume only."""
+        params = [(n, getattr(p, "ds_tensor", p)) for n, p in self.engine.module.named_parameters()]
+        finite = torch.stack([torch.isfinite(t).all() for _, t in params]).tolist() if params else []
+        mine = next((n for (n, _), ok in zip(params, finite) if not ok), None)
+        return next((n for n in all_gather_object(mine) if n), None)
+
     # -- loading ----------------------------------------------------------------------------------------------------
     def load(self, tag: str, reshard: str | None, state: TrainState) -> dict:
         """Resume from ``tag`` (on its own layout, or ``reshard`` "universal" / "consolidated",
@@ -146,6 +159,12 @@ class Checkpointer:
             self._load_consolidated(tag, saved)
         else:
             self._load_deepspeed(tag, saved, reshard)
+        bad = self.nonfinite_weight()
+        if bad:  # written before the save-time check, or by other code: training on would only spread the NaN
+            earlier = [t for t in checkpoint_tags(self.ckpt_dir) if tag_step(t) < tag_step(tag)]
+            raise ConfigError(f"checkpoint {self.ckpt_dir / tag} holds non-finite weights ({bad}); it cannot be "
+                              "resumed. " + (f"Resume from an earlier one (--resume {self.ckpt_dir / earlier[-1]})"
+                                             if earlier else "No earlier checkpoint is left: use another run_dir"))
         state.restore(saved)
         state.horizon = resumed_horizon(saved, self.cfg, announce=self.rank == 0)
         if self.rank == 0:

@@ -358,7 +358,19 @@ def _moe_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights_into(model: torch.nn.Module, state: dict, source: Path):
-    """``model.load_state_dict(state)`` that names the first missing and unexpected keys in one ConfigError."""
+    """``model.load_state_dict(state)`` that names, in one ConfigError, the first missing, unexpected or
+    differently shaped weight (the config beside the weights is not theirs) or the first non-finite one (NaN or inf
+    weights are never evaluated, exported or trained from)."""
+    ours = model.state_dict()
+    shaped = [k for k, v in state.items() if k in ours and tuple(v.shape) != tuple(ours[k].shape)]
+    if shaped:
+        k = shaped[0]
+        raise ConfigError(f"{source}: weights do not fit the config: {k} is {list(state[k].shape)} in the weights, "
+                          f"{list(ours[k].shape)} in the model config ({len(shaped)} tensors differ)")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise ConfigError(f"{source}: weight {bad[0]} holds non-finite values (NaN or inf; {len(bad)} tensors in "
+                          "all): these weights cannot be used; take an earlier checkpoint")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ConfigError(f"{source}: weights do not fit the config (missing {missing[:3]}, "

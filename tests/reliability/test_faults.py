@@ -44,7 +44,8 @@ def test_divergence_stops_nonzero_and_keeps_the_last_good_checkpoint(sample_shar
     # works on the normalized input and overflows later than the plain formula's, which multiplies raw values), so
     # the steps are read from the run.
     bad = run_pretrain(1, "ds_configs/zero2.json", overrides(
-        sample_shards, run_dir, 40, "checkpoint.every_steps=2", "optim.lr=1.0e4", "train.max_nonfinite_steps=3"))
+        sample_shards, run_dir, 40, "checkpoint.every_steps=2", "optim.lr=1.0e4", "train.max_nonfinite_steps=3"),
+        ["--allow-config-change"])  # a resume with another optim.lr
     out = bad.stdout + bad.stderr
     assert bad.returncode == 3, out[-3000:]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
