@@ -384,7 +384,8 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path) -> tu
     return child, run_id
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, or an export")
     p.add_argument("--task", required=True, choices=TASKS)
@@ -407,6 +408,11 @@ def main(argv=None) -> int:
     p.add_argument("--blimp-method", default="full", choices=("full", "one_prefix", "two_prefix"))
     p.add_argument("--output", type=Path, default=None, help="JSON path (default: TAG_DIR/eval-TASK.json)")
     p.add_argument("--no-mlflow", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     try:  # the checks that need no model first: a bad flag fails in a fraction of a second, before torch loads

@@ -56,7 +56,8 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--export", required=True, help="an export directory (tools/convert_checkpoint.py)")
     p.add_argument("--task", required=True, help=f"one of {', '.join(METRIC)}")
@@ -67,6 +68,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="masks and initial-state table (evaluate.py --seed)")
     p.add_argument("--reference-sheet", type=Path, default=None, help="rnagym: reference_sheet.csv")
     p.add_argument("--spm", type=Path, default=None, help="blimp/lambada: sentencepiece model")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     export = Path(args.export)
     try:  # every check before anything is computed or written

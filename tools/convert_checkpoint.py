@@ -209,7 +209,8 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
     return "\n".join(lines + ["```", ""])
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, type=Path, help="run dir, its checkpoints/ dir, or a tag dir")
     p.add_argument("--tag", default="latest", help="with a run dir or checkpoints/ dir: latest (default: what "
@@ -225,6 +226,11 @@ def main(argv=None) -> int:
                    "(default: tokenizer.model beside the run's training shards)")
     p.add_argument("--no-tokenizer", action="store_true", help="text families: export without tokenizer.model "
                    "(evaluation then needs --spm)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     from pipeline.config import ConfigError

@@ -30,11 +30,17 @@ def decoder(directory: Path, tokenizer: dict):
     return lambda ids: "".join(shown[int(i)] for i in ids)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """main's command line, apart from main: tests parse the documented commands with it without running them."""
     ap = argparse.ArgumentParser(prog="inspect_shards.py", description=__doc__.split("\n\n")[1])
     ap.add_argument("directory", type=Path)
     ap.add_argument("--samples", type=int, default=3, metavar="N", help="decoded samples to print (default 3)")
     ap.add_argument("--verify", action="store_true", help="check every shard's sha256 and sample count")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     d = args.directory
     try:

@@ -29,13 +29,19 @@ def esm2_config(size: str):
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="8M")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace a directory this tool wrote (a Hugging Face ESM "
                    "directory); anything else is never replaced")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     from pipeline.outputs import OutputDirError, check_output_dir, kept_note, publish_dir, staging_dir, written_by
 

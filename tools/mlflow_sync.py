@@ -151,7 +151,8 @@ def summary(res: dict) -> str:
             f"{len(res['changed'])} config tags, status {res['status']}")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", type=Path, help="the training's run directory (holds metrics.jsonl)")
     p.add_argument("--tracking-uri", help="MLflow store (default: the one the training used)")
@@ -159,6 +160,11 @@ def main(argv=None) -> int:
     p.add_argument("--status", choices=["FINISHED", "FAILED", "KILLED"], help="set the run's status (default: the "
                    "journal's; a run whose job was killed stays RUNNING unless given)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request (default 10)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     try:

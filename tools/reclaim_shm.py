@@ -41,11 +41,17 @@ def orphaned_segments(shm_dir: Path = SHM_DIR) -> list:
                   if p.is_file() and p.stat().st_uid == uid and str(p) not in in_use)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description="Remove the DeepSpeed /dev/shm segments of this user that no "
                                             "process maps.")
     p.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     p.add_argument("--shm-dir", type=Path, default=SHM_DIR, help=argparse.SUPPRESS)  # tests use a private folder
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     removed, size = 0, 0
     for seg in orphaned_segments(args.shm_dir):

@@ -147,7 +147,8 @@ def plot(doc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, type=Path, help="a ProtLingo export, run dir or checkpoint tag dir")
     p.add_argument("--fasta", required=True, type=Path, help="proteins (plain or .gz)")
@@ -155,6 +156,11 @@ def main(argv=None) -> int:
     p.add_argument("--max-records", type=int, default=None, help="read only the first N records")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     from pipeline.config import ConfigError
     from pipeline.eval.cli import locate_checkpoint, require_trust

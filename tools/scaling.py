@@ -392,7 +392,8 @@ def render(pl: Plan, hw: Hardware) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="a config file, or a name in launchers/configs")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -406,6 +407,12 @@ def main(argv=None) -> int:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=type(getattr(defaults, name)),
                        default=getattr(defaults, name), help=f"default {getattr(defaults, name)}")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    defaults = Hardware()
     args = p.parse_args(argv)
     from pipeline.config import ConfigError, load_config
     from pipeline.ds_config import load_ds_config, resolve_ds_config

@@ -46,7 +46,8 @@ def parse_layers(spec: str, n_layers: int, flag: str) -> list[int]:
     return sorted(out)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--esm", required=True, type=Path, help="ESM2 weights: a Hugging Face directory (config.json + "
                    "weights) or a fair-esm file (esm2_t30_150M_UR50D.pt, read without executing code)")
@@ -60,6 +61,11 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the fresh router and memory weights")
     p.add_argument("--force", action="store_true", help="replace an existing export at --out (it holds export.json; "
                    "anything else is never replaced): the new one is completed beside it first, then swapped in")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
 
     import dataclasses
