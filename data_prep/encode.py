@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pipeline import commands
 from pipeline.data.protein_tokenizer import ProteinTokenizer
 from pipeline.data.tokenizer import SEP_ID, SPM_NAME, VOCAB, NucleotideTokenizer
 
@@ -36,7 +37,7 @@ class Encoder:
             self.entry = {"name": "esm", "vocab": list(tok.vocab)}
         else:
             if spm is None:
-                raise PrepError(f"{source.name} needs --spm MODEL (train one with `python -m data_prep train-spm`)")
+                raise PrepError(f"{source.name} needs --spm MODEL (train one with `{commands.python()} -m data_prep train-spm`)")
             enc = SpmEncoder(spm)
             self.spm_path, self.invalid_positions, self._encode = enc.model, None, enc.encode
             self.vocab_size = enc.vocab_size

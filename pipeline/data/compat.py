@@ -24,15 +24,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline import commands
 from pipeline.errors import ConfigError
 from pipeline.data import protein_tokenizer, tokenizer
 from pipeline.data.shards import MANIFEST, Manifest, ShardError, load_manifest
 
-# What each kind is and which data_prep command writes it: the error says how to get fitting shards.
+# What each kind is and which data_prep command writes it (after the running python, pipeline.commands): the
+# error says how to get fitting shards.
 KINDS = {
-    "nucleotide": ("nucleotide", "python -m data_prep rnacentral|opengenome2|fasta"),
-    "esm": ("ESM-2 amino-acid", "python -m data_prep uniref"),
-    "sentencepiece": ("sentencepiece text", "python -m data_prep babylm --spm MODEL"),
+    "nucleotide": ("nucleotide", "-m data_prep rnacentral|opengenome2|fasta"),
+    "esm": ("ESM-2 amino-acid", "-m data_prep uniref"),
+    "sentencepiece": ("sentencepiece text", "-m data_prep babylm --spm MODEL"),
 }
 _VOCABS = {"nucleotide": list(tokenizer.VOCAB), "esm": list(protein_tokenizer.VOCAB)}
 _SPM_IDS = {"pad_id": tokenizer.SPM_PAD_ID, "bos_id": tokenizer.SPM_BOS_ID, "eos_id": tokenizer.SPM_EOS_ID,
@@ -61,7 +63,7 @@ def shard_vocab(manifest: Manifest, where: str | Path) -> tuple[str, int]:
     for name, want in _SPM_IDS.items():
         if name in entry and entry[name] != want:
             raise ShardError(f"{where}: the sentencepiece model's {name} is {entry[name]!r}, the models expect "
-                             f"{want}; train it with `python -m data_prep train-spm`")
+                             f"{want}; train it with `{commands.python()} -m data_prep train-spm`")
     return kind, size
 
 
@@ -87,7 +89,7 @@ def check_shards_fit(spec: str | Path, family, vocab_size: int, key: str) -> Non
     if kind != want:
         have_name, want_name = KINDS[kind][0], KINDS[want][0]
         raise ConfigError(f"{key}: {spec} holds {have_name} tokens (manifest tokenizer {kind!r}), but the {family} "
-                          f"model reads {want_name} tokens; point {key} at shards made by `{KINDS[want][1]}`")
+                          f"model reads {want_name} tokens; point {key} at shards made by `{commands.python()} {KINDS[want][1]}`")
     if n > vocab_size:
         raise ConfigError(f"{key}: {spec}: its {kind} tokenizer has {n} ids, more than model.vocab_size "
                           f"{vocab_size} (ids {vocab_size}..{n - 1} have no embedding row); set "

@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from pipeline import commands
 from pipeline.data.shard_reader import read_cluster_tokens, read_tokens, shard_layout
 from pipeline.data.shards import ShardError, load_manifest
 
@@ -211,7 +212,7 @@ class SourceStream:
         self.clusters = self.shards[0].layout == "clusters"
         if cluster_sampling is True and not self.clusters:
             raise ValueError(f"{self.spec}: cluster sampling (data.cluster_sampling) is on but these shards hold "
-                             "sequences, not UniRef50 clusters; prepare them with `python -m data_prep uniref "
+                             f"sequences, not UniRef50 clusters; prepare them with `{commands.python()} -m data_prep uniref "
                              "--clusters TSV` or turn cluster sampling off")
         if cluster_sampling is False and self.clusters:
             raise ValueError(f"{self.spec}: holds UniRef50 clusters (manifest layout 'clusters'), which are only "

@@ -71,6 +71,7 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline import commands
 from pipeline.config import ConfigError
 from pipeline.distributed import broadcast_object
 from pipeline.outputs import write_atomic
@@ -261,7 +262,7 @@ class Tracker:
                                          f"{arts} artifact{'s' * (arts != 1)}" if arts else "", f"status {status}")
                              if x)
             _warn(f"{what} not sent to {self.uri} (gave up after the first failed attempt or "
-                  f"{self.flush_timeout_s:g} s); run `python tools/mlflow_sync.py {self.run_dir}` when it is reachable")
+                  f"{self.flush_timeout_s:g} s); run `{commands.python()} tools/mlflow_sync.py {self.run_dir}` when it is reachable")
 
     def close(self):
         """Stop the worker without sending a status (``finish`` does this itself)."""
@@ -362,7 +363,7 @@ class Tracker:
             self._cv.notify_all()
         if not was and not self._quiet:
             _warn(f"{self.uri} unreachable ({_short(e)}); training goes on, retrying with backoff; every step is in "
-                  f"metrics.jsonl, `python tools/mlflow_sync.py {self.run_dir}` replays what the store misses")
+                  f"metrics.jsonl, `{commands.python()} tools/mlflow_sync.py {self.run_dir}` replays what the store misses")
 
     def _save(self, force: bool = False):
         with self._cv:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline import commands
 from pipeline.checkpoint.io import Checkpointer, CheckpointWriteError, TrainState, parent_tags
 from pipeline.checkpoint.layout import RunDirLock
 from pipeline.checkpoint.read import load_state_dict, load_weights_into
@@ -309,11 +310,11 @@ class Trainer:
             f"checkpoints: {ckpt_dir} (latest {latest or 'none'})",
         ]
         if latest:
-            lines.append(f"export: python tools/convert_checkpoint.py --checkpoint {self.run_dir} "
+            lines.append(f"export: {commands.python()} tools/convert_checkpoint.py --checkpoint {self.run_dir} "
                          f"--output exports/{self.run_dir.name}")
         if self.tracker.uri:
             lines.append(f"mlflow: run {self.tracker.run_id} in {self.tracker.uri} "
-                         f"(mlflow ui --backend-store-uri {self.tracker.uri})")
+                         f"({commands.mlflow()} ui --backend-store-uri {self.tracker.uri})")
         lines.append(f"log: {self.run_dir / 'train.log'}, metrics: {self.run_dir / 'metrics.jsonl'}")
         return "\n".join(lines)
 

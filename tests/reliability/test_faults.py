@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, TINY, deepspeed_cmd, launch_env, read_jsonl, run_pretrain
+from pipeline.commands import shown
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
@@ -118,14 +119,15 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_0_on_every_rank(sample_sh
     assert "[rank 0] step 3/100000" in train_log and "[rank 1] " in train_log
 
 
-def test_max_hours_deadline_checkpoints_and_exits_0(sample_shards, tmp_path):
+def test_max_hours_deadline_checkpoints_and_exits_0(sample_shards, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     proc = run_pretrain(1, "ds_configs/zero2.json", overrides(sample_shards, run_dir, 100000, "train.max_hours=0.0004"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step{last:08d}"
     assert "train.max_hours (0.0004 h) reached" in proc.stdout
-    assert "==== run" in proc.stdout and "export: python tools/convert_checkpoint.py" in proc.stdout
+    monkeypatch.chdir(REPO)  # the launch's directory: the summary shows the interpreter as seen from there
+    assert "==== run" in proc.stdout and f"export: {shown(sys.executable)} tools/convert_checkpoint.py" in proc.stdout
 
 
 def test_an_error_on_rank_1_is_printed_with_its_rank_and_last(sample_shards, tmp_path):
