@@ -191,7 +191,7 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
     elif export is not None and export.causal:
         lines += ["from transformers import pipeline",
                   "generate = pipeline(\"text-generation\", model=\"EXPORT_DIR\", trust_remote_code=True)",
-                  f"generate({export.example!r}, max_new_tokens=20, do_sample=False)", "",
+                  f"generate({export.example!r}, max_new_tokens=20, min_new_tokens=20, do_sample=False)", "",
                   "from transformers import AutoModelForCausalLM, AutoTokenizer",
                   "model = AutoModelForCausalLM.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)",
                   "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)", *usage]
