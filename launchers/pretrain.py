@@ -2,7 +2,7 @@
 r"""Pretraining entry point.
 
     deepspeed --num_gpus 2 launchers/pretrain.py --ds_config ds_configs/zero2.json \
-        [--config launchers/configs/NAME.yaml] [--set key.path=value ...] [--resume auto|never|CHECKPOINT_DIR]
+        [--config launchers/configs/NAME.yaml | NAME] [--set key.path=value ...] [--resume auto|never|CHECKPOINT_DIR]
         [--init-from CHECKPOINT_OR_EXPORT] [--allow-config-change] [--allow-data-change]
         [--trust-checkpoint]
         [--dry-run [--world-size N --nproc-per-node M]]
@@ -45,8 +45,11 @@ DEFAULT_CONFIG = REPO / "launchers" / "configs" / "eco_rna_demo.yaml"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ds_config", required=True, help="DeepSpeed JSON config (ds_configs/zero{1,2,3}.json)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="run config YAML (default: the Eco-RNA demo)")
+    p.add_argument("--ds_config", "--ds-config", dest="ds_config", required=True,
+                   help="DeepSpeed JSON config (ds_configs/zero{1,2,3}.json)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                   help="run config YAML, or the name of one in launchers/configs (eco_rna_80m) as the tools take it "
+                        "(default: the Eco-RNA demo)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.max_steps=200 (repeatable)")
     p.add_argument("--resume", default="auto",
@@ -119,7 +122,9 @@ def main(argv=None) -> int:
     try:
         # --init-from is train.init_from (validated with the rest); JSON quoting keeps any path a YAML string.
         extra = [f"train.init_from={json.dumps(args.init_from)}"] if args.init_from is not None else []
-        cfg = load_config(args.config, [*args.overrides, *extra])
+        from pipeline.eval.cli import resolve_config
+
+        cfg = load_config(resolve_config(args.config), [*args.overrides, *extra])
         from pipeline import train
 
         if args.dry_run:

@@ -62,3 +62,20 @@ def test_batch_arithmetic_mismatch_under_two_ranks(sample_shards, tmp_path):
     assert errors == ["error: train.global_batch_size: 32 != micro_batch_size 8 x grad_accum_steps 1 x world size 2 "
                       "= 16"], proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_ds_config_takes_both_spellings():
+    """--ds-config (as every other flag is spelled) is --ds_config (DeepSpeed's spelling, kept)."""
+    from launchers.pretrain import parse_args
+
+    assert parse_args(["--ds-config", "ds_configs/zero2.json"]).ds_config == "ds_configs/zero2.json"
+    assert parse_args(["--ds_config", "ds_configs/zero1.json"]).ds_config == "ds_configs/zero1.json"
+
+
+def test_config_takes_a_name_of_launchers_configs(tmp_path):
+    """--config eco_rna_demo is launchers/configs/eco_rna_demo.yaml, as in tools/params.py: the run gets as far as
+    its data (a missing shard directory, not a missing config); an unknown name lists the known ones."""
+    proc = launch(["--config", "eco_rna_demo", "--set", f"data.train_shards={tmp_path / 'nope'}"], tmp_path)
+    assert_one_error(proc, f"shard directory {tmp_path / 'nope'} does not exist", tmp_path)
+    proc = launch(["--config", "no_such_config"], tmp_path)
+    assert_one_error(proc, "--config no_such_config: no such file, nor a config name of launchers/configs", tmp_path)
