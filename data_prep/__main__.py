@@ -58,6 +58,33 @@ def _char(text: str) -> str:
     return text
 
 
+# One example a subcommand, shown at the end of its --help (tests/docs/test_cli_help.py parses each).
+EXAMPLES = {
+    "fasta": "python -m data_prep fasta --input seqs.fasta.gz --alphabet rna --output data/shards/seqs",
+    "genome": "python -m data_prep genome --input ecoli.fna.gz --output data/shards/ecoli --window 8192 "
+              "--replace-invalid N",
+    "rnacentral": "python -m data_prep rnacentral --input rnacentral_active.fasta.gz --output data/shards/rnacentral",
+    "opengenome2": "python -m data_prep opengenome2 --input data_mrna_train_chunk1.jsonl.gz --output "
+                   "data/shards/og2_mrna",
+    "uniref": "python -m data_prep uniref --input uniref90_members.fasta.gz --clusters uniref50_to_uniref90.tsv "
+              "--output data/shards/uniref50_clusters",
+    "babylm": "python -m data_prep babylm --spm data/shards/spm/babylm.model --input babylm/train_10M --output "
+              "data/shards/babylm",
+    "synthetic-hops": "python -m data_prep synthetic-hops --hops 3 --slots 5 --queries 3 --records 20000 --seed 0 "
+                      "--output data/shards/hops3",
+    "merge": "python -m data_prep merge --output data/shards/rnacentral   # after --num-jobs N --job-index I jobs",
+    "train-spm": "python -m data_prep train-spm --input babylm/train_10M --output data/shards/spm/babylm "
+                 "--vocab-size 32768",
+}
+
+
+class _ExampleFormatter(argparse.HelpFormatter):
+    """Descriptions wrapped as usual; an ``Example:`` epilog kept as written, so the command copies as one line."""
+
+    def _fill_text(self, text, width, indent):
+        return text if text.startswith("Example:") else super()._fill_text(text, width, indent)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m data_prep",
@@ -66,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                "index % N == I), then `python -m data_prep merge --output DIR`.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="SOURCE|synthetic-hops|merge|train-spm")
     for src in SOURCES.values():
-        p = sub.add_parser(src.name, help=src.help, description=src.help)
+        p = sub.add_parser(src.name, help=src.help, description=src.help, epilog=f"Example:\n  {EXAMPLES[src.name]}",
+                           formatter_class=_ExampleFormatter)
         p.add_argument("--input", nargs="+", required=True, type=Path, metavar="PATH",
                        help="input files (babylm: also folders of *.train), read in the order given "
                             "(gzip detected by content)")
@@ -128,8 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--workers", type=_positive, default=1, metavar="N",
                        help="run on N processes of this machine: jobs 0..N-1 of --num-jobs N (same records, "
                             "filters and lists), written and merged into DIR in one command (default 1)")
-        p.add_argument("--num-jobs", type=_positive, default=1, metavar="N")
-        p.add_argument("--job-index", type=_nonnegative, default=0, metavar="I")
+        p.add_argument("--num-jobs", type=_positive, default=1, metavar="N",
+                       help="a job array of N jobs, e.g. on several machines (default 1); then merge")
+        p.add_argument("--job-index", type=_nonnegative, default=0, metavar="I",
+                       help="this job's index, 0..N-1: it takes the records whose index %% N == I")
         p.add_argument("--overwrite", action="store_true",
                        help="replace an existing output directory (or, with --num-jobs > 1, this job's files)")
         p.add_argument("--progress", choices=MODES, default="auto",
@@ -143,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "S literals (A C G U at S = 4), H - 1 levels of S pointers (the next 2 S - 1 "
                                    "letters of A C G U T N R Y S W K M B D H V: the value d = 1 .. 2 S - 1 positions "
                                    "back), Q query pointers, <sep> and the queries' values, which only following all "
-                                   "H pointers gives.")
+                                   "H pointers gives.",
+                       epilog=f"Example:\n  {EXAMPLES['synthetic-hops']}",
+                       formatter_class=_ExampleFormatter)
     h.add_argument("--hops", required=True, type=_positive, metavar="H", help="pointers of the hardest records")
     h.add_argument("--min-hops", type=_nonnegative, default=0, metavar="M",
                    help="each record's pointer count is uniform in M..H (default 0: shorter chains, down to a query "
@@ -153,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--queries", type=_positive, default=1, metavar="Q",
                    help="queries per record, 1..S, of distinct slots of the last level; their Q answers follow "
                         "<sep> in the same order (default 1)")
-    h.add_argument("--records", required=True, type=_positive, metavar="N")
+    h.add_argument("--records", required=True, type=_positive, metavar="N", help="records to write")
     h.add_argument("--seed", required=True, type=_nonnegative, metavar="SEED",
                    help="record i is drawn from (SEED, i) alone: the same records on any machine")
     h.add_argument("--exclude", type=Path, default=None, metavar="DIR",
@@ -162,13 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--shard-size", type=_positive, default=10_000, metavar="N", help="samples per shard")
     h.add_argument("--overwrite", action="store_true", help="replace an output directory data_prep wrote")
     m = sub.add_parser("merge", help="combine the job manifests in DIR into manifest.json",
-                       description="Combine manifest-jobIIII-of-NNNN.json files into manifest.json.")
-    m.add_argument("--output", required=True, type=Path, metavar="DIR")
+                       description="Combine manifest-jobIIII-of-NNNN.json files into manifest.json.",
+                       epilog=f"Example:\n  {EXAMPLES['merge']}",
+                       formatter_class=_ExampleFormatter)
+    m.add_argument("--output", required=True, type=Path, metavar="DIR",
+                   help="the shard directory the jobs wrote (their --output)")
     t = sub.add_parser("train-spm", help="train a sentencepiece BPE model on BabyLM text",
-                       description="Train a sentencepiece BPE model on *.train text (files or folders).")
-    t.add_argument("--input", nargs="+", required=True, type=Path, metavar="PATH")
+                       description="Train a sentencepiece BPE model on *.train text (files or folders).",
+                       epilog=f"Example:\n  {EXAMPLES['train-spm']}",
+                       formatter_class=_ExampleFormatter)
+    t.add_argument("--input", nargs="+", required=True, type=Path, metavar="PATH",
+                   help="text files or folders of *.train (.csv with --text-column)")
     t.add_argument("--output", required=True, type=Path, metavar="PREFIX", help="writes PREFIX.model, PREFIX.vocab")
-    t.add_argument("--vocab-size", type=_positive, default=32768, metavar="N")
+    t.add_argument("--vocab-size", type=_positive, default=32768, metavar="N",
+                   help="pieces in the model (default 32768)")
     t.add_argument("--max-sentences", type=_positive, default=10_000_000, metavar="N",
                    help="lines sampled for training (sentencepiece input_sentence_size)")
     t.add_argument("--text-column", default=None, metavar="NAME",

@@ -388,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, or an export")
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--task", required=True, choices=TASKS, help="what to measure (docs/evaluation.md)")
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
                    "blimp: JSONL or dir; lambada: text or JSONL; proteingym: assay CSV or dir; validation: shard dirs, "
                    "comma-separated")
@@ -405,9 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "sequences per forward pass")
     p.add_argument("--spm", type=Path, default=None, help="blimp/lambada: sentencepiece model "
                    "(default: the export's tokenizer.model, else tokenizer.model beside the training shards)")
-    p.add_argument("--blimp-method", default="full", choices=("full", "one_prefix", "two_prefix"))
+    p.add_argument("--blimp-method", default="full", choices=("full", "one_prefix", "two_prefix"),
+                   help="blimp: score whole sentences (full, default) or the word after a shared prefix "
+                        "(pipeline/eval/blimp.py)")
     p.add_argument("--output", type=Path, default=None, help="JSON path (default: TAG_DIR/eval-TASK.json)")
-    p.add_argument("--no-mlflow", action="store_true")
+    p.add_argument("--no-mlflow", action="store_true",
+                   help="write the JSON only; do not log the result as a run nested in the training's MLflow run")
     return p
 
 

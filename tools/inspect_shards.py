@@ -33,7 +33,7 @@ def decoder(directory: Path, tokenizer: dict):
 def build_parser() -> argparse.ArgumentParser:
     """main's command line, apart from main: tests parse the documented commands with it without running them."""
     ap = argparse.ArgumentParser(prog="inspect_shards.py", description=__doc__.split("\n\n")[1])
-    ap.add_argument("directory", type=Path)
+    ap.add_argument("directory", type=Path, help="a shard directory (manifest.json and its .tar shards)")
     ap.add_argument("--samples", type=int, default=3, metavar="N", help="decoded samples to print (default 3)")
     ap.add_argument("--verify", action="store_true", help="check every shard's sha256 and sample count")
     return ap

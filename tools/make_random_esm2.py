@@ -32,9 +32,9 @@ def esm2_config(size: str):
 def build_parser() -> argparse.ArgumentParser:
     """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=sorted(SIZES), default="8M")
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=sorted(SIZES), default="8M", help="the ESM2 shape (default 8M)")
+    p.add_argument("--out", required=True, type=Path, help="the Hugging Face directory to write")
+    p.add_argument("--seed", type=int, default=0, help="torch seed of the random weights (default 0)")
     p.add_argument("--force", action="store_true", help="replace a directory this tool wrote (a Hugging Face ESM "
                    "directory); anything else is never replaced")
     return p

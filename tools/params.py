@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="a config file, or a name in launchers/configs")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set model.d_model=512 (repeatable)")
     p.add_argument("--build", action="store_true", help="also build the model and count its parameters")
     return p
 

@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fasta", required=True, type=Path, help="proteins (plain or .gz)")
     p.add_argument("--out", required=True, type=Path, help="directory for routing_report.json and .png")
     p.add_argument("--max-records", type=int, default=None, help="read only the first N records")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default 16)")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
     return p
 

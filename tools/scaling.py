@@ -396,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="a config file, or a name in launchers/configs")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set model.d_model=512 (repeatable)")
     p.add_argument("--gpus", required=True, help="number of GPUs, or a comma list (e.g. 8,64,1024)")
     p.add_argument("--ds_config", required=True, help="DeepSpeed JSON config (ds_configs/zero{1,2,3}.json)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: train.expert_parallel_size)")

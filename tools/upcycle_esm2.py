@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--esm", required=True, type=Path, help="ESM2 weights: a Hugging Face directory (config.json + "
                    "weights) or a fair-esm file (esm2_t30_150M_UR50D.pt, read without executing code)")
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path, help="the export directory to write (the ProtLingo init)")
     p.add_argument("--config", help="run config whose model section gives the MoE and memory choices")
     p.add_argument("--moe-layers", help="blocks whose FFN becomes a MoE, e.g. 3-29")
     p.add_argument("--num-experts", type=int, help="routed experts E")
