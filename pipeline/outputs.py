@@ -122,8 +122,11 @@ def kept_note(kept: list[str], tool: str) -> str:
 def staging_dir(out: Path) -> Path:
     """A new, empty directory beside ``out`` (same filesystem, so the final rename is atomic), hidden and unique:
     two tools writing beside each other never share one, and nothing of the user's is ever cleared to make it."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:  # a read-only or full filesystem: refused here, before the tool's long work, naming the place
+        out.parent.mkdir(parents=True, exist_ok=True)
+        path = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as e:
+        raise OutputDirError(f"{out}: cannot write in {out.parent} ({e.strerror or e})") from None
     # mkdtemp makes it 0700; the finished directory gets the permissions of any directory made here (the umask's),
     # so that others on a shared filesystem can read the exports they are told to use
     umask = os.umask(0)

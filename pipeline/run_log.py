@@ -58,8 +58,13 @@ class RunLog:
             self.pending.append(line)
             del self.pending[:-10000]  # bounded: a run that never attaches keeps only its last lines
         else:
-            self.file.write(line + "\n")
-            self.file.flush()
+            try:
+                self.file.write(line + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk: the console keeps every line; train.log ends here, said once
+                self.file = None
+                sys.__stderr__.write(f"warning: {self.run_dir / TRAIN_LOG}: cannot write ({e.strerror or e}); the "
+                                     "rest of this run's output is on the console only\n")
 
     def attach(self, run_dir: Path, fresh_errors: bool):
         """Start writing RUN_DIR/train.log (appending: a resumed run continues its log)."""
@@ -75,8 +80,11 @@ class RunLog:
     def record_error(self, line: str):
         if self.run_dir is None:
             return
-        with open(self.run_dir / ERRORS, "a") as f:  # one short append per rank: lines do not mix
-            f.write(json.dumps({"time": time.time(), "rank": self.rank, "error": line}) + "\n")
+        try:
+            with open(self.run_dir / ERRORS, "a") as f:  # one short append per rank: lines do not mix
+                f.write(json.dumps({"time": time.time(), "rank": self.rank, "error": line}) + "\n")
+        except OSError:  # a full or read-only disk: the error line is on the console already, and that is what counts
+            pass
 
     def first_error(self) -> dict | None:
         if self.run_dir is None:

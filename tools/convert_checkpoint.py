@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -242,6 +243,7 @@ def main(argv=None) -> int:
     bar = None
     try:
         check_output_dir(out, force=args.force, owned=written_by(TOOL), what="an export", tool=TOOL)
+        tmp = staging_dir(out)  # before the long work: a read-only destination is refused at once
         if args.spm is not None and not args.spm.is_file():
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
         import torch
@@ -281,11 +283,16 @@ def main(argv=None) -> int:
             bar.update()
         if fmt != "pipeline":
             state = export.to_foreign(state, cfg.model)  # e.g. transformers' EsmForMaskedLM names
-        tmp = staging_dir(out)  # creates e.g. exports/, as the training's summary suggests
         bar.set_postfix_str(f"writing {EXPORTED_WEIGHTS}")
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
-        save_file(state, str(tmp / EXPORTED_WEIGHTS), metadata={"format": "pt"})  # "pt": what transformers expects
+        try:
+            save_file(state, str(tmp / EXPORTED_WEIGHTS), metadata={"format": "pt"})  # "pt": what transformers expects
+        except SafetensorError as e:  # a full disk: safetensors' own error, its reason in Rust's Debug text
+            reason = re.search(r'message: "([^"]+)"', str(e))
+            raise OSError(f"{out}: cannot write {EXPORTED_WEIGHTS} ({reason[1] if reason else e}); nothing was "
+                          "exported") from None
         bar.update()
         bar.set_postfix_str("config, tokenizer, export.json, README.md")
         shutil.copy(tag_dir / "config.yaml", tmp / "config.yaml")
@@ -311,7 +318,8 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # ConfigError, ShardError: ValueErrors; FileNotFoundError: an OSError
         if bar is not None:
             bar.close()
-        print(f"error: {e}", file=sys.stderr)
+        where = f"{e.filename}: " if isinstance(e, OSError) and e.filename and e.strerror else ""
+        print(f"error: {where}{e.strerror if where else e}", file=sys.stderr)  # [Errno 28] ... -> path: reason
         return 2
     finally:
         if tmp is not None:  # a failed conversion leaves no partial export

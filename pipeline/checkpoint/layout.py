@@ -290,9 +290,13 @@ class RunDirLock:
         self.fd = None
 
     def acquire(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, holder = take_lock(self.path, f"host {socket.gethostname()}, pid {os.getpid()}, since "
-                                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+        try:  # the first write of a training into run_dir: a read-only or full filesystem fails here, in one line
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, holder = take_lock(self.path, f"host {socket.gethostname()}, pid {os.getpid()}, since "
+                                              f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+        except OSError as e:
+            raise ConfigError(f"run_dir {self.path.parent}: cannot write there ({e.strerror or e}); choose a "
+                              "run_dir on a writable filesystem") from None
         if fd is None:
             raise ConfigError(f"run_dir {self.path.parent}: in use by another training ({holder or 'unknown holder'}"
                               "); wait for it to end or give this run another run_dir")
