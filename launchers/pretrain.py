@@ -138,6 +138,10 @@ def main(argv=None) -> int:
     except (ConfigError, ShardError, FileNotFoundError) as e:
         run_log.report_fatal(rank, str(e), rank_specific=_distributed())
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers are installed, or a second one during a step
+        run_log.report_fatal(rank, "interrupted (Ctrl-C): the step in progress is not saved; the same command "
+                                   "resumes from the last complete checkpoint", rank_specific=False)
+        return 130
     except Exception as e:  # noqa: BLE001 - every rank's fatal error reaches the console, one line each
         from pipeline.train import CheckpointWriteError, PeerLost, TrainingStopped
 

@@ -34,7 +34,7 @@ class StopMidStep(Exception):
 
 class StopRequest:
     """Why this rank wants the run to stop after its current step: SIGTERM or SIGUSR1 (what SLURM and Kubernetes
-    send before a kill), the death of the launcher that started it, or ``train.max_hours``.
+    send before a kill), SIGINT (Ctrl-C), the death of the launcher that started it, or ``train.max_hours``.
 
     The handlers only set ``reason``; the training loop all-reduces the flag once per step, so every rank finishes
     the same step, writes its part of one checkpoint and exits 0. SIGTERM to the ``deepspeed`` runner kills the
@@ -44,7 +44,10 @@ class StopRequest:
     sent to the ranks themselves (docs/checkpoints.md, "Preemption").
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    # SIGINT: Ctrl-C reaches every rank of a local launch (one process group) and DeepSpeed's launch.py, which then
+    # sends SIGTERM and kills 30 s later; the first one stops after the step, checkpointed, like SIGTERM. A second
+    # Ctrl-C does not wait: KeyboardInterrupt, which the launcher reports in one line (the step is not saved).
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self, max_hours: float | None):
         self.max_hours = max_hours
@@ -61,7 +64,9 @@ class StopRequest:
             threading.Thread(target=self._watch, args=(watched,), daemon=True, name="launcher-watch").start()
 
     def _on_signal(self, signum, frame):
-        self.reason = self.reason or signal.Signals(signum).name
+        if signum == signal.SIGINT and self.reason == "SIGINT (Ctrl-C)":
+            raise KeyboardInterrupt
+        self.reason = self.reason or ("SIGINT (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name)
 
     def _watch(self, processes):
         while self.reason is None:
