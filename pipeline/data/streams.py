@@ -14,7 +14,7 @@ import numpy as np
 
 from pipeline import commands
 from pipeline.data.shard_reader import read_cluster_tokens, read_tokens, shard_layout
-from pipeline.data.shards import ShardError, load_manifest
+from pipeline.data.shards import MANIFEST, ShardError, load_manifest
 
 # (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}
 SampleTransform = Callable[[np.ndarray, np.random.Generator], dict]
@@ -37,6 +37,15 @@ class LazyRng:
         if self._rng is None:
             self._rng = np.random.default_rng(self._key)
         return getattr(self._rng, name)
+
+
+def _stat(path: Path) -> tuple | None:
+    """(inode, size, mtime) of ``path``, or None when it is missing: what changes when a file is replaced."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def draw_member(offsets: np.ndarray, rng) -> int:
@@ -223,6 +232,7 @@ class SourceStream:
             raise ShardError(f"{self.spec}: {len(self.shards)} shards < {layout.streams} loader streams "
                              f"({layout.describe()}); reshard with a smaller --shard-size or use fewer streams")
         self.counts = np.array([s.samples for s in self.shards])
+        self._manifest = _stat(Path(self.spec) / MANIFEST)  # a rebuild of the directory replaces it (a new inode)
 
     def stream_shards(self, stream: int, epoch: int) -> np.ndarray:
         """The shards global stream ``stream`` (of layout.streams) reads in ``epoch``."""
@@ -234,10 +244,25 @@ class SourceStream:
         ref = self.shards[sid]
         sha256 = ref.sha256 if self.verify and sid not in self._verified else None
         read = read_cluster_tokens if self.clusters else read_tokens
-        records = read(ref.path, expected_samples=int(self.counts[sid]), sha256=sha256, vocab_size=self.vocab_size)
+        self._check_unchanged(None)
+        try:
+            records = read(ref.path, expected_samples=int(self.counts[sid]), sha256=sha256, vocab_size=self.vocab_size)
+        except (ShardError, OSError) as e:  # a shard rewritten under the run reads as damaged: say what happened
+            self._check_unchanged(e)
+            raise
         if sha256 is not None:
             self._verified.add(sid)
         return records
+
+    def _check_unchanged(self, error: Exception | None):
+        """A ShardError when the shard directory was rebuilt (data_prep --overwrite) since this run resolved it:
+        its shards are no longer those the loader's position counts in (``error``: what reading one gave)."""
+        if self._manifest is not None and _stat(Path(self.spec) / MANIFEST) != self._manifest:
+            seen = f"; reading a shard gave: {str(error).splitlines()[0]}" if error is not None else ""
+            raise ShardError(f"{self.spec}: the shard directory was rewritten while this run read it (its "
+                             f"{MANIFEST} changed since the run started{seen}). The loader's position means nothing "
+                             "in other data: restore the data, or resume with --allow-data-change to read the new "
+                             "data from its beginning")
 
     def samples(self, stream: int, skip: int) -> Iterator[dict]:
         """Infinite sample stream of global stream ``stream``, starting after its first ``skip`` samples."""

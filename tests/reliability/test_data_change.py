@@ -43,3 +43,46 @@ def test_resume_on_rebuilt_data_is_refused_unless_allowed(tmp_path):
     # the new checkpoint records the new data: the same command resumes from it without the flag
     r = train(shards, run, 8)
     assert r.returncode == 0 and "is not the data" not in r.stdout + r.stderr, r.stderr[-3000:]
+
+
+def test_shards_rewritten_during_training_are_named_as_such(tmp_path):
+    """Campaign case: ``data_prep --overwrite`` over the shards of a running training was reported as a "truncated
+    shard?". The run now names the rebuilt directory and the ways on, in one line."""
+    import os
+    import signal
+    import threading
+
+    from conftest import REPO, deepspeed_cmd, kill_group, launch_env
+
+    shards, run = tmp_path / "shards", tmp_path / "run"
+    prep(shards, 100)
+    cmd = deepspeed_cmd(1, "ds_configs/zero2.json", TINY + [
+        f"data.train_shards={shards}", f"run_dir={run}", "train.max_steps=2000", "data.mix_shards=1",
+        "checkpoint.every_steps=1000", "tracking.enabled=false"])
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines, going = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 2/"):
+                going.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert going.wait(240), "".join(lines[-40:])
+        prep(shards, 150, "--overwrite")  # 15 shards where there were 22: the next shard the run reads is another's
+        assert proc.wait(240) == 2, "".join(lines[-40:])
+        reader.join(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_group(proc)
+    out = "".join(lines)
+    assert "Traceback" not in out and "truncated" not in out, out[-3000:]
+    (line,) = [ln for ln in lines if "error:" in ln]
+    assert line.rstrip().endswith(
+        f"error: {shards}: the shard directory was rewritten while this run read it (its manifest.json changed since "
+        "the run started). The loader's position means nothing in other data: restore the data, or resume with "
+        "--allow-data-change to read the new data from its beginning"), line
