@@ -256,16 +256,70 @@ class Track(Callback):
 
 
 class Console(Callback):
-    """Rank 0: a step line every train.log_every steps and at the last; the run's closing summary."""
+    """Rank 0: a step line every train.log_every steps and at the last, ending with this attempt's elapsed time and
+    an estimate of the time left (``eta``); the run's closing summary."""
 
     def on_fit_start(self, trainer):
         self.start_step, self.started = trainer.state.step, time.perf_counter()
+        c = trainer.state.cumulative
+        self.start_words, self.start_samples = c.get("words", 0.0), c.get("samples", 0.0)
 
     def on_step_end(self, trainer, rec):
         if _console_step(trainer) and trainer.rank == 0:
             print(f"step {trainer.state.step}/{trainer.cfg.train.max_steps} | loss {rec['loss']:.4f} | lr "
                   f"{rec['lr']:.3e} | grad_norm {rec['grad_norm']:.3f} | tok/s {rec['tokens_per_s']:.0f} | "
-                  f"TFLOP/s/dev {rec['tflops_per_device']:.3f} | step {rec['step_time'] * 1000:.0f} ms", flush=True)
+                  f"TFLOP/s/dev {rec['tflops_per_device']:.3f} | step {rec['step_time'] * 1000:.0f} ms | "
+                  f"{self.timing(trainer)}", flush=True)
+
+    def timing(self, trainer) -> str:
+        """``elapsed 1m02s eta 3m10s``: the ETA at this attempt's pace (validations and saves included) to whichever
+        limit ends the run first; a limit other than train.max_steps is named."""
+        t, c, step = trainer.cfg.train, trainer.state.cumulative, trainer.state.step
+        elapsed = time.perf_counter() - self.started
+        budgets = {"train.max_steps": (step - self.start_step, t.max_steps - step)}
+        if t.max_words is not None:
+            budgets["train.max_words"] = (c.get("words", 0.0) - self.start_words, t.max_words - c.get("words", 0.0))
+        if t.max_epochs is not None:
+            total = t.max_epochs * trainer.plan.dataset_samples
+            budgets["train.max_epochs"] = (c.get("samples", 0.0) - self.start_samples, total - c.get("samples", 0.0))
+        deadline = trainer.stop.deadline  # train.max_hours, on the clock StopRequest checks
+        if deadline is not None:
+            budgets["train.max_hours"] = (None, deadline - time.monotonic())
+        eta = estimate_remaining(elapsed, budgets)
+        if eta is None:
+            return f"elapsed {duration(elapsed)} eta ?"
+        seconds, limit = eta
+        return f"elapsed {duration(elapsed)} eta {duration(seconds)}" + (
+            "" if limit == "train.max_steps" else f" ({limit})")
+
+
+def duration(seconds: float) -> str:
+    """A console duration: 42s, 1m02s, 2h03m, 3d04h (two units at most, the larger first)."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s // 60 % 60:02d}m"
+    return f"{s // 86400}d{s // 3600 % 24:02d}h"
+
+
+def estimate_remaining(elapsed: float, budgets: dict) -> tuple[float, str] | None:
+    """(seconds left, the limit that ends the run first) at the pace of ``elapsed`` seconds so far, or None.
+
+    ``budgets``: limit name -> (done, left). ``done`` units (steps, words, samples) took ``elapsed`` seconds, so
+    ``left`` more take ``elapsed * left / done``; ``done`` None means ``left`` is already seconds (a wall-clock
+    deadline). A limit with nothing done yet has no pace and gives no estimate; one already spent gives 0."""
+    found = []
+    for name, (done, left) in budgets.items():
+        if done is None:
+            found.append((max(0.0, left), name))
+        elif left <= 0:
+            found.append((0.0, name))
+        elif done > 0:
+            found.append((elapsed * left / done, name))
+    return min(found, key=lambda f: f[0]) if found else None
 
     def on_fit_end(self, trainer, status):
         if trainer.rank == 0:
