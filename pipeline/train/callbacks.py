@@ -292,6 +292,11 @@ class Console(Callback):
         return f"elapsed {duration(elapsed)} eta {duration(seconds)}" + (
             "" if limit == "train.max_steps" else f" ({limit})")
 
+    def on_fit_end(self, trainer, status):
+        if trainer.rank == 0:
+            print(trainer.summary(status, trainer.state.step - self.start_step,
+                                  time.perf_counter() - self.started), flush=True)
+
 
 def duration(seconds: float) -> str:
     """A console duration: 42s, 1m02s, 2h03m, 3d04h (two units at most, the larger first)."""
@@ -320,11 +325,6 @@ def estimate_remaining(elapsed: float, budgets: dict) -> tuple[float, str] | Non
         elif done > 0:
             found.append((elapsed * left / done, name))
     return min(found, key=lambda f: f[0]) if found else None
-
-    def on_fit_end(self, trainer, status):
-        if trainer.rank == 0:
-            print(trainer.summary(status, trainer.state.step - self.start_step,
-                                  time.perf_counter() - self.started), flush=True)
 
 
 class SaveCadence(Callback):
