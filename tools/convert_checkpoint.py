@@ -267,20 +267,20 @@ def main(argv=None) -> int:
         export = get_family(cfg.family).hf_export()  # None: a family without HF classes, pipeline files only
         hf_cfg = hf.hf_config(cfg) if export is not None else None
         fmt = hf.export_format(cfg)
-        bar = progress(total=4, desc="convert", unit="step")  # re-totalled once the tensors are known
+        # Four steps, one total from the start (a total that grew to the tensor count once the checkpoint was read
+        # made the bar jump back from 25%): the read (one call into zero_to_fp32 or safetensors) and the write of
+        # model.safetensors take the time, the cast between them is quick.
+        bar = progress(total=4, desc="convert", unit="step")
         bar.set_postfix_str("loading the checkpoint")
         trained = load_trained_model(tag_dir, trusted=args.trust_checkpoint)
         bar.update()
         state = trained.model.state_dict()
-        bar.total = 3 + len(state)
-        bar.unit = "tensor"
-        bar.refresh()
         dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        for name in list(state):  # one tick per tensor: cast (floating ones) and contiguous, ready for safetensors
-            bar.set_postfix_str(f"{name}", refresh=False)
+        bar.set_postfix_str(f"casting {len(state)} tensors to {args.dtype}")
+        for name in list(state):  # cast (floating ones) and contiguous, ready for safetensors
             t = state[name]
             state[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
-            bar.update()
+        bar.update()
         if fmt != "pipeline":
             state = export.to_foreign(state, cfg.model)  # e.g. transformers' EsmForMaskedLM names
         bar.set_postfix_str(f"writing {EXPORTED_WEIGHTS}")

@@ -86,12 +86,18 @@ def report(model, records: list, context: int, batch_size: int = 16) -> dict:
             hooks.append(m.register_forward_hook(on_moe(int(name.split(".")[1]))))
         elif isinstance(m, LatentNgramMemory):
             hooks.append(m.register_forward_pre_hook(on_memory(int(name.split(".")[1]))))
+    from pipeline.eval.cli import progress
+
+    # A bar in residues (stderr): a large protein set is minutes of forwards on a CPU, silent without it.
+    bar = progress(total=sum(len(r) for r in records), desc="routing report", unit="residue")
     try:
         with torch.no_grad():
             for ids, mask in batches(records, context, batch_size):
                 current["ids"] = ids
                 model(ids, mask)
+                bar.update(int(mask.sum()) - 2 * len(ids))  # <cls> and <eos> of every window are no residue
     finally:
+        bar.close()
         for h in hooks:
             h.remove()
     residues = [VOCAB[i] for i in range(len(VOCAB)) if any(int(u[i].sum()) for u in usage.values())]

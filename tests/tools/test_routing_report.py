@@ -5,6 +5,7 @@ distribution, and the JSON and PNG are written."""
 import gzip
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -60,4 +61,11 @@ def test_routing_report_of_an_export(tmp_path, capsys):
             assert abs(sum(row) - 1) < 1e-9, acid
     mem = doc["memory_layers"]["1"]
     assert 0 < mem["rows_addressed"] <= mem["table_rows"] and mem["exact_addresses"] in (True, False)
-    assert "MoE block 0: normalized entropy" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "MoE block 0: normalized entropy" in captured.out
+    # the forwards' bar on stderr, complete: every residue of the 40 proteins counted once
+    n = doc["residues"]
+    assert "routing report: 100%" in captured.err and f" {n}/{n} " in captured.err, captured.err[-500:]
+    # convert_checkpoint's bar (the export above) keeps one total from its first frame to its last: 4 steps
+    frames = re.findall(r"convert:\s+\d+%\|[^|]*\| (\d+)/(\d+)", captured.err)
+    assert len(frames) >= 2 and {total for _, total in frames} == {"4"} and frames[-1] == ("4", "4"), frames
