@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     d = args.directory
+    bar = None
     try:
         m = load_manifest(d)
         tok = m.tokenizer
@@ -76,14 +77,22 @@ def main(argv: list[str] | None = None) -> int:
                 if shown >= args.samples:
                     break
         if args.verify:
+            from pipeline.eval.cli import progress
+
+            # every byte of every shard is read twice (members, then sha256): minutes on a large directory
+            bar = progress(total=len(m.shards), desc="verify", unit="shard")
             for s in m.shards:
                 read(d / s.path, s.samples)  # first: damage that breaks a member is named by that member
                 digest = sha256_file(d / s.path)
                 if digest != s.sha256:
                     raise ShardError(f"{d / s.path}: sha256 {digest[:16]}... differs from the manifest's "
                                      f"{s.sha256[:16]}...")
+                bar.update()
+            bar.close()
             print(f"  verified {len(m.shards)} shards: sha256 and sample counts match the manifest")
     except (ShardError, FileNotFoundError, OSError) as e:
+        if bar is not None:
+            bar.close()  # its last frame ends its line: the error is a line of its own
         print(f"inspect_shards: error: {e}", file=sys.stderr)
         return 1
     return 0

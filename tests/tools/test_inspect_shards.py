@@ -21,6 +21,7 @@ def test_inspect_and_corrupt_member(tmp_path):
     p = subprocess.run(tool + ["--samples", "2", "--verify"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "source rnacentral" in p.stdout and "6320 samples" in p.stdout and "verified 4 shards" in p.stdout
+    assert "verify: 100%" in p.stderr and " 4/4 " in p.stderr  # the bar on stderr, stdout unchanged
     first = RNA.read_text().replace("\r\n", "\n").split("\n>")[0].split("\n")
     assert repr("".join(first[1:]).upper().replace("T", "U")[:117])[1:-1] in p.stdout
 
@@ -32,5 +33,8 @@ def test_inspect_and_corrupt_member(tmp_path):
     raw[member.offset_data:member.offset_data + 6] = b"GARBAG"
     shard.write_bytes(bytes(raw))
     p = subprocess.run(tool + ["--samples", "0", "--verify"], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and p.stderr.count("\n") == 1
-    assert p.stderr.startswith(f"inspect_shards: error: {shard}: corrupt member {member.name} ")
+    # stderr: the verify bar's frames (shard 0 passed, shard 1 did not), then the one error line, last
+    assert p.returncode == 1 and "verify:  25%|" in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("verify: ")]
+    assert len(lines) == 1 and p.stderr.splitlines()[-1] == lines[0], p.stderr
+    assert lines[0].startswith(f"inspect_shards: error: {shard}: corrupt member {member.name} ")
