@@ -113,6 +113,9 @@ def main(argv=None) -> int:
     from pipeline import run_log
 
     run_log.install(rank)  # before DeepSpeed's loggers capture the streams: everything reaches train.log
+    from pipeline.distributed import name_cpu_accelerator
+
+    name_cpu_accelerator()  # before DeepSpeed is imported: no "Setting accelerator to CPU" line per rank on CPU
     args = parse_args(argv)
     if args.dry_run and rank != 0:
         return 0  # under a launcher rank 0 alone plans, for every rank; the others would print the same

@@ -5,9 +5,32 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
+
+# torch 2.13 deprecates dist.all_gather_into_tensor and reduce_scatter_tensor for all_gather_single and
+# reduce_scatter_single (the same collectives: the old names now just call the new ones). DeepSpeed 0.19's
+# TorchBackend still calls the old names, for every ZeRO all-gather (the parameters after each optimizer step) and
+# ZeRO-3's gradient reduce-scatter, so a FutureWarning reached the console and train.log, and again after anything
+# reset the warnings registry (on rank 0 after each validation). The calls are DeepSpeed's, not this project's:
+# silence exactly those two messages, raised from torch's own deprecation wrapper.
+warnings.filterwarnings(
+    "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    category=FutureWarning, module=r"torch\.distributed\.c10d_logger")
+
+
+def name_cpu_accelerator():
+    """``DS_ACCELERATOR=cpu`` on a host where torch sees no CUDA device, unless the caller chose one; call before
+    DeepSpeed is first imported.
+
+    DeepSpeed then falls back to its CPU accelerator anyway (the training uses CUDA iff torch sees it), but by
+    detection, which logs "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect
+    it." in every process, into every rank's part of train.log. Naming what detection would find changes nothing
+    else; on a CUDA host the variable is left unset (forcing it there would be wrong)."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def _single_process_group(backend: str, timeout: dict):

@@ -1,12 +1,13 @@
 """Validation on a cadence (pipeline/validation.py, eval.* and checkpoint.keep_best): real 2-process launches on the
 val split data_prep --val-fraction writes, compared with launchers/evaluate.py on the same checkpoint and set, across
 world sizes and ZeRO stages, through a kill and resume; and the checks at start."""
+import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, SAMPLE_FASTA, TINY, deepspeed_cmd, launch_and_kill, read_jsonl, run_pretrain
+from conftest import REPO, SAMPLE_FASTA, TINY, deepspeed_cmd, launch_and_kill, read_jsonl, run_launch, run_pretrain
 from golden.cases import CASES, REL
 
 DEPTHS = [1, 2, 4]
@@ -55,10 +56,26 @@ def split(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eco_run(split, tmp_path_factory):
+    """The quickstart's way in (scripts/launch.sh, 2 ranks, ZeRO-2, validating), whose console and train.log carry
+    only the training's own lines: no DeepSpeed accelerator detection or CUDA_VISIBLE_DEVICES line on a CPU host, no
+    torch FutureWarning (DeepSpeed's deprecated all_gather_into_tensor, at every step), and every step line ends
+    with the elapsed time and an ETA."""
+    import torch
+
     run = tmp_path_factory.mktemp("eco") / "run"
-    r = run_pretrain(2, "ds_configs/zero2.json", [*ECO, f"run_dir={run}", f"data.train_shards={split}/train",
-                                                  "tracking.enabled=true"])  # MLflow in RUN_DIR/mlflow.db
+    sets = [*ECO, f"run_dir={run}", f"data.train_shards={split}/train", "tracking.enabled=true"]  # RUN_DIR/mlflow.db
+    r = run_launch(["env", f"PY={sys.executable}", "NPROC=2", "bash", str(REPO / "scripts" / "launch.sh"),
+                    str(REPO / "launchers" / "pretrain.py"), "--ds_config", str(REPO / "ds_configs" / "zero2.json"),
+                    *sum((["--set", o] for o in sets), [])])
     assert r.returncode == 0, r.stderr[-3000:]
+    log = (run / "train.log").read_text()
+    for text in (r.stdout + r.stderr, log):
+        assert "FutureWarning" not in text and "Setting accelerator" not in text, text[-3000:]
+        if not torch.cuda.is_available():
+            assert "CUDA_VISIBLE_DEVICES" not in text, text[-3000:]
+    steps = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 6 and all(re.search(r" \| elapsed \d+s eta \d+s$", ln) for ln in steps), steps
+    assert steps[-1].endswith(" eta 0s") and "==== run " in r.stdout
     return run
 
 
@@ -105,6 +122,10 @@ def test_the_same_weights_give_the_same_validation_on_any_world_size_and_zero_st
                           "optim.lr=1e-12", "train.max_steps=1", "eval.every=1", "checkpoint.keep_best=null"])
         assert r.returncode == 0, (ds, nproc, r.stderr[-3000:])
         same(val_records(run)[1], want)
+        # the deepspeed runner without scripts/launch.sh: the ranks themselves keep train.log free of DeepSpeed's
+        # accelerator detection and of its deprecated all-gather's FutureWarning (ZeRO-3's parameter gathers too)
+        log = (run / "train.log").read_text()
+        assert "Setting accelerator" not in log and "FutureWarning" not in log, log[-3000:]
 
 
 @pytest.mark.slow
