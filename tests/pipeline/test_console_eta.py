@@ -33,7 +33,8 @@ def test_the_estimate_follows_the_pace_and_the_first_limit_reached():
 
 def fake_trainer(step=0, max_steps=100, max_words=None, words=0.0, deadline=None):
     train = SimpleNamespace(max_steps=max_steps, max_words=max_words, max_epochs=None)
-    return SimpleNamespace(cfg=SimpleNamespace(train=train), state=SimpleNamespace(step=step, cumulative={"words": words}),
+    return SimpleNamespace(cfg=SimpleNamespace(train=train),
+                           state=SimpleNamespace(step=step, cumulative={"words": words}),
                            stop=SimpleNamespace(deadline=deadline), plan=SimpleNamespace(dataset_samples=1000))
 
 
