@@ -92,6 +92,18 @@ def read_sequences(path: Path, molecule: str) -> list[np.ndarray]:
     return [tok.encode(r.seq) for r in iter_fasta(path, tok.invalid_positions) if len(r.seq)]
 
 
+def note_cropped(seqs: list, cfg, data: Path) -> dict:
+    """The masked-LM evaluations read one seeded window of data.context_length - 2 residues (the training's crop;
+    <cls>/<eos> take two positions) of a longer sequence: counted in the result and said on stderr, never silent."""
+    window = cfg.data.context_length - 2
+    longer = [len(s) for s in seqs if len(s) > window]
+    if longer:
+        print(f"warning: {data}: {len(longer):,} of {len(seqs):,} sequences are longer than the model's window of "
+              f"{window:,} residues (data.context_length {cfg.data.context_length}); each is evaluated on one seeded "
+              f"random window of {window:,}, not whole (the longest has {max(longer):,})", file=sys.stderr)
+    return {"cropped": len(longer), "window": window}
+
+
 def run_reconstruction(trained, data: Path, depths, seed: int) -> dict:
     from pipeline.eval.reconstruction import heldout_samples, reconstruction_sweep
     from pipeline.families import get_family
@@ -100,10 +112,11 @@ def run_reconstruction(trained, data: Path, depths, seed: int) -> dict:
     seqs = read_sequences(data, cfg.data.molecule)
     if not seqs:  # an empty or header-only file would otherwise divide by zero tokens
         raise ValueError(f"{data}: no sequence to evaluate (an empty file, or headers without sequence lines)")
+    cropped = note_cropped(seqs, cfg, data)
     samples = heldout_samples(seqs, get_family(cfg.family).make_transform(cfg), seed)
     per_k = reconstruction_sweep(trained.model, cfg, samples, depths, seed=seed, desc=f"reconstruction K={depths[0]}"
                                  + (f"-{depths[-1]}" if len(depths) > 1 else ""))
-    return {"sequences": len(seqs), "per_depth": {str(k): v for k, v in per_k.items()},
+    return {"sequences": len(seqs), **cropped, "per_depth": {str(k): v for k, v in per_k.items()},
             "table": [(k, v["loss"], v["accuracy"]) for k, v in per_k.items()], "columns": ("K", "loss", "accuracy")}
 
 
@@ -119,8 +132,9 @@ def run_mlm(trained, data: Path, seed: int, batch_size: int) -> dict:
     seqs = read_proteins(data)
     if not seqs:
         raise ValueError(f"{data}: no sequence to evaluate (an empty file, or headers without sequence lines)")
+    cropped = note_cropped(seqs, cfg, data)
     res = mlm_eval(model, cfg, heldout_samples(seqs, family.make_transform(cfg), seed), family.pad_id, batch_size)
-    return {"sequences": len(seqs), **res, "table": [(res["tokens"], res["loss"], res["perplexity"], res["accuracy"])],
+    return {"sequences": len(seqs), **cropped, **res, "table": [(res["tokens"], res["loss"], res["perplexity"], res["accuracy"])],
             "columns": ("masked", "loss", "perplexity", "accuracy")}
 
 

@@ -75,3 +75,23 @@ def test_train_spm_vocabulary_errors_speak_this_clis_flags(tmp_path, capsys, voc
                            str(vocab)]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [f"data_prep: error: {want}"]
     assert not list(tmp_path.glob("spm*"))
+
+
+def test_a_sequence_longer_than_the_window_is_counted_and_said(export, tmp_path, capsys):
+    """Campaign case: a 1 M-nt sequence was evaluated on 128 positions without a word. Real Rfam sequences joined
+    into one of 1,000,000 nt: evaluated on one window (the training's crop), said on stderr and counted in the JSON."""
+    import gzip
+    import json
+
+    body = "".join(ln.strip() for ln in gzip.open(HELDOUT_FASTA, "rt") if not ln.startswith(">"))
+    fasta = tmp_path / "long.fasta"
+    fasta.write_text(">joined\n" + (body * (1_000_000 // len(body) + 1))[:1_000_000] + "\n>short\nACGUACGU\n")
+    out = tmp_path / "r.json"
+    rc = evaluate_main(["--checkpoint", str(export), "--task", "reconstruction", "--data", str(fasta), "--depths",
+                        "1", "--no-mlflow", "--output", str(out)])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning:")]
+    assert rc == 0 and err == [
+        f"warning: {fasta}: 1 of 2 sequences are longer than the model's window of 126 residues (data.context_length "
+        "128); each is evaluated on one seeded random window of 126, not whole (the longest has 1,000,000)"], err
+    res = json.loads(out.read_text())
+    assert res["sequences"] == 2 and res["cropped"] == 1 and res["window"] == 126
