@@ -9,13 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.outputs import OutputDirError, check_output_dir, write_atomic
+from pipeline.outputs import OutputDirError, check_output_dir, write_atomic, written_by
 
 from .checks import FILTERED, PrepError
 
 # pipeline.data.shards is imported only where shards are written or read: webdataset pulls in torch (~2 s), and
 # argument or output-directory mistakes should be reported at once. Its constants are mirrored here.
 MANIFEST = "manifest.json"  # pipeline.data.shards.MANIFEST
+TOOL = "data_prep"  # the ownership marker's tool name (pipeline.outputs.publish_dir)
 SHARD_FORMAT = "bioseq-wds/2"  # pipeline.data.shards.FORMAT: shards of blocks of samples
 BLOCK_SAMPLES = 2048  # pipeline.data.shards.BLOCK_SAMPLES
 JOB_MANIFEST_RE = re.compile(r"manifest-job(\d{4})-of-(\d{4})\.json")
@@ -31,7 +32,7 @@ LOWERCASE = np.zeros(256, dtype=bool)
 LOWERCASE[ord("a"):ord("z") + 1] = True
 LOWERCASE.flags.writeable = False
 
-__all__ = ["FILTERED", "FILTERED_HEADER", "MANIFEST", "SHARD_FORMAT", "BLOCK_SAMPLES", "JOB_MANIFEST_RE",
+__all__ = ["TOOL", "FILTERED", "FILTERED_HEADER", "MANIFEST", "SHARD_FORMAT", "BLOCK_SAMPLES", "JOB_MANIFEST_RE",
            "SPLIT_FILE", "SPLITS", "TAILS", "TSV_HEADER", "LOWERCASE", "job_manifest_name", "job_filtered_name",
            "split_of", "split_doc", "check_output_replaceable", "write_json"]
 
@@ -83,12 +84,32 @@ def split_doc(manifests: dict, val_fraction: float, source: str) -> dict:
 
 
 def _looks_like_output(directory: Path) -> bool:
-    if (directory / MANIFEST).is_file() or (directory / SPLIT_FILE).is_file():
+    """Whether data_prep wrote ``directory``: its ownership marker (pipeline.outputs.publish_dir), or, for outputs
+    written before the marker and by array jobs and merge, a manifest (split, job) that parses as data_prep's. A file
+    merely *named* manifest.json (``{}``) is anyone's, so its folder is never replaced."""
+    if written_by(TOOL)(directory):
         return True
-    if any(JOB_MANIFEST_RE.fullmatch(p.name) for p in directory.iterdir()):
-        return True
-    return any((directory / s).is_dir() and ((directory / s / MANIFEST).is_file() or any(
-        JOB_MANIFEST_RE.fullmatch(p.name) for p in (directory / s).iterdir())) for s in SPLITS)
+    candidates = [directory / MANIFEST, directory / SPLIT_FILE]
+    candidates += [p for p in directory.iterdir() if JOB_MANIFEST_RE.fullmatch(p.name)]
+    for s in SPLITS:
+        if (directory / s).is_dir():
+            candidates += [directory / s / MANIFEST]
+            candidates += [p for p in (directory / s).iterdir() if JOB_MANIFEST_RE.fullmatch(p.name)]
+    return any(_is_manifest(p) for p in candidates)
+
+
+def _is_manifest(path: Path) -> bool:
+    """A data_prep manifest: a shard list (manifest.json, job manifests) or a split record (split.json)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(doc, dict):
+        return False
+    if path.name == SPLIT_FILE:
+        return isinstance(doc.get("splits"), dict) and "val_fraction" in doc
+    shards = doc.get("shards")
+    return isinstance(shards, list) and all(isinstance(x, dict) and "path" in x and "sha256" in x for x in shards)
 
 
 def check_output_replaceable(output: Path, overwrite: bool) -> None:
@@ -96,7 +117,7 @@ def check_output_replaceable(output: Path, overwrite: bool) -> None:
     a mount point (the finished output is renamed into place: found now, not after the work)."""
     try:
         check_output_dir(output, force=overwrite, owned=_looks_like_output, what="a data_prep output",
-                         tool="data_prep", flag="--overwrite")
+                         tool=TOOL, flag="--overwrite")
     except OutputDirError as e:
         raise PrepError(str(e)) from None
 

@@ -22,18 +22,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.data.tokenizer import SPM_NAME
-from pipeline.outputs import replace_dir
+from pipeline.outputs import kept_note, publish_dir
 
 from . import Source, batch
 from .build import build as build_sequences
 from .checks import PrepError
 from .clusters import build as build_clusters
 from .clusters import load_clusters
-from .common import (FILTERED, MANIFEST, SPLIT_FILE, SPLITS, check_output_replaceable, job_filtered_name,
+from .common import (FILTERED, MANIFEST, SPLIT_FILE, SPLITS, TOOL, check_output_replaceable, job_filtered_name,
                      job_manifest_name, split_doc, write_json)
 from .encode import Encoder
 from .fasta import FastaError
@@ -175,7 +176,7 @@ def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerpri
         if splits != ("",):
             write_json(tmp / SPLIT_FILE, split_doc(manifests, settings.val_fraction, source.name))
         work.finish()  # only now: a failed manifest write leaves the resumable work directory intact
-        replace_dir(tmp, output)
+        kept = publish_dir(tmp, output, TOOL)  # marked as data_prep's; files it did not write are carried over
     except (PrepError, FastaError, ValueError):
         # Bad input: a rerun would fail the same way, so nothing is kept (not even finished shards).
         work.release()
@@ -190,6 +191,8 @@ def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerpri
         # Ctrl-C, SIGTERM (preemption), a full disk: finished shards stay in DIR.partial for the rerun to resume.
         work.release()
         raise
+    if kept:
+        print(kept_note(kept, TOOL), file=sys.stderr)
     if splits == ("",):
         return Result(manifests[""], seen, output / MANIFEST)
     located = {k: (m, output / k / MANIFEST) for k, m in manifests.items()}

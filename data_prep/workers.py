@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.outputs import replace_dir, take_lock
+from pipeline.outputs import kept_note, publish_dir, take_lock
 
 from . import Source, batch
 from .checks import PrepError
-from .common import check_output_replaceable
+from .common import TOOL, check_output_replaceable
 from .fasta import FastaError, input_position
 from .feed import FEED_DEPTH, Aborted, Feed
 from .jobs import run
@@ -255,7 +255,9 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
         k, (rc, msg) = min(failed, key=lambda f: f[1][0] == 3)  # not one the parent stopped, if any
         raise PrepError(f"worker {k} of {workers} failed: {msg}")
     result = merge(staging)
-    replace_dir(staging, output)
+    kept = publish_dir(staging, output, TOOL)  # marked as data_prep's; others' files carried over
+    if kept:
+        print(kept_note(kept, TOOL), file=sys.stderr)
 
     def moved(path: Path) -> Path:
         return output / path.relative_to(staging)

@@ -182,8 +182,8 @@ def test_existing_output_needs_overwrite(runs, root):
     assert (root / "min_keep" / "manifest.json").read_bytes() == (root / "min" / "manifest.json").read_bytes()
     assert runs["plain"].returncode == 0, runs["plain"].stderr
     assert load_manifest(root / "plain").total_samples == 2107
-    assert sorted(p.name for p in (root / "plain").iterdir()) == ["manifest.json"] + [
-        f"rnacentral-00000{i}.tar" for i in range(3)]
+    assert sorted(p.name for p in (root / "plain").iterdir()) == [".written-by.json", "manifest.json"] + [
+        f"rnacentral-00000{i}.tar" for i in range(3)]  # the marker: data_prep owns this directory
     assert not list(root.glob("plain.*"))
 
 

@@ -315,7 +315,7 @@ def test_split_is_by_record_id(rfam, tmp_path, capsys):
     assert summary.count("\n") == 0
     assert f"split by record-id hash (--val-fraction 0.1) into {out}/{{train,val}}" in summary
     assert f"-> {out / 'train' / 'manifest.json'}" in summary and f"-> {out / 'val' / 'manifest.json'}" in summary
-    assert sorted(p.name for p in out.iterdir()) == ["split.json", "train", "val"]
+    assert sorted(p.name for p in out.iterdir()) == [".written-by.json", "split.json", "train", "val"]
     doc = json.loads((out / "split.json").read_text())
     train, val = load_manifest(out / "train"), load_manifest(out / "val")
     assert doc["splits"]["val"]["samples"] == val.total_samples and doc["val_fraction"] == 0.1

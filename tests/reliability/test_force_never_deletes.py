@@ -63,11 +63,12 @@ def tools(t: Path, out: Path) -> dict:
 
 def named_like_an_export(t: Path) -> Path:
     """Campaign case 6: a user's folder holding files named as the tools' own (export.json, a config.json of model
-    type esm) with the user's notes beside them; a name anyone can create once made the folder "tool-written"."""
+    type esm, a manifest.json) with the user's notes beside them; a name anyone can create once made the folder "tool-written"."""
     d = t / "mine"
     d.mkdir()
     (d / "export.json").write_text("{}")
     (d / "config.json").write_text('{"model_type": "esm"}')
+    (d / "manifest.json").write_text("{}")  # data_prep's output was recognised by this name
     (d / "notes.md").write_text("my notes\n")
     return d
 
@@ -129,3 +130,20 @@ def test_an_output_that_is_a_mount_point_is_refused_before_the_work(tmp_path):
         f"data_prep: error: {out} is a mount point: the output is built beside it and renamed into place, which cannot replace a "
         f"mount point; give a directory inside it (e.g. {out / 'volume'})"]
     assert [p.name for p in tmp_path.iterdir()] == ["volume"]  # no volume.partial: refused before the work
+
+
+def test_overwrite_keeps_what_data_prep_did_not_write(tmp_path):
+    """data_prep marks its output (.written-by.json listing its files): --overwrite replaces those and keeps a user's
+    notes beside them, saying so; a marker of another tool makes the folder not data_prep's."""
+    out = tmp_path / "hops"
+    argv = [sys.executable, "-m", "data_prep", "synthetic-hops", "--hops", "2", "--records", "10", "--output", str(out)]
+    assert subprocess.run(argv + ["--seed", "0"], cwd=REPO, capture_output=True, timeout=120).returncode == 0
+    (out / "NOTES.md").write_text("which seed this was\n")
+    r = subprocess.run(argv + ["--seed", "1", "--overwrite"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (out / "NOTES.md").read_text() == "which seed this was\n"
+    assert "note: kept 1 file that data_prep did not write: NOTES.md" in r.stderr, r.stderr
+    (out / ".written-by.json").write_text('{"tool": "convert_checkpoint.py", "files": []}')
+    (out / "manifest.json").write_text("{}")
+    r = subprocess.run(argv + ["--seed", "2", "--overwrite"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "was not written by data_prep" in r.stderr, r.stderr
