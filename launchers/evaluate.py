@@ -447,7 +447,9 @@ def main(argv=None) -> int:
         if args.output is not None and not args.output.parent.is_dir():
             raise FileNotFoundError(f"{args.output.parent}: --output: no such directory")
         from pipeline.checkpoint import load_trained_model
+        from pipeline.checkpoint.layout import hold_off_rotation
 
+        hold_off_rotation(args.checkpoint)  # a training rotating the run's checkpoints keeps this one until we exit
         tag_dir, cfg, _ = locate_checkpoint(args.checkpoint)  # config and client state, no weights yet
         if depths:
             check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)

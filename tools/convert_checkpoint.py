@@ -252,6 +252,9 @@ def main(argv=None) -> int:
 
         if not args.checkpoint.exists():
             raise FileNotFoundError(f"{args.checkpoint}: no such checkpoint directory")
+        from pipeline.checkpoint.layout import hold_off_rotation
+
+        hold_off_rotation(args.checkpoint)  # a training rotating the run's checkpoints keeps this one until we exit
         tag_dir, cfg, meta = locate_checkpoint(resolve_checkpoint(args.checkpoint, args.tag))
         if is_export(tag_dir):
             raise ConfigError(f"{tag_dir}: already an export ({EXPORTED_WEIGHTS}); copy the directory instead")

@@ -247,10 +247,29 @@ def rotate(ckpt_dir: Path, keep_last: int, current: str) -> list[str]:
 
     Only checkpoints up to ``current`` (the one just written) are considered (a rollback sets later ones aside first,
     ``set_aside_later_checkpoints``). Milestones (client_state ``milestone``) are never rotated; ``current`` and the tags ``latest``
-    and ``best`` name are never deleted. Incomplete checkpoints older than the kept ones go with them.
+    and ``best`` name are never deleted. Incomplete checkpoints older than the kept ones go with them. While a tool
+    reads a checkpoint of the run (``hold_off_rotation``) nothing is deleted: the next save rotates.
     """
     if not keep_last:
         return []
+    try:
+        fd = os.open(ckpt_dir / READERS, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        fd = None
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a tool is reading a checkpoint of this run: rotate at the next save instead
+            os.close(fd)
+            return []
+    try:
+        return _rotate(ckpt_dir, keep_last, current)
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _rotate(ckpt_dir: Path, keep_last: int, current: str) -> list[str]:
     protected = {current, read_latest(ckpt_dir), read_latest(ckpt_dir, BEST)}
     timeline = [t for t in checkpoint_tags(ckpt_dir) if tag_step(t) <= tag_step(current)]
     rotating = [t for t in timeline if not (read_client(ckpt_dir / t) or {}).get("milestone")]
@@ -260,6 +279,29 @@ def rotate(ckpt_dir: Path, keep_last: int, current: str) -> list[str]:
     for t in doomed:
         shutil.rmtree(ckpt_dir / t, ignore_errors=True)
     return doomed
+
+
+READERS = ".readers.lock"  # in checkpoints/: tools reading a checkpoint hold it shared, rotation takes it exclusively
+_held: list[int] = []  # this process's shared locks, kept until it exits
+
+
+def hold_off_rotation(path: Path) -> None:
+    """Keep the training that writes the checkpoints at ``path`` (a run dir, its checkpoints/ dir or a tag dir) from
+    deleting any of them for the rest of this process: a shared flock on CHECKPOINTS/.readers.lock, which rotation
+    must take exclusively. For short-lived tools (convert, evaluate): an export during rotation otherwise finds the
+    checkpoint it resolved gone or half-deleted. Nothing for an export, or where the lock file cannot be made (a
+    read-only copy, which no training rotates)."""
+    p = Path(path)
+    ckpts = p / "checkpoints" if (p / "checkpoints").is_dir() else p if (p / LATEST).exists() else (
+        p.parent if (p / CLIENT_STATE).is_file() else None)
+    if ckpts is None:
+        return
+    try:
+        fd = os.open(ckpts / READERS, os.O_RDONLY | os.O_CREAT, 0o644)
+    except OSError:
+        return
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a rotation deletes (milliseconds)
+    _held.append(fd)
 
 
 def set_aside_later_checkpoints(ckpt_dir: Path, tag: str) -> Path | None:
