@@ -92,6 +92,11 @@ def publish_dir(new: Path, out: Path, tool: str) -> list[str]:
     one's name and the old one gets ``.previous``). Returns the files kept, for the tool's note."""
     old = _marker(out) if out.is_dir() else None
     kept = [] if old is None else [f for f in _files(out) if f not in set(old["files"])]
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in _files(new):  # safetensors writes 0600 (its temp file's mode): others may read what the umask allows
+        if not (new / f).is_symlink():
+            (new / f).chmod(0o666 & ~umask | (new / f).stat().st_mode & 0o111)
     doc = {"tool": tool, "run": f"pid {os.getpid()} on {socket.gethostname()}",
            "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": _files(new)}
     (new / MARKER).write_text(json.dumps(doc, indent=1) + "\n")

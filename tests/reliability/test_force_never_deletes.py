@@ -108,6 +108,9 @@ def test_force_replaces_the_tools_own_output(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # readable by others as any new directory (was 0700)
+    # and its files as any new file: safetensors writes model.safetensors 0600, unreadable to colleagues
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()} == {
+        f.name: oct(0o666 & ~umask) for f in out.iterdir()}
 
 
 def _can_mount() -> bool:
