@@ -28,8 +28,18 @@ def dry_run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_con
     if world_size < 1 or local < 1 or world_size % local:
         raise ConfigError(f"world size {world_size} does not split into nodes of {local} ranks "
                           "(--world-size, --nproc-per-node, or the launcher's WORLD_SIZE and LOCAL_WORLD_SIZE)")
-    plan = RunPlan(cfg, ds_config_path, resume, allow_config_change, world_size=world_size,
-                   trust_checkpoint=trust_checkpoint, allow_data_change=allow_data_change)
+    try:
+        plan = RunPlan(cfg, ds_config_path, resume, allow_config_change, world_size=world_size,
+                       trust_checkpoint=trust_checkpoint, allow_data_change=allow_data_change)
+    except ConfigError as e:
+        t = cfg.train
+        per_rank = t.micro_batch_size * t.grad_accum_steps
+        if str(e).startswith("train.global_batch_size") and "--world-size" not in origin \
+                and t.global_batch_size % per_rank == 0:  # planned for the default world: say how to plan another
+            raise ConfigError(f"{e}; this dry run planned {world_size} rank{'s' if world_size > 1 else ''} "
+                              f"({origin or 'no launcher'}): pass --world-size {t.global_batch_size // per_rank} to "
+                              "plan the world size this batch needs") from None
+        raise
     try:
         dataset = plan.build_dataset(rank=0)  # stream g's shards do not depend on the rank reading it
     except ValueError as e:  # the loader's own input checks (workers, windows, cluster sampling): one line

@@ -145,6 +145,17 @@ def test_resume_config_mismatch_exits_2(sample_shards, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: the config differs from the one checkpoint ") and "(seed: 1234 -> 7)" in lines[0], lines
 
 
+def test_a_batch_for_more_ranks_asks_for_world_size(sample_shards, tmp_path):
+    """A global batch that needs 2 ranks, dry-run without a launcher (1 rank): the line says which --world-size to
+    pass; with it the plan goes through."""
+    batch = ["train.micro_batch_size=4", "train.grad_accum_steps=1", "train.global_batch_size=8"]
+    proc = dry_run(sample_shards, tmp_path / "run", extra=batch)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        "this dry run planned 1 rank (no launcher: one rank): pass --world-size 2 to plan the world size this batch "
+        "needs"), proc.stderr
+    assert dry_run(sample_shards, tmp_path / "run", ["--world-size", "2"], batch).returncode == 0
+
+
 def test_world_size_flags_need_dry_run(sample_shards, tmp_path):
     cmd = [sys.executable, PRETRAIN, "--ds_config", str(REPO / "ds_configs/zero2.json"), "--world-size", "4"]
     proc = run_launch(cmd, timeout=60)
