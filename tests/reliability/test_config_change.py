@@ -3,8 +3,12 @@ steps and printed ``loss: final nan``; a changed model config resumed into DeepS
 resume whose config differs from its checkpoint's (beyond budgets, cadences, tracking and validation) is refused in
 one line listing each change with both values; --allow-config-change continues and logs the diff in train.log; a
 finished run asked for no more steps says so and exits 0."""
+import pytest
+
 from conftest import SAMPLE_FASTA, TINY, read_jsonl, run_pretrain
 from test_data_change import prep
+
+pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 
 def train(shards, run_dir, steps, *sets, extra=()):

@@ -9,8 +9,12 @@ import signal
 import subprocess
 import threading
 
+import pytest
+
 from conftest import REPO, TINY, deepspeed_cmd, kill_group, launch_env
 from pipeline.checkpoint.layout import damaged_files
+
+pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_no_traceback_of_ours(sample_shards, tmp_path):

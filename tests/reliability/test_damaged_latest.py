@@ -6,7 +6,11 @@ refuses with one line and exit 2; the logs are cut only to a checkpoint actually
 moves earlier logs aside instead of truncating them."""
 import shutil
 
+import pytest
+
 from conftest import TINY, read_jsonl, run_pretrain
+
+pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 
 def train(shards, run_dir, steps, *extra):

@@ -6,7 +6,11 @@ beginning and says so."""
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, SAMPLE_FASTA, TINY, read_jsonl, run_pretrain
+
+pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 
 def prep(out, shard_size, *extra):

@@ -9,7 +9,11 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from conftest import REPO, TINY, deepspeed_cmd, kill_group, launch_env
+
+pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 
 def test_exports_of_a_rotating_run_all_succeed(sample_shards, tmp_path):

@@ -23,8 +23,8 @@ def _namespaces() -> str | None:
     return None if probe.returncode == 0 else f"unshare -rm refused: {probe.stderr.strip()}"
 
 
-pytestmark = pytest.mark.skipif(_namespaces() is not None, reason=f"needs a private mount namespace "
-                                                                   f"({_namespaces()})")
+pytestmark = [pytest.mark.slow,  # DeepSpeed training launches
+              pytest.mark.skipif(_namespaces() is not None, reason=f"needs a private mount namespace ({_namespaces()})")]
 
 
 def on_tmpfs(mount, cmd, *, size: str, read_only: bool = False):

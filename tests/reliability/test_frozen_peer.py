@@ -8,8 +8,11 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from conftest import REPO, TINY, deepspeed_cmd, kill_group, launch_env, read_jsonl
+
+pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 TIMEOUT = 15
 

@@ -5,11 +5,14 @@ and weights of another shape than their config are one line naming the tensor an
 import subprocess
 import sys
 
+import pytest
 import torch
 import yaml
 
 from conftest import HELDOUT_FASTA, REPO, TINY, run_launch, run_pretrain
 from pipeline.checkpoint.layout import write_digests
+
+pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 TRUST = "--trust-checkpoint"  # the files below are rewritten by torch.save: the digests are redone, the pickles ours
 

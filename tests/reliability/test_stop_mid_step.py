@@ -9,7 +9,11 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from conftest import REPO, TINY, deepspeed_cmd, kill_group, launch_env, run_pretrain
+
+pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 
 def test_a_step_larger_than_the_training_set_is_refused_at_once(sample_shards, tmp_path):
