@@ -332,7 +332,9 @@ class TrackingConfig:
     enabled: bool = True
     experiment: str = "eco-rna"
     run_name: str | None = None
-    tracking_uri: str | None = None  # default sqlite:///RUN_DIR/mlflow.db; MLFLOW_TRACKING_URI overrides both
+    # Default: mlflow.db beside the run directory (runs/mlflow.db, one store for the checkout's runs; a run directory
+    # with its own RUN_DIR/mlflow.db keeps it); MLFLOW_TRACKING_URI overrides both.
+    tracking_uri: str | None = None
     # Bound in seconds on any single tracking call (start run, log metrics, log artifact): a hung tracking server
     # must not stall training.
     timeout_s: float = 10.0

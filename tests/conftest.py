@@ -143,6 +143,25 @@ def sqlite_uri(path: Path) -> str:
     return f"sqlite:///{path.resolve()}"
 
 
+def mlflow_store(run_dir: Path) -> str:
+    """The store a training launched without one configured logs to: mlflow.db beside its run directory, shared
+    with the run directories next to it (pipeline/tracking/store.py, default_store)."""
+    from pipeline.tracking.store import default_store
+
+    return sqlite_uri(default_store(run_dir))
+
+
+def mlflow_runs(run_dir: Path) -> list:
+    """The MLflow runs of one run directory in its default store: those tagged with its journal's run key (the store
+    also holds the runs of the directories beside it)."""
+    from mlflow.tracking import MlflowClient
+
+    key = json.loads((Path(run_dir) / "tracking_state.json").read_text())["run_key"]
+    client = MlflowClient(tracking_uri=mlflow_store(run_dir))
+    return client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              f"tags.`pipeline.run_key` = '{key}'")
+
+
 @pytest.fixture
 def mlflow_server(tmp_path):
     if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("fastapi") is None:

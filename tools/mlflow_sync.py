@@ -29,7 +29,7 @@ import yaml  # noqa: E402
 
 from pipeline.tracking.journal import PENDING, config_params, new_state, read_state, write_state  # noqa: E402
 from pipeline.tracking.replay import logged_cadence, read_metrics_jsonl, replay  # noqa: E402
-from pipeline.tracking.store import Store, _short, bounded_http  # noqa: E402
+from pipeline.tracking.store import Store, _short, artifact_location, bounded_http, default_store  # noqa: E402
 
 
 class SyncError(Exception):
@@ -69,8 +69,7 @@ def state_for(run_dir: Path, config: dict) -> dict:
     state = new_state(rid[len(PENDING):] if rid and rid.startswith(PENDING) else None)
     tracking = config.get("tracking") or {}
     state.update(params=config_params(config), experiment=tracking.get("experiment") or "default",
-                 run_name=tracking.get("run_name") or run_dir.name, uri=uri,
-                 artifact_location=(run_dir / "mlartifacts").as_uri())
+                 run_name=tracking.get("run_name") or run_dir.name, uri=uri)
     if rid and uri and not rid.startswith(PENDING):
         state["runs"][uri] = rid
     return state
@@ -78,7 +77,7 @@ def state_for(run_dir: Path, config: dict) -> dict:
 
 def default_uri(run_dir: Path, state: dict, config: dict) -> str:
     return (state.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or (config.get("tracking") or {}).get(
-        "tracking_uri") or f"sqlite:///{run_dir.resolve()}/mlflow.db")
+        "tracking_uri") or f"sqlite:///{default_store(run_dir)}")
 
 
 def sync(run_dir: Path, uri: str | None = None, all_steps: bool = False, status: str | None = None,
@@ -92,6 +91,7 @@ def sync(run_dir: Path, uri: str | None = None, all_steps: bool = False, status:
     config = read_config(run_dir)
     state = state_for(run_dir, config)
     uri = uri or default_uri(run_dir, state, config)
+    state["artifact_location"] = state.get("artifact_location") or artifact_location(uri, run_dir)
     bounded_http(timeout_s, max_retries=2, backoff_factor=1)
     try:
         store = Store(uri)

@@ -4,6 +4,9 @@ timeout and retries for one thread only, and the store operations (:class:`Store
 pipeline/tracking/tracker.py's docstring."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import sys
 import threading
@@ -19,15 +22,62 @@ PERMANENT_CODES = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE", "R
                    "RESOURCE_ALREADY_EXISTS"}
 
 
+STORE_FILE = "mlflow.db"
+
+
+def default_store(run_dir: Path) -> Path:
+    """The sqlite file of a run directory when no store is configured: ``RUN_DIR/mlflow.db`` where it exists (a run
+    started before the shared store keeps resuming into its own), else ``mlflow.db`` in the directory that holds the
+    run directory (``runs/mlflow.db`` for ``runs/NAME``), so the runs of a checkout share one store and one UI. Beside
+    the run directories rather than in the working directory: the same run resolves to the same store from any
+    directory, and a test's runs under its tmp_path stay out of the checkout's store."""
+    run_dir = Path(run_dir).resolve()
+    own = run_dir / STORE_FILE
+    return own if own.is_file() else run_dir.parent / STORE_FILE
+
+
 def tracking_uri(cfg, run_dir: Path, *, existing: bool = False) -> str | None:
-    """The run's store: ``MLFLOW_TRACKING_URI``, else ``tracking.tracking_uri``, else ``sqlite:///RUN_DIR/mlflow.db``.
-    ``existing``: None instead of that default when RUN_DIR/mlflow.db does not exist (evaluation logs to the
-    training run's store, never makes one)."""
+    """The run's store: ``MLFLOW_TRACKING_URI``, else ``tracking.tracking_uri``, else the sqlite file of
+    :func:`default_store`. ``existing``: None instead of that default when that file does not exist (evaluation logs
+    to the training run's store, never makes one)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.tracking.tracking_uri
     if uri:
         return uri
-    db = Path(run_dir).resolve() / "mlflow.db"
+    db = default_store(run_dir)
     return None if existing and not db.is_file() else f"sqlite:///{db}"
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (relative or absolute), None for any other store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?", 1)[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def artifact_location(uri: str, run_dir: Path) -> str:
+    """Where a new experiment keeps its runs' artifacts: ``mlartifacts`` beside a sqlite store's file (a shared store
+    must not keep one run's artifacts inside another's run directory), else ``RUN_DIR/mlartifacts``."""
+    db = sqlite_file(uri)
+    return ((db.resolve().parent if db else Path(run_dir).resolve()) / "mlartifacts").as_uri()
+
+
+@contextlib.contextmanager
+def _creation_lock(uri: str):
+    """Held while a process opens a sqlite store: MLflow 3.17's tracking store creates and migrates a new database
+    without a lock, and two trainings starting at once on a fresh shared file both fail half-way through its
+    migrations (measured: three at once, all failed, the file left unusable). ``DB.lock`` beside the file."""
+    db = sqlite_file(uri)
+    if db is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _warn(msg: str):
@@ -105,7 +155,8 @@ class Store:
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
-        self.client = MlflowClient(tracking_uri=uri)
+        with _creation_lock(uri):  # MlflowClient opens the store: creates and migrates a new sqlite file
+            self.client = MlflowClient(tracking_uri=uri)
 
     def experiment_id(self, name: str, artifact_location: str | None) -> str:
         exp = self.client.get_experiment_by_name(name)

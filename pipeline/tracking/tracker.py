@@ -1,7 +1,10 @@
 """MLflow tracking: one run per training job, written by rank 0 in a background thread; training never waits on it.
 
-Store. Default ``sqlite:///RUN_DIR/mlflow.db`` with artifacts under ``RUN_DIR/mlartifacts`` (no server needed);
-``MLFLOW_TRACKING_URI`` or ``tracking.tracking_uri`` override it.
+Store. Default ``mlflow.db`` beside the run directory (``runs/mlflow.db``: every run of a checkout in one store, one
+UI) with artifacts in ``mlartifacts`` beside it, no server needed; a run directory that has its own ``mlflow.db`` (from
+before) keeps it (``store.default_store``). ``MLFLOW_TRACKING_URI`` or ``tracking.tracking_uri`` override it. Several
+trainings write the one sqlite file at once: its creation is serialized by a file lock (``DB.lock``), writes wait on
+sqlite's own lock (5 s), and a write that still fails is retried like an outage.
 
 Threading. ``Tracker`` is built on every rank; only rank 0 talks to MLflow, from one daemon worker thread.
 ``log_metrics``, ``log_artifact`` and ``finish`` put an item on an in-memory queue and return (microseconds; an
@@ -78,7 +81,7 @@ from pipeline.outputs import write_atomic
 from pipeline.tracking.journal import PENDING, config_params, new_state, probe_key, read_state, state_path
 from pipeline.tracking.replay import logged_cadence, numeric, read_metrics_jsonl, replay
 from pipeline.tracking.store import (BATCH_METRICS, PERMANENT_CODES, NotInStore, Store, _code, _short, _warn,
-                                     bounded_http, tracking_uri)
+                                     artifact_location, bounded_http, tracking_uri)
 
 SPOOL_DIR = "tracking_spool"
 SPOOL_MAX_BYTES = 8 << 20
@@ -153,7 +156,7 @@ class Tracker:
             state["tags"] = {k: str(v) for k, v in (tags or {}).items()}
         state.update(uri=self.uri, experiment=cfg.tracking.experiment, status="RUNNING", status_sent={},
                      run_name=state.get("run_name") or cfg.tracking.run_name or run_dir.name,
-                     artifact_location=state.get("artifact_location") or (run_dir / "mlartifacts").as_uri())
+                     artifact_location=state.get("artifact_location") or artifact_location(self.uri, run_dir))
         if resume_real:
             state["runs"].setdefault(self.uri, resume_real)
         state["anchors"] = (state.get("anchors", []) + [[int(resume_step or 0), int(time.time() * 1000)]])[-1000:]

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import HELDOUT_FASTA, REPO, SAMPLE_FASTA, SHARED_DATA, TINY, launch_env, run_launch
+from conftest import HELDOUT_FASTA, REPO, SAMPLE_FASTA, SHARED_DATA, TINY, launch_env, mlflow_store, run_launch
 
 pytestmark = pytest.mark.slow
 RNAGYM = SHARED_DATA / "eval" / "rnagym"
@@ -53,7 +53,7 @@ def test_reconstruction_sweep(trained_run, tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{trained_run.resolve()}/mlflow.db")
+    client = MlflowClient(tracking_uri=mlflow_store(trained_run))
     exps = [e.experiment_id for e in client.search_experiments()]
     (train,) = client.search_runs(exps, "tags.`mlflow.parentRunId` IS NULL")
     (ev,) = client.search_runs(exps, f"tags.`mlflow.parentRunId` = '{train.info.run_id}'")

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, deepspeed_cmd, launch_and_kill, read_jsonl, run_pretrain
+from conftest import TINY, deepspeed_cmd, launch_and_kill, mlflow_runs, mlflow_store, read_jsonl, run_pretrain
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def test_zero_stage_trains_tracks_and_checkpoints(sample_shards, tmp_path, stage
 
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve()}/mlflow.db")
+    client = MlflowClient(tracking_uri=mlflow_store(run_dir))
     (exp,) = [e for e in client.search_experiments() if e.name == "eco-rna-demo"]
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED"
@@ -84,8 +84,8 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(sample_shards, tmp_path
     assert more.returncode == 0 and "resumed from" in more.stdout
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{kill_dir.resolve()}/mlflow.db")
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    client = MlflowClient(tracking_uri=mlflow_store(kill_dir))
+    runs = mlflow_runs(kill_dir)  # the store beside both run directories also holds the reference run
     assert len(runs) == 1
     assert [h.step for h in client.get_metric_history(runs[0].info.run_id, "loss")][-2:] == [steps + 1, steps + 2]
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, free_port, launch_env, losses, read_jsonl, run_pretrain, samples_per_step
+from conftest import (REPO, TINY, free_port, launch_env, losses, mlflow_runs, mlflow_store, read_jsonl, run_pretrain,
+                      samples_per_step)
 
 sys.path.insert(0, str(REPO / "tests" / "pipeline" / "parallel"))
 import test_expert_parallel  # noqa: E402
@@ -165,9 +166,8 @@ def test_one_log_one_metrics_file_one_mlflow_run_for_all_nodes(eco_two_nodes):
     assert any(ln.startswith("[rank 0] ") and "error: lost contact with another rank" in ln for ln in log)
     assert sum(ln.startswith(f"[rank 0] step {STEPS}/{STEPS} |") for ln in log) == 1
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir}/mlflow.db")
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    (run,) = client.search_runs(experiments)
+    client = MlflowClient(tracking_uri=mlflow_store(run_dir))
+    (run,) = mlflow_runs(run_dir)
     assert run.info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, STEPS + 1))
     for tag in (f"step{EVERY:08d}", f"step{STEPS:08d}"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, deepspeed_cmd, launch_and_kill, read_jsonl, run_pretrain
+from conftest import REPO, TINY, deepspeed_cmd, launch_and_kill, mlflow_runs, read_jsonl, run_pretrain
 from pipeline.config import ConfigError, dump_yaml, load_config
 from pipeline.train import RunPlan, lr_lambda
 
@@ -20,13 +20,6 @@ def overrides(shards, run_dir, steps, *more):
 def tree_digest(folder: Path) -> dict:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def mlflow_runs(run_dir: Path) -> list:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir.resolve()}/mlflow.db")
-    return client.search_runs([e.experiment_id for e in client.search_experiments()])
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from conftest import REPO, free_port, sqlite_uri
 
 from pipeline.config import ConfigError, dump_yaml, load_config
 from pipeline.tracking.journal import PENDING, STATE_FILE, read_state, resolve_run_id
-from pipeline.tracking.store import RUN_KEY_TAG, bounded_http
+from pipeline.tracking.store import RUN_KEY_TAG, Store, bounded_http, tracking_uri
 from pipeline.tracking.tracker import Tracker
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -200,6 +200,60 @@ def test_resume_in_a_store_without_the_run_is_a_config_error(tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match="not in the store"):
         Tracker(make_cfg(run_dir, sqlite_uri(tmp_path / "empty.db")), run_dir, 0, "0123456789abcdef0123456789abcdef", 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_default_store_is_shared_by_the_run_dirs_beside_it_and_an_old_run_dir_keeps_its_own(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    cfg = make_cfg(runs / "a", None)
+    shared = sqlite_uri(runs / "mlflow.db")
+    assert tracking_uri(cfg, runs / "a") == tracking_uri(cfg, runs / "b") == shared
+    assert tracking_uri(cfg, runs / "a", existing=True) is None  # evaluation never makes a store
+    old = runs / "old"  # a run started before the shared store: resumes into RUN_DIR/mlflow.db
+    old.mkdir(parents=True)
+    (old / "mlflow.db").touch()
+    assert tracking_uri(cfg, old) == tracking_uri(cfg, old, existing=True) == sqlite_uri(old / "mlflow.db")
+    assert tracking_uri(make_cfg(runs / "a", sqlite_uri(tmp_path / "cfg.db")), runs / "a") == sqlite_uri(
+        tmp_path / "cfg.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", sqlite_uri(tmp_path / "env.db"))
+    assert tracking_uri(make_cfg(runs / "a", sqlite_uri(tmp_path / "cfg.db")), runs / "a") == sqlite_uri(
+        tmp_path / "env.db")
+
+
+def test_trackers_of_two_run_dirs_log_to_one_store_with_artifacts_beside_it(tmp_path):
+    runs = tmp_path / "runs"
+    trackers = [Tracker(make_cfg(runs / n, None), runs / n, 0, None, None) for n in ("a", "b")]
+    for s in (1, 2, 3):
+        for t in trackers:
+            engine_step(t, t.run_dir, s)
+    for t in trackers:
+        t.log_artifact(t.run_dir / "metrics.jsonl")
+        t.finish("FINISHED")
+    uri = sqlite_uri(runs / "mlflow.db")
+    assert {t.uri for t in trackers} == {uri} and not (runs / "a" / "mlflow.db").exists()
+    for t in trackers:
+        assert loss_steps(uri, t.run_id) == [1, 2, 3]
+        run = client(uri).get_run(t.run_id)
+        assert run.info.run_name == t.run_dir.name
+        # one run directory removed must not take the other's artifacts with it
+        assert run.info.artifact_uri.startswith((runs / "mlartifacts").as_uri())
+    assert (runs / "mlartifacts").is_dir() and not (runs / "a" / "mlartifacts").exists()
+
+
+def test_two_processes_opening_a_new_sqlite_store_at_once_both_succeed(tmp_path):
+    """MLflow creates and migrates a new sqlite file without a lock: without Store's, processes that open a fresh
+    shared store together fail half-way through the migrations (two trainings started at once in a new checkout)."""
+    uri = sqlite_uri(tmp_path / "mlflow.db")
+    code = ("import sys; from pipeline.tracking.store import Store; s = Store(sys.argv[1]); "
+            "e = s.experiment_id('x', None); r = s.client.create_run(e).info.run_id; "
+            "s.send(r, [(i, 0, {'loss': 1.0}) for i in range(5)]); print('ok')")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, uri], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-600:] for _, err in outs]
+    (exp,) = [e for e in client(uri).search_experiments() if e.name == "x"]
+    assert len(client(uri).search_runs([exp.experiment_id])) == 3
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, SAMPLE_FASTA, TINY, deepspeed_cmd, launch_and_kill, read_jsonl, run_launch, run_pretrain
+from conftest import (REPO, SAMPLE_FASTA, TINY, deepspeed_cmd, launch_and_kill, mlflow_runs, mlflow_store, read_jsonl,
+                      run_launch, run_pretrain)
 from golden.cases import CASES, REL
 
 DEPTHS = [1, 2, 4]
@@ -63,7 +64,7 @@ def eco_run(split, tmp_path_factory):
     import torch
 
     run = tmp_path_factory.mktemp("eco") / "run"
-    sets = [*ECO, f"run_dir={run}", f"data.train_shards={split}/train", "tracking.enabled=true"]  # RUN_DIR/mlflow.db
+    sets = [*ECO, f"run_dir={run}", f"data.train_shards={split}/train", "tracking.enabled=true"]  # mlflow.db beside RUN_DIR
     r = run_launch(["env", f"PY={sys.executable}", "NPROC=2", "bash", str(REPO / "scripts" / "launch.sh"),
                     str(REPO / "launchers" / "pretrain.py"), "--ds_config", str(REPO / "ds_configs" / "zero2.json"),
                     *sum((["--set", o] for o in sets), [])])
@@ -100,8 +101,8 @@ def test_eco_rna_validates_every_2_steps_as_evaluate_does_and_keeps_best(eco_run
     # MLflow: every step's loss (the validation steps' too: one record per step) and the validation with its plot
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{eco_run / 'mlflow.db'}")
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    client = MlflowClient(mlflow_store(eco_run))
+    (run,) = mlflow_runs(eco_run)
     run_id = run.info.run_id
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3, 4, 5, 6]
     assert sorted(m.step for m in client.get_metric_history(run_id, "val/loss_K4")) == [2, 4, 6]

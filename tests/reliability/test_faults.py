@@ -16,6 +16,7 @@ import pytest
 
 from conftest import REPO, TINY, deepspeed_cmd, launch_env, read_jsonl, run_pretrain
 from pipeline.commands import shown
+from pipeline.tracking.store import default_store
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
@@ -26,7 +27,8 @@ def overrides(shards, run_dir, steps, *more):
 
 
 def mlflow_status(run_dir: Path) -> list[str]:
-    with sqlite3.connect(run_dir / "mlflow.db") as db:
+    """The statuses of the runs in the store beside ``run_dir`` (each test here has one run directory)."""
+    with sqlite3.connect(default_store(run_dir)) as db:
         return [row[0] for row in db.execute("select status from runs")]
 
 
