@@ -2,7 +2,8 @@
 
 Replays into MLflow what a training run's store missed (an outage, a server down at start, a job killed before
 it could flush): params, config changes of later resumes (tags ``config.<key>``), the metrics of
-RUN_DIR/metrics.jsonl the store does not have, the artifacts the tracker could not send, and the final status.
+RUN_DIR/metrics.jsonl the store does not have, the artifacts and dataset inputs the tracker could not send, and the
+final status.
 Reads RUN_DIR/tracking_state.json (the tracker's journal, see pipeline/tracking/tracker.py), RUN_DIR/metrics.jsonl and
 RUN_DIR/config.yaml; works without the journal too (a run from before it: params from config.yaml, run id from the
 latest checkpoint).
@@ -126,6 +127,12 @@ def sync(run_dir: Path, uri: str | None = None, all_steps: bool = False, status:
                 store.client.log_artifact(run_id, src, entry.get("subdir"))
                 artifacts += 1
             entry.setdefault("sent", []).append(uri)
+        datasets = 0
+        for entry in state.get("datasets", {}).values():  # the dataset inputs the tracker could not send
+            if uri not in entry.get("sent", []):
+                store.log_dataset(run_id, entry)
+                datasets += 1
+                entry.setdefault("sent", []).append(uri)
 
         final = status or state.get("status")
         if final and final != "RUNNING" and state.get("status_sent", {}).get(uri) != final:
@@ -140,7 +147,7 @@ def sync(run_dir: Path, uri: str | None = None, all_steps: bool = False, status:
     finally:
         write_state(run_dir, state)
     return {"run_id": run_id, "uri": uri, "created": created, "sent": sent, "there": there, "artifacts": artifacts,
-            "status": final, "changed": changed}
+            "datasets": datasets, "status": final, "changed": changed}
 
 
 def summary(res: dict) -> str:

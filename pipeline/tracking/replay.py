@@ -11,8 +11,22 @@ from pipeline.tracking.journal import probe_key
 from pipeline.tracking.store import Store
 
 
+# MLflow's UI (3.17, run page and run comparison) draws a section per key prefix (up to the last "/") in alphabetical
+# order, then the unprefixed keys ("Model metrics", charts by key), then system/... last. Kept as they are, loss, lr and
+# val/... come first: val/ is the one prefixed section, loss and lr open "Model metrics"; every other key of the step
+# record goes there after them, as train.<key> with "/" made "." (a "/" would make a section ahead of loss).
+# metrics.jsonl keeps the record's own names.
+MLFLOW_AS_IS = ("loss", "lr")
+
+
+def mlflow_key(key: str) -> str:
+    """The MLflow name of a step record's key: loss, lr and val/... as they are, the rest train.<key> ('/' -> '.')."""
+    return key if key in MLFLOW_AS_IS or key.startswith("val/") else "train." + key.replace("/", ".")
+
+
 def numeric(metrics: dict) -> tuple[dict, int | None]:
-    """(float metrics, timestamp in ms from a ``time`` key or None); non-numeric values are left out."""
+    """(float metrics under their MLflow names, timestamp in ms from a ``time`` key or None); non-numeric values are
+    left out."""
     out, ts = {}, None
     for k, v in metrics.items():
         if k == "step":
@@ -24,7 +38,7 @@ def numeric(metrics: dict) -> tuple[dict, int | None]:
                 pass
             continue
         try:
-            out[k] = float(v)
+            out[mlflow_key(k)] = float(v)
         except (TypeError, ValueError):
             continue
     return out, ts

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 RUN_KEY_TAG = "pipeline.run_key"
@@ -240,6 +241,25 @@ class Store:
 
     def present_steps(self, run_id: str, key: str) -> set:
         return {m.step for m in self.client.get_metric_history(run_id, key)}
+
+    def log_dataset(self, run_id: str, entry: dict):
+        """One data set as an MLflow dataset input of the run (the run page's Datasets, ``run.inputs``), from a
+        journal entry (:meth:`Tracker.log_dataset`): name, source (a directory or URL), digest, context, profile.
+        Logging the same one again adds nothing (MLflow keeps one input per name and digest)."""
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        try:  # a local directory resolves to MLflow's "local" source, an http(s) pattern to "http"
+            with warnings.catch_warnings():  # "can be interpreted in multiple ways": two equal local sources
+                warnings.simplefilter("ignore", UserWarning)
+                source = resolve_dataset_source(entry["source"])
+            source_type, source_json = source._get_source_type(), source.to_json()
+        except Exception:  # a scheme MLflow has no source for (pipe:, s3: without its extras): named as given
+            source_type, source_json = "external", json.dumps({"uri": entry["source"]})
+        dataset = Dataset(name=entry["name"], digest=entry["digest"], source_type=source_type, source=source_json,
+                          profile=json.dumps(entry.get("profile") or {}))
+        self.client.log_inputs(run_id, [DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, entry["context"])])])
 
     def send(self, run_id: str, records: list):
         """records: [(step, ts_ms, {key: value})], in step order; one log_batch per <= 1000 metrics, whole steps."""

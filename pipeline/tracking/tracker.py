@@ -68,14 +68,20 @@ metrics.jsonl for ``python tools/mlflow_sync.py RUN_DIR``, and one line says so.
 from __future__ import annotations
 
 import collections
+import getpass
+import hashlib
 import json
+import shlex
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 from pipeline import commands
 from pipeline.config import ConfigError
+from pipeline.data.shards import data_fingerprint
 from pipeline.distributed import broadcast_object
 from pipeline.outputs import write_atomic
 from pipeline.tracking.journal import PENDING, config_params, new_state, probe_key, read_state, state_path
@@ -86,6 +92,34 @@ from pipeline.tracking.store import (BATCH_METRICS, PERMANENT_CODES, NotInStore,
 SPOOL_DIR = "tracking_spool"
 SPOOL_MAX_BYTES = 8 << 20
 MAX_PENDING = 10_000  # metric records held in memory while the store is down (metrics.jsonl keeps every step)
+CHECKOUT = Path(__file__).resolve().parents[2]  # the code that runs: its commit, not the working directory's
+
+
+def source_tags() -> dict:
+    """What a run was started from, as tags: MLflow's own source tags (the UI's Source, Version and User columns),
+    whether the checkout had uncommitted changes (``pipeline.git.dirty``) and this process's command line
+    (``pipeline.command``). No git, or no checkout: no git tags."""
+    tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": sys.argv[0] if sys.argv else "",
+            "pipeline.command": shlex.join(sys.argv)[:5000]}
+    try:
+        tags["mlflow.user"] = getpass.getuser()
+    except Exception:  # no USER and no passwd entry (some containers)
+        pass
+
+    def git(*args) -> str | None:
+        try:  # no shell: the checkout path is passed as an argument, never parsed
+            r = subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return r.stdout if r.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit:
+        tags["mlflow.source.git.commit"] = commit.strip()
+        status = git("status", "--porcelain")
+        if status is not None:
+            tags["pipeline.git.dirty"] = "true" if status.strip() else "false"
+    return tags
 
 
 class Tracker:
@@ -102,6 +136,8 @@ class Tracker:
         self.enabled = bool(cfg.tracking.enabled)
         self.uri = tracking_uri(cfg, run_dir) if self.enabled else None
         self.timeout_s = float(getattr(cfg.tracking, "timeout_s", 10.0))
+        self.system_metrics_s = float(getattr(cfg.tracking, "system_metrics_s", 0.0))
+        self._monitor = None
         self.flush_timeout_s = 2 * self.timeout_s if flush_timeout_s is None else float(flush_timeout_s)
         self.retry_s, self.max_retry_s = float(retry_s), float(max_retry_s)
         self._run_id = self._real_id = self._worker = None
@@ -153,7 +189,7 @@ class Tracker:
         if resume_run_id is None or state is None:  # a new run; or a resumed run from before journals
             state = new_state(pending_key)
             state["params"] = params_now if resume_run_id is None else {}
-            state["tags"] = {k: str(v) for k, v in (tags or {}).items()}
+            state["tags"] = {**source_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
         state.update(uri=self.uri, experiment=cfg.tracking.experiment, status="RUNNING", status_sent={},
                      run_name=state.get("run_name") or cfg.tracking.run_name or run_dir.name,
                      artifact_location=state.get("artifact_location") or artifact_location(self.uri, run_dir))
@@ -182,6 +218,9 @@ class Tracker:
             for art, entry in state["artifacts"].items():  # what an earlier attempt could not send
                 if self.uri not in entry.get("sent", []):
                     self._queue.append(("a", art))
+            for key, entry in state.get("datasets", {}).items():
+                if self.uri not in entry.get("sent", []):
+                    self._queue.append(("d", key))
             snap = self._snapshot(force=True)
         self._write(snap)
         self._worker = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True)
@@ -239,6 +278,32 @@ class Tracker:
         except Exception as e:
             self._warn_once("artifact", f"log_artifact {path}: {_short(e)}")
 
+    def log_dataset(self, name: str, spec: str | Path, context: str):
+        """A shard directory (or URL pattern) as an MLflow dataset input of the run, ``context`` "training" or
+        "validation": the source is the directory, the digest the first 16 hex digits of its manifest.json's sha256
+        (of the pattern for a URL pattern, which has no manifest), the profile the full sha256 and the shard and
+        sample counts. Journaled like an artifact, so a store that was down gets it later."""
+        if self._worker is None or self._stop:
+            return
+        try:
+            spec = str(spec)
+            fp = data_fingerprint(spec)
+            local = fp is not None or Path(spec).is_dir()
+            source = str(Path(spec).resolve()) if local else spec
+            digest = (fp or {}).get("sha256") or hashlib.sha256(source.encode()).hexdigest()
+            entry = {"name": name, "source": source, "digest": digest[:16], "context": context,
+                     "profile": {"manifest_sha256": fp["sha256"], "shards": fp["shards"], "samples": fp["samples"]}
+                     if fp else {}, "sent": []}
+            key = f"{context}:{name}"
+            with self._cv:
+                self._state.setdefault("datasets", {})[key] = entry
+                self._queue.append(("d", key))
+                self._cv.notify_all()
+                snap = self._snapshot(force=True)
+            self._write(snap)
+        except Exception as e:
+            self._warn_once("dataset", f"log_dataset {spec}: {_short(e)}")
+
     def finish(self, status: str = "FINISHED"):
         """Queue the run's status, wait at most flush_timeout_s for everything to be sent, then stop the worker."""
         if self._worker is None or self._stop:
@@ -268,8 +333,13 @@ class Tracker:
                   f"{self.flush_timeout_s:g} s); run `{commands.python()} tools/mlflow_sync.py {self.run_dir}` when it is reachable")
 
     def close(self):
-        """Stop the worker without sending a status (``finish`` does this itself)."""
+        """Stop the worker without sending a status (``finish`` does this itself), and the system-metrics monitor
+        (from a thread of its own: its last send is bounded by timeout_s, not waited for)."""
         self._stop_worker()
+        monitor, self._monitor = self._monitor, False
+        if monitor:
+            threading.Thread(target=lambda: (bounded_http(self.timeout_s, max_retries=0), monitor.finish()),
+                             name="mlflow-monitor-stop", daemon=True).start()
 
     def _stop_worker(self):
         if getattr(self, "_worker", None) is not None:
@@ -392,6 +462,8 @@ class Tracker:
         if not self._resume_done:
             self._on_resume(run_id)
             self._resume_done = True
+        if self._monitor is None and self.system_metrics_s > 0 and not self._finishing:
+            self._start_monitor(run_id)
         high = store.high_water(run_id, state.get("probe_keys", ["loss"]))
         with self._cv:
             self._skip_upto = max(self._skip_upto, high)
@@ -400,12 +472,47 @@ class Tracker:
         if was and not self._quiet:
             _warn(f"{self.uri} reachable again; sending what it missed")
 
+    def _start_monitor(self, run_id: str):
+        """MLflow's system-metrics monitor on this host (rank 0's), every tracking.system_metrics_s, in a thread of its
+        own whose requests are bounded like the worker's; it stops by itself when the run is no longer RUNNING or the
+        store fails (system metrics are not replayed), and at finish."""
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        except Exception as e:  # psutil missing
+            self._monitor = False
+            self._warn_once("sysmetrics", f"no system metrics ({_short(e)}; `pip install psutil`)")
+            return
+        timeout_s = self.timeout_s
+
+        class Monitor(SystemMetricsMonitor):
+            def monitor(self):
+                bounded_http(timeout_s, max_retries=0)  # MLflow's defaults: 2 min and 7 retries per request
+                super().monitor()
+
+        # resume_logging: a resumed job continues the run's system/... steps instead of writing over step 0, 1, ...
+        monitor = Monitor(run_id, sampling_interval=self.system_metrics_s, tracking_uri=self.uri,
+                          resume_logging=self._resume_step is not None)
+        monitor.start()
+        self._monitor = monitor
+
+    def _stop_monitor(self):
+        """Stop the monitor and send what it sampled (called by the worker before the run's status)."""
+        monitor, self._monitor = self._monitor, False
+        if monitor:
+            monitor.finish()
+
     def _on_resume(self, run_id: str):
         store, r = self._store, int(self._resume_step)
         self._guarded(lambda: store.client.update_run(run_id, status="RUNNING"), "status")
         self._guarded(lambda: store.client.set_tag(run_id, f"resumed_at_step_{r}", time.strftime("%Y-%m-%dT%H:%M:%S")),
                       "tags")
         self._guarded(lambda: store.config_tags(run_id, self._params_now, r), "tags")
+        # The code and command of this attempt (the run's own source tags are those of its first start)
+        src = source_tags()
+        now = {f"resumed_at_step_{r}.{k.removeprefix('mlflow.source.').removeprefix('pipeline.')}": src[k]
+               for k in ("mlflow.source.git.commit", "pipeline.git.dirty", "pipeline.command") if k in src}
+        for k, v in now.items():
+            self._guarded(lambda k=k, v=v: store.client.set_tag(run_id, k, v), "tags")
         high = store.high_water(run_id, self._state.get("probe_keys", ["loss"]))
         if high > r:
             self._guarded(lambda: store.client.set_tag(run_id, f"resumed_at_step_{r}.kept_steps", f"{r + 1}-{high}"),
@@ -492,7 +599,17 @@ class Tracker:
                 if entry is not None and self.uri not in entry["sent"]:
                     entry["sent"].append(self.uri)
                 return self._snapshot(force=True)
+        if head[0] == "d":
+            entry = self._state.get("datasets", {}).get(head[1])
+            if entry is not None:
+                self._guarded(lambda: store.log_dataset(run_id, entry), "dataset")
+            with self._cv:
+                self._inflight = []
+                if entry is not None and self.uri not in entry["sent"]:
+                    entry["sent"].append(self.uri)
+                return self._snapshot(force=True)
         status = head[1]
+        self._stop_monitor()  # its last samples go in before the run ends (the monitor stops on a finished run)
         self._guarded(lambda: store.client.set_terminated(run_id, status=status), "status")
         with self._cv:
             self._inflight = []

@@ -157,13 +157,17 @@ class Trainer:
         return None, parent_tags(plan.init_source, self.cfg.train.init_from_optimizer)
 
     def _log_inputs(self):
-        """A new run's config, ds_config and data manifests as MLflow artifacts."""
+        """A new run's config, ds_config and data manifests as MLflow artifacts; its training and validation shards
+        as MLflow dataset inputs (named by the mixture's source, else by the shard directory)."""
         self.tracker.log_artifact(self.run_dir / "config.yaml")
         self.tracker.log_artifact(self.run_dir / "ds_config.json")
         sources = self.cfg.data.sources
         for (_, spec), name in zip(self.plan.shard_specs(), [s.name for s in sources] or [""]):
             if not is_url_pattern(spec):
                 self.tracker.log_artifact(Path(spec) / "manifest.json", f"data/{name}" if sources else "data")
+            self.tracker.log_dataset(name or _shard_dir_name(spec), spec, "training")
+        for d in self.plan.val_dirs:
+            self.tracker.log_dataset(_shard_dir_name(d), d, "validation")
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def fit(self):
@@ -345,3 +349,10 @@ def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_
             lock.release()
     shutdown_distributed()
     return trainer
+
+
+def _shard_dir_name(spec: str) -> str:
+    """A data set's name for MLflow: the shard directory's name, with its parent's for the train/ and val/ that
+    ``data_prep --val-fraction`` writes (``rfam/train``, not ``train``); the last path part of a URL pattern."""
+    p = Path(str(spec).rstrip("/"))
+    return f"{p.parent.name}/{p.name}" if p.name in ("train", "val") and p.parent.name else p.name

@@ -168,7 +168,8 @@ def test_lr_scale_names_a_models_group():
 def test_reliability_fields_defaults_and_bounds():
     cfg = load_config(None)
     assert cfg.train.max_nonfinite_steps == 20 and cfg.train.max_hours is None
-    assert cfg.data.verify is True and cfg.tracking.timeout_s == 10.0
+    assert cfg.data.verify is True and cfg.tracking.timeout_s == 10.0 and cfg.tracking.system_metrics_s == 5.0
+    assert load_config(None, ["tracking.system_metrics_s=0"]).tracking.system_metrics_s == 0  # 0 = off
     cfg = load_config(None, ["train.max_hours=1.5", "train.max_nonfinite_steps=1", "data.verify=false",
                              "tracking.timeout_s=0.5"])
     assert (cfg.train.max_hours, cfg.train.max_nonfinite_steps, cfg.data.verify, cfg.tracking.timeout_s) == \
@@ -176,7 +177,9 @@ def test_reliability_fields_defaults_and_bounds():
     for override, key in [("train.max_nonfinite_steps=0", "train.max_nonfinite_steps"),
                           ("train.max_hours=0", "train.max_hours"), ("train.max_hours=-2", "train.max_hours"),
                           ("data.verify=1", "data.verify"), ("tracking.timeout_s=0", "tracking.timeout_s"),
-                          ("tracking.timeout_s=-1", "tracking.timeout_s")]:
+                          ("tracking.timeout_s=-1", "tracking.timeout_s"),
+                          ("tracking.system_metrics_s=-1", "tracking.system_metrics_s"),
+                          ("tracking.system_metrics_s=.nan", "tracking.system_metrics_s")]:
         with pytest.raises(ConfigError, match=rf"^{key}: "):
             load_config(None, [override])
 

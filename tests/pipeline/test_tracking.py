@@ -1,6 +1,7 @@
 """Tracker: an unreachable or frozen store never stalls the caller; a store that dies and comes back is caught up
 without duplicated steps; resume keeps one value per step and tags config changes; tools/mlflow_sync.py replays
 what the store missed, idempotently. Single process (torch.distributed not initialized)."""
+import hashlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from conftest import REPO, free_port, sqlite_uri
 
 from pipeline.config import ConfigError, dump_yaml, load_config
 from pipeline.tracking.journal import PENDING, STATE_FILE, read_state, resolve_run_id
+from pipeline.tracking.replay import mlflow_key
 from pipeline.tracking.store import RUN_KEY_TAG, Store, bounded_http, tracking_uri
 from pipeline.tracking.tracker import Tracker
 
@@ -254,6 +256,54 @@ def test_two_processes_opening_a_new_sqlite_store_at_once_both_succeed(tmp_path)
     assert [p.returncode for p in procs] == [0, 0, 0], [err[-600:] for _, err in outs]
     (exp,) = [e for e in client(uri).search_experiments() if e.name == "x"]
     assert len(client(uri).search_runs([exp.experiment_id])) == 3
+
+
+def test_mlflow_names_put_loss_lr_and_validation_first():
+    """MLflow's UI orders key prefixes alphabetically ahead of the unprefixed "Model metrics" (pipeline/tracking/
+    replay.py): val/ stays the one prefixed section, and every diagnostic sorts after loss and lr in Model metrics."""
+    rec = ["loss", "lr", "val/loss_K4", "grad_norm", "epochs", "mix/weight/rfam", "total/tokens", "step_time"]
+    names = [mlflow_key(k) for k in rec]
+    assert names[:3] == ["loss", "lr", "val/loss_K4"]
+    assert names[3:] == ["train.grad_norm", "train.epochs", "train.mix.weight.rfam", "train.total.tokens",
+                         "train.step_time"]
+    unprefixed = sorted(n for n in names if "/" not in n)
+    assert unprefixed[:2] == ["loss", "lr"] and [n for n in names if "/" in n] == ["val/loss_K4"]
+
+
+def test_run_records_its_code_command_data_and_system_metrics(tmp_path, sample_shards):
+    from pipeline.tracking.tracker import source_tags
+
+    run_dir, uri = tmp_path / "run", sqlite_uri(tmp_path / "mlflow.db")
+    tracker = Tracker(make_cfg(run_dir, uri, 10.0, "tracking.system_metrics_s=0.2"), run_dir, 0, None, None)
+    tracker.log_dataset("rfam", sample_shards, "training")
+    tracker.log_dataset("rfam/val", sample_shards, "validation")
+    for s in range(1, 4):
+        engine_step(tracker, run_dir, s)
+    wait_for(lambda: client(uri).get_metric_history(tracker.run_id, "system/cpu_utilization_percentage"),
+             what="a system-metrics sample")
+    tracker.finish("FINISHED")
+    run = client(uri).get_run(tracker.run_id)
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert run.data.tags["mlflow.source.git.commit"] == head
+    assert run.data.tags["pipeline.git.dirty"] in ("true", "false")
+    assert run.data.tags["pipeline.command"] == source_tags()["pipeline.command"]
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
+    assert "train.step_time" in run.data.metrics and "step_time" not in run.data.metrics
+    digest = hashlib.sha256((sample_shards / "manifest.json").read_bytes()).hexdigest()
+    inputs = {d.tags[0].value: d.dataset for d in run.inputs.dataset_inputs}
+    assert set(inputs) == {"training", "validation"}
+    ds = inputs["training"]
+    assert (ds.name, ds.digest, ds.source_type) == ("rfam", digest[:16], "local")
+    assert json.loads(ds.source)["uri"] == str(sample_shards.resolve())
+    assert json.loads(ds.profile) == {"manifest_sha256": digest, "shards": 8, "samples": 2107}
+
+
+def test_source_tags_without_git(monkeypatch):
+    from pipeline.tracking import tracker as tracker_mod
+
+    monkeypatch.setattr(tracker_mod.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError()))
+    tags = tracker_mod.source_tags()
+    assert "mlflow.source.git.commit" not in tags and "pipeline.git.dirty" not in tags and tags["pipeline.command"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
