@@ -489,10 +489,14 @@ class Tracker:
                 bounded_http(timeout_s, max_retries=0)  # MLflow's defaults: 2 min and 7 retries per request
                 super().monitor()
 
-        # resume_logging: a resumed job continues the run's system/... steps instead of writing over step 0, 1, ...
-        monitor = Monitor(run_id, sampling_interval=self.system_metrics_s, tracking_uri=self.uri,
-                          resume_logging=self._resume_step is not None)
-        monitor.start()
+        try:  # resume_logging: a resumed job continues the run's system/... steps, not over step 0, 1, ...
+            monitor = Monitor(run_id, sampling_interval=self.system_metrics_s, tracking_uri=self.uri,
+                              resume_logging=self._resume_step is not None)
+            monitor.start()
+        except Exception as e:  # a failing probe of the host must not read as a store outage and be retried
+            self._monitor = False
+            self._warn_once("sysmetrics", f"no system metrics ({_short(e)})")
+            return
         self._monitor = monitor
 
     def _stop_monitor(self):
