@@ -307,13 +307,14 @@ def test_source_tags_without_git(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def test_mlflow_sync_replays_an_offline_run_idempotently(tmp_path):
+def test_mlflow_sync_replays_an_offline_run_idempotently(tmp_path, sample_shards):
     run_dir = tmp_path / "run"
     cfg = make_cfg(run_dir, closed_port_uri(), 10.0, "tracking.every=5", "train.max_steps=12")
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     tracker = Tracker(cfg, run_dir, 0, None, None)
     tracker.log_artifact(run_dir / "config.yaml")
+    tracker.log_dataset("rfam", sample_shards, "training")
     for s in range(1, 13):
         engine_step(tracker, run_dir, s, log=(s % 5 == 0 or s == 12))
     tracker.finish("FINISHED")
@@ -321,12 +322,15 @@ def test_mlflow_sync_replays_an_offline_run_idempotently(tmp_path):
     uri = sqlite_uri(tmp_path / "synced.db")
     res = mlflow_sync.sync(run_dir, uri)
     assert res["created"] and res["sent"] == [5, 10, 12] and res["artifacts"] == 1 and res["status"] == "FINISHED"
+    synced = client(uri).get_run(res["run_id"]).inputs.dataset_inputs  # logged while the store was down
+    assert res["datasets"] == 1 and [d.dataset.name for d in synced] == ["rfam"]
     assert res["changed"] == []  # config.yaml is the config the params came from
     run = client(uri).get_run(res["run_id"])
     assert run.data.params["tracking.every"] == "5" and run.info.status == "FINISHED"
     assert [a.path for a in client(uri).list_artifacts(res["run_id"])] == ["config.yaml"]
     again = mlflow_sync.sync(run_dir, uri)
     assert (again["run_id"], again["created"], again["sent"], again["there"]) == (res["run_id"], False, [], 3)
+    assert again["datasets"] == 0
     every = mlflow_sync.sync(run_dir, uri, all_steps=True)
     assert every["sent"] == [1, 2, 3, 4, 6, 7, 8, 9, 11] and every["there"] == 3
     assert loss_steps(uri, res["run_id"]) == list(range(1, 13))
