@@ -44,7 +44,8 @@ eval.depths (--depths overrides), seeded by --seed (training uses eval.seed, 0 b
 mlm (pipeline/eval/mlm.py): held-out masked-LM loss, perplexity and accuracy of a protein masked LM (paper 002's
 ablation metric) on a FASTA or shard directory, each sequence masked once by the training transform (seeded).
 
-Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json), and, when the checkpoint's MLflow run can
+Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json) and, for a task with a depth axis, the plot
+OUT_STEM-vs-depth.png beside it (pipeline/eval/plots.py; with or without MLflow), and, when the checkpoint's MLflow run can
 be reached (its run directory's store, or MLFLOW_TRACKING_URI), logs one nested run per evaluation under it (tags
 eval.task, eval.data, eval.checkpoint, eval.step): the metrics with step = K, the JSON and a metric-vs-depth plot, so
 evaluations of different data sets on one training run never overwrite each other. Progress bars (with time
@@ -116,7 +117,11 @@ def run_reconstruction(trained, data: Path, depths, seed: int) -> dict:
     samples = heldout_samples(seqs, get_family(cfg.family).make_transform(cfg), seed)
     per_k = reconstruction_sweep(trained.model, cfg, samples, depths, seed=seed, desc=f"reconstruction K={depths[0]}"
                                  + (f"-{depths[-1]}" if len(depths) > 1 else ""))
-    return {"sequences": len(seqs), **cropped, "per_depth": {str(k): v for k, v in per_k.items()},
+    from pipeline.data.tokenizer import IGNORE_INDEX
+    from pipeline.eval.plots import chance_levels
+
+    chance = chance_levels(t for s in samples for t in np.asarray(s["labels"]).ravel().tolist() if t != IGNORE_INDEX)
+    return {"sequences": len(seqs), **cropped, "per_depth": {str(k): v for k, v in per_k.items()}, "chance": chance,
             "table": [(k, v["loss"], v["accuracy"]) for k, v in per_k.items()], "columns": ("K", "loss", "accuracy")}
 
 
@@ -356,18 +361,33 @@ def log_proteingym_to_mlflow(trained, result: dict, out: Path, data: Path) -> tu
     return child, run_id
 
 
-def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path) -> tuple[str, str] | None:
+def depth_plot(trained, task: str, result: dict, out: Path, data: Path) -> Path | None:
+    """OUT_STEM-vs-depth.png beside the JSON for a task with a depth axis (None for the others): the first bounded
+    metric beside the loss against K, chance dotted where the task reports it, on the y-range rule of
+    pipeline/eval/plots.py; titled with the model, checkpoint, step, data and seed, so the file alone says what it
+    shows. Drawn with or without MLflow (an export has no run to log to)."""
+    from pipeline.eval.plots import plot_depth
+
+    cols, rows = result["columns"], result["table"]
+    if cols[0] != "K" or not rows:
+        return None
+    step = trained.client_state.get("step")
+    n = result.get("sequences") or result.get("passages") or result.get("n_pairs")
+    title = (f"{task} of {trained.cfg.family} {trained.tag_dir.name}"
+             + (f" (step {step})" if step is not None else "") + f" on {data.name}"
+             + (f", {n} items" if n else "") + f", seed {result.get('seed', 0)}: metric against core iterations K"
+             + f"\n{trained.tag_dir}")
+    return plot_depth(cols, rows, title, out.with_name(f"{out.stem}-vs-depth.png"), result.get("chance"))
+
+
+def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
+                  png: Path | None = None) -> tuple[str, str] | None:
     """In a run nested under the checkpoint's training run (:func:`start_eval_run`), when its store is reachable:
-    eval/TASK/METRIC with step = K, the JSON and a metric-vs-depth plot (written beside the JSON). Returns
+    eval/TASK/METRIC with step = K, the JSON and ``png`` (the metric-vs-depth plot, :func:`depth_plot`). Returns
     (evaluation run id, training run id)."""
     run_id, uri = mlflow_target(trained)
-    run_dir = Path(trained.cfg.run_dir)
     if not run_id:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
@@ -380,20 +400,8 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path) -> tu
                for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
     log_metric_batches(client, child, metrics)
     client.log_artifact(child, str(out), "eval")
-    if not depth_axis:
-        client.set_terminated(child)
-        return child, run_id
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ks = [r[0] for r in rows]
-    ax.plot(ks, [r[1] for r in rows], marker="o")
-    ax.set_xlabel("recurrent depth K")
-    ax.set_ylabel(cols[1])
-    ax.set_title(f"{task} on {data.name} vs depth ({run_dir.name})", fontsize=9)
-    fig.tight_layout()
-    png = out.with_name(f"{out.stem}-vs-depth.png")
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    client.log_artifact(child, str(png), "eval")
+    if png is not None:
+        client.log_artifact(child, str(png), "eval")
     client.set_terminated(child)
     return child, run_id
 
@@ -508,9 +516,12 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     print(f"wrote {out}")
+    png = None if args.task == "proteingym" else depth_plot(trained, args.task, result, out, data)
+    if png is not None:
+        print(f"wrote {png}")
     if not args.no_mlflow:
         log = log_proteingym_to_mlflow(trained, result, out, data) if args.task == "proteingym" else \
-            log_to_mlflow(trained, args.task, result, out, data)
+            log_to_mlflow(trained, args.task, result, out, data, png)
         if log:
             print(f"logged to MLflow run {log[0]} (nested in training run {log[1]})")
     return 0

@@ -129,26 +129,19 @@ def evaluate(model, cfg: RunConfig, family: Family, batches: list, device, rank:
     return out
 
 
-def plot_history(history: list[dict], path: Path) -> Path | None:
-    """validation.png: every val/loss* metric against the step (Eco-RNA: one line per K); None without a loss."""
-    keys = sorted({k for rec in history for k in rec if k.startswith("val/loss")},
-                  key=lambda k: (len(k), k))  # val/loss_K2 before val/loss_K16
-    if not keys:
-        return None
-    import matplotlib
+def chance(batches: list) -> dict:
+    """What a guess that ignores the input reaches on the validation set's supervised tokens
+    (``pipeline.eval.plots.chance_levels``: the commonest target's frequency, the targets' entropy in nats)."""
+    from pipeline.data.tokenizer import IGNORE_INDEX
+    from pipeline.eval.plots import chance_levels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    return chance_levels(t for b in batches for t in b.labels[b.labels != IGNORE_INDEX].tolist())
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for k in keys:
-        pts = [(rec["step"], rec[k]) for rec in history if k in rec]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=k.removeprefix("val/"))
-    ax.set(xlabel="step", ylabel="held-out loss (nats per supervised token)", title="validation")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+
+def plot_history(history: list[dict], path: Path, train: list[tuple[int, float]] = (), chance: dict | None = None,
+                 title: str = "validation") -> Path | None:
+    """validation.png: the training loss and every val/loss* metric against the step (Eco-RNA: one line per K),
+    beside val/accuracy* when logged, with the chance level (pipeline/eval/plots.py); None without a loss."""
+    from pipeline.eval.plots import plot_validation
+
+    return plot_validation(history, list(train), path, chance, title)

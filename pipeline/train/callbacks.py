@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -155,16 +156,22 @@ class Validation(Callback):
         self.batches = validation.heldout_batches(cfg, trainer.family, trainer.plan.val_dirs)
         self.new_best = False
         self.history = []  # rank 0: the validation records of metrics.jsonl, for the plot
+        self.train_loss = []  # rank 0: (step, training loss), drawn beside them
+        self.chance = validation.chance(self.batches)
         metrics = trainer.run_dir / "metrics.jsonl"
-        if trainer.rank == 0 and metrics.is_file():
+        if trainer.rank == 0 and metrics.is_file():  # a resumed run's plot keeps the steps before the restart
             for ln in metrics.read_text().splitlines():
                 rec = json.loads(ln)
+                if "loss" in rec and "step" in rec:
+                    self.train_loss.append((rec["step"], rec["loss"]))
                 if any(k.startswith("val/") for k in rec):
                     self.history.append({k: v for k, v in rec.items() if k == "step" or k.startswith("val/")})
 
     def on_step_end(self, trainer, rec):
         step, every = trainer.state.step, trainer.cfg.eval.every
         self.new_best = False
+        if trainer.rank == 0 and math.isfinite(rec.get("loss", math.nan)):
+            self.train_loss.append((step, rec["loss"]))
         if not (step % every == 0 or step == trainer.cfg.train.max_steps):
             return
         trainer.collective = f"the validation after step {step}"
@@ -179,7 +186,8 @@ class Validation(Callback):
             print(f"validation at step {step}: {shown} | {val['val/seconds']:.1f} s "
                   f"({100 * val['val/time_share']:.1f}% of the run's time)", flush=True)
             self.history.append({"step": step, **val})
-            plot = validation.plot_history(self.history, trainer.run_dir / "validation.png")
+            plot = validation.plot_history(self.history, trainer.run_dir / "validation.png", self.train_loss,
+                                           self.chance, title=_plot_title(trainer, self.batches))
             if plot is not None:
                 trainer.tracker.log_artifact(plot)
         rec.update(val)
@@ -373,6 +381,15 @@ class StopOnRequest(Callback):
             saved = trainer.checkpointer.last_saved or "not written (non-finite step)"
             print(f"stopping at step {trainer.state.step}: {trainer.stopped_by}; checkpoint {saved}; the same "
                   "command resumes", flush=True)
+
+
+def _plot_title(trainer, batches: list) -> str:
+    """validation.png's title: which run, on which held-out data, and what chance means."""
+    cfg = trainer.cfg
+    val = ", ".join(Path(d).name for d in trainer.plan.val_dirs)
+    return (f"{cfg.family} run {trainer.run_dir.name}: training loss and held-out ({val}, "
+            f"{sum(len(b.sample_ids) for b in batches)} sequences); "
+            "chance: the commonest target / the targets' entropy")
 
 
 def _console_step(trainer) -> bool:
