@@ -13,6 +13,7 @@ its answers are uniform over the S values, so chance is about 1/S and ln S.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -88,8 +89,7 @@ def plot_depth(columns, rows, title: str, path: Path, chance: dict | None = None
         ax.set_xticks(ks)
         ax.set(xlabel="core iterations K", ylabel=name + (" (nats)" if name == "loss" else ""))
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    _title(fig, title, len(names))
     return _save(fig, plt, path)
 
 
@@ -120,7 +120,8 @@ def plot_validation(history: list[dict], train: list[tuple[int, float]], path: P
             shown += [v for _, v in train]
         for k in names:
             pts = [(rec["step"], rec[k]) for rec in history if k in rec]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=k.removeprefix("val/"))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                    label="held-out " + k.removeprefix("val/"))
             shown += [p[1] for p in pts]
         ref = chance.get(kind)
         if ref is not None:
@@ -129,9 +130,15 @@ def plot_validation(history: list[dict], train: list[tuple[int, float]], path: P
         ax.set(xlabel="step", ylabel=ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    _title(fig, title, len(panels))
     return _save(fig, plt, path)
+
+
+def _title(fig, title: str, panels: int) -> None:
+    """A title wrapped to the figure's width (a long checkpoint path would run off a one-panel figure)."""
+    lines = [textwrap.fill(part, 75 * panels) for part in title.split("\n")]
+    fig.suptitle("\n".join(lines), fontsize=9)
+    fig.tight_layout()
 
 
 def _save(fig, plt, path: Path) -> Path:
