@@ -36,7 +36,8 @@ def test_without_cuda_the_gpu_scripts_exit_with_one_line(tmp_path):
 
 # The scripts that create .venv (and the demo that runs one of them first) may use it; every other script must run
 # on a host without it (the first GPU run's depth task exited 127 on scripts/launch.sh's .venv/bin/deepspeed).
-MAKES_VENV = {"scripts/setup.sh", "scripts/test.sh", "scripts/quickstart.sh", "scripts/protlingo_demo.sh"}
+MAKES_VENV = {"scripts/setup.sh", "scripts/test.sh", "scripts/quickstart.sh", "scripts/protlingo_demo.sh",
+              "scripts/depth_demo.sh"}
 DEFAULT_PY = re.compile(r"if \[ -x \.venv/bin/python \]; then PY=\.venv/bin/python; else PY=python3; fi")
 
 
