@@ -131,6 +131,8 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from pipeline.eval.plots import y_limits
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for name, runs in result["runs"].items():
         for ax, metric in zip(axes, ("accuracy", "loss")):
@@ -141,9 +143,12 @@ def plot(result: dict, path: Path) -> None:
     axes[0].axvline(result["depth"], color="grey", ls="--", lw=0.8)
     axes[0].set(xlabel="K (core applications)", ylabel="held-out answer accuracy", ylim=(0, 1.02))
     axes[1].set(xlabel="K (core applications)", ylabel="held-out answer loss (nats)")
+    losses = [v for runs in result["runs"].values() for r in runs for v in r["loss"].values()]
+    axes[1].set_ylim(*y_limits(losses, bounded=False))  # a flat loss stays flat (pipeline/eval/plots.py)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"synthetic depth task, H = {result['hops']} pointers, h = {result['depth']} reads "
-                 f"({len(result['seeds'])} training seeds)")
+    fig.suptitle(f"synthetic depth task: H = {result['hops']} pointers, h = {result['depth']} reads, "
+                 f"S = {result['slots']} values (chance {result['chance']:.2f}), Q = {result['queries']} queries; "
+                 f"{result['steps']} steps, {len(result['seeds'])} training seeds (mean, sd)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
