@@ -387,7 +387,7 @@ def _plot_title(trainer, batches: list) -> str:
     """validation.png's title: which run, on which held-out data, and what chance means."""
     cfg = trainer.cfg
     val = ", ".join(Path(d).name for d in trainer.plan.val_dirs)
-    return (f"{cfg.family} run {trainer.run_dir.name}: training loss and held-out ({val}, "
+    return (f"{cfg.family} run {trainer.run_dir}: training loss and held-out ({val}, "
             f"{sum(len(b.sample_ids) for b in batches)} sequences); "
             "chance: the commonest target / the targets' entropy")
 
