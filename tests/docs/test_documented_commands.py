@@ -270,8 +270,8 @@ def test_the_reader_finds_the_commands():
     readme = [c for _, c in commands(ROOT / "README.md")]
     assert any("launchers/pretrain.py" in c and "--init-from DIR" in c for c in readme), readme
     assert any("tools/convert_checkpoint.py" in c for c in readme), readme
-    yaml = [c for _, c in commands(ROOT / "launchers" / "configs" / "recursive_gpt_demo.yaml")]
-    assert any("data_prep train-spm" in c for c in yaml), yaml
+    yaml = [c for _, c in commands(ROOT / "launchers" / "configs" / "esm2_continued.yaml")]
+    assert any("launchers/pretrain.py" in c for c in yaml), yaml
 
 
 def test_a_broken_command_fails(tmp_path):
