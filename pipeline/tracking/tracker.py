@@ -68,6 +68,7 @@ metrics.jsonl for ``python tools/mlflow_sync.py RUN_DIR``, and one line says so.
 from __future__ import annotations
 
 import collections
+import errno
 import getpass
 import hashlib
 import json
@@ -435,7 +436,10 @@ class Tracker:
             was, self._is_offline = self._is_offline, True
             self._cv.notify_all()
         if not was and not self._quiet:
-            _warn(f"{self.uri} unreachable ({_short(e)}); training goes on, retrying with backoff; every step is in "
+            text = str(e).lower()  # a read-only store (a mount, a permission, sqlite's own check) is not an outage
+            state = ("not writable" if getattr(e, "errno", None) in (errno.EROFS, errno.EACCES, errno.EPERM)
+                     or "readonly" in text or "read-only" in text else "unreachable")
+            _warn(f"{self.uri} {state} ({_short(e)}); training goes on, retrying with backoff; every step is in "
                   f"metrics.jsonl, `{commands.python()} tools/mlflow_sync.py {self.run_dir}` replays what the store misses")
 
     def _save(self, force: bool = False):

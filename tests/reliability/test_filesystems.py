@@ -97,3 +97,25 @@ def test_convert_onto_a_full_disk_leaves_nothing(checkpoint, tmp_path):
     line = one_error(proc)
     assert line.startswith(f"error: {mount / 'export'}: ") and "No space left on device" in line, line
     assert left == []  # no partial export, no staging directory
+
+
+def test_a_read_only_mlflow_store_is_one_warning(sample_shards, tmp_path):
+    """Campaign case: a read-only MLflow store gave SQL tracebacks. An existing store on a filesystem remounted
+    read-only: the training runs to the end with one line saying the store is not writable and how to replay."""
+    mount, run = tmp_path / "store", tmp_path / "run"
+    db = mount / "mlflow.db"
+    make = (f"{shlex.quote(sys.executable)} -c 'from mlflow.tracking import MlflowClient; "
+            f"MlflowClient(tracking_uri=\"sqlite:///{db}\").create_experiment(\"x\")' >/dev/null 2>&1 && "
+            f"touch {shlex.quote(str(db))}.lock && mount -o remount,ro {shlex.quote(str(mount))} && ")
+    cmd = ["env", f"MLFLOW_TRACKING_URI=sqlite:///{db}", *train_cmd(sample_shards, run)]
+    cmd[cmd.index("tracking.enabled=false")] = "tracking.enabled=true"
+    script = (f"mount -t tmpfs -o size=20m tmpfs {shlex.quote(str(mount))} || exit 99; {make}"
+              f"{shlex.join(map(str, cmd))}")
+    mount.mkdir()
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=launch_env(),
+                          cwd=REPO, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
+    lines = [ln for ln in out.splitlines() if f"sqlite:///{db} not writable" in ln]
+    assert len(lines) == 1 and "Read-only file system" in lines[0], out[-3000:]
+    assert (run / "checkpoints" / "latest").read_text() == "step00000002"
