@@ -246,8 +246,8 @@ def rotate(ckpt_dir: Path, keep_last: int, current: str) -> list[str]:
     """Delete old rotating checkpoints so that ``keep_last`` complete ones remain; returns the deleted tags.
 
     Only checkpoints up to ``current`` (the one just written) are considered (a rollback sets later ones aside first,
-    ``set_aside_later_checkpoints``). Milestones (client_state ``milestone``) are never rotated; ``current`` and the tags ``latest``
-    and ``best`` name are never deleted. Incomplete checkpoints older than the kept ones go with them. While a tool
+    ``set_aside_later_checkpoints``). Milestones (client_state ``milestone``) are never rotated; ``current`` and the
+    tags ``latest`` and ``best`` name are never deleted. Incomplete checkpoints older than the kept ones go with them. While a tool
     reads a checkpoint of the run (``hold_off_rotation``) nothing is deleted: the next save rotates.
     """
     if not keep_last:

@@ -24,8 +24,8 @@ MAY_CHANGE_ON_RESUME = (
     "data.verify", "data.num_workers", "data.val_shards",
     "train.max_steps", "train.max_words", "train.max_epochs", "train.max_hours", "train.log_every", "train.log_samples",
     "train.peak_flops_per_device", "train.init_from", "train.init_from_optimizer", "train.expert_parallel_size",
-    "train.max_nonfinite_steps", "train.heartbeat_seconds", "train.collective_timeout", "train.activation_checkpointing",
-    "train.profile", "train.fused_norm", "train.compile",
+    "train.max_nonfinite_steps", "train.heartbeat_seconds", "train.collective_timeout",
+    "train.activation_checkpointing", "train.profile", "train.fused_norm", "train.compile",
 )
 
 
@@ -116,8 +116,9 @@ def check_resume_config(saved: dict, cfg: RunConfig, source: Path, saved_world: 
                           "to train this model")
     if changes and not allow_config_change:
         raise ConfigError(f"the config differs from the one checkpoint {source} trained with ({'; '.join(listed)}): "
-                          "a resume continues its checkpoint's run. Use another run_dir for a new run (--init-from to start it from "
-                          "these weights), or --allow-config-change to continue with the change (logged in train.log)")
+                          "a resume continues its checkpoint's run. Use another run_dir for a new run (--init-from to "
+                          "start it from these weights), or --allow-config-change to continue with the change (logged "
+                          "in train.log)")
     return listed
 
 

@@ -440,7 +440,8 @@ class Tracker:
             state = ("not writable" if getattr(e, "errno", None) in (errno.EROFS, errno.EACCES, errno.EPERM)
                      or "readonly" in text or "read-only" in text else "unreachable")
             _warn(f"{self.uri} {state} ({_short(e)}); training goes on, retrying with backoff; every step is in "
-                  f"metrics.jsonl, `{commands.python()} tools/mlflow_sync.py {self.run_dir}` replays what the store misses")
+                  f"metrics.jsonl, `{commands.python()} tools/mlflow_sync.py {self.run_dir}` replays what the store "
+                  "misses")
 
     def _save(self, force: bool = False):
         with self._cv:

@@ -142,7 +142,8 @@ def test_resume_config_mismatch_exits_2(sample_shards, tmp_path):
     proc = dry_run(sample_shards, run_dir, ["--world-size", "1"], ["seed=7"])
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: the config differs from the one checkpoint ") and "(seed: 1234 -> 7)" in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("error: the config differs from the one checkpoint "), lines
+    assert "(seed: 1234 -> 7)" in lines[0], lines
 
 
 def test_a_batch_for_more_ranks_asks_for_world_size(sample_shards, tmp_path):

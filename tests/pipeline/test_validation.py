@@ -64,7 +64,7 @@ def eco_run(split, tmp_path_factory):
     import torch
 
     run = tmp_path_factory.mktemp("eco") / "run"
-    sets = [*ECO, f"run_dir={run}", f"data.train_shards={split}/train", "tracking.enabled=true"]  # mlflow.db beside RUN_DIR
+    sets = [*ECO, f"run_dir={run}", f"data.train_shards={split}/train", "tracking.enabled=true"]  # beside: mlflow.db
     r = run_launch(["env", f"PY={sys.executable}", "NPROC=2", "bash", str(REPO / "scripts" / "launch.sh"),
                     str(REPO / "launchers" / "pretrain.py"), "--ds_config", str(REPO / "ds_configs" / "zero2.json"),
                     *sum((["--set", o] for o in sets), [])])

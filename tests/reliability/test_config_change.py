@@ -34,8 +34,8 @@ def test_a_changed_config_is_refused_listed_or_logged(tmp_path):
 
     # The quickstart rerun with another learning rate (and seed): refused, each key with both values, nothing written.
     line = error_line(train(shards, run, 2, "optim.lr=0.002", "seed=7"))
-    assert line.startswith(f"error: the config differs from the one checkpoint {ckpt} trained with (optim.lr: 0.003 -> 0.002; "
-                           "seed: 1234 -> 7): ") and "another run_dir" in line and "--allow-config-change" in line, line
+    assert line.startswith(f"error: the config differs from the one checkpoint {ckpt} trained with (optim.lr: 0.003 "
+                           "-> 0.002; seed: 1234 -> 7): ") and "another run_dir" in line and "--allow-config-change" in line, line
     assert (run / "metrics.jsonl").read_bytes() == metrics
 
     # Unchanged and finished: nothing to do, no NaN anywhere.
@@ -44,7 +44,7 @@ def test_a_changed_config_is_refused_listed_or_logged(tmp_path):
     assert f"run {run} already finished at step 2 (train.max_steps 2)" in done.stdout, done.stdout
     assert "nan" not in (done.stdout + done.stderr).lower()
 
-    # Another model: refused before DeepSpeed, even with --allow-config-change (the weights are the checkpoint's model's).
+    # Another model: refused before DeepSpeed, even with --allow-config-change (the weights are its own model's).
     line = error_line(train(shards, run, 4, "model.d_ff=96"))
     assert "(model.d_ff: 128 -> 96)" in line, line
     line = error_line(train(shards, run, 4, "model.d_ff=96", extra=["--allow-config-change"]))

@@ -24,7 +24,8 @@ def _namespaces() -> str | None:
 
 
 pytestmark = [pytest.mark.slow,  # DeepSpeed training launches
-              pytest.mark.skipif(_namespaces() is not None, reason=f"needs a private mount namespace ({_namespaces()})")]
+              pytest.mark.skipif(_namespaces() is not None,
+                                 reason=f"needs a private mount namespace ({_namespaces()})")]
 
 
 def on_tmpfs(mount, cmd, *, size: str, read_only: bool = False):
