@@ -1,12 +1,15 @@
 """Shared fixtures: the repository root on sys.path, sample shards, a runner for real DeepSpeed launches, and a
 local MLflow server."""
+import contextlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -97,6 +100,29 @@ def kill_group(proc: subprocess.Popen):
     except ProcessLookupError:
         pass
     proc.wait()
+
+
+@contextlib.contextmanager
+def running_until(cmd: list, ready: str, timeout: float = 240):
+    """A launch in a process group of its own whose output (stdout and stderr) is collected line by line; yields
+    (process, lines so far, the reader thread: joined, the output has ended) once a line matches the regex ``ready``,
+    and kills whatever is left of the group on the way out."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines, seen = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if re.match(ready, line):
+                seen.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(timeout), "".join(lines[-40:])
+        yield proc, lines, reader
+    finally:
+        kill_group(proc)
 
 
 def run_pretrain(nproc: int, ds_config: str, overrides: list, extra: list = (), timeout: int = 600):

@@ -6,12 +6,10 @@ not this project's: docs/checkpoints.md, "Preemption")."""
 import os
 import re
 import signal
-import subprocess
-import threading
 
 import pytest
 
-from conftest import REPO, TINY, deepspeed_cmd, kill_group, launch_env
+from conftest import TINY, deepspeed_cmd, running_until
 from pipeline.checkpoint.layout import damaged_files
 
 pytestmark = pytest.mark.slow  # DeepSpeed training launches
@@ -22,24 +20,10 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_no_traceback_of_ours(
     cmd = deepspeed_cmd(2, "ds_configs/zero2.json", TINY + [
         f"data.train_shards={sample_shards}", f"run_dir={run_dir}", "train.max_steps=500",
         "checkpoint.every_steps=1000", "tracking.enabled=false"])
-    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines, going = [], threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if re.match(r"(\[rank 0\] )?step 3\b", line):
-                going.set()
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert going.wait(240), "".join(lines[-40:])
+    with running_until(cmd, r"(\[rank 0\] )?step 3\b") as (proc, lines, reader):
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends: every process of the launch
         reader.join(90)
         proc.wait(30)
-    finally:
-        kill_group(proc)
     out = "".join(lines)
     (stop,) = [ln for ln in lines if "stopping at step " in ln]
     step = int(re.search(r"stopping at step (\d+): SIGINT \(Ctrl-C\); checkpoint (step\d+); the same command "

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SAMPLE_FASTA, TINY, read_jsonl, run_pretrain
+from conftest import REPO, SAMPLE_FASTA, TINY, deepspeed_cmd, read_jsonl, run_pretrain, running_until
 
 pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
@@ -52,37 +52,15 @@ def test_resume_on_rebuilt_data_is_refused_unless_allowed(tmp_path):
 def test_shards_rewritten_during_training_are_named_as_such(tmp_path):
     """Campaign case: ``data_prep --overwrite`` over the shards of a running training was reported as a "truncated
     shard?". The run now names the rebuilt directory and the ways on, in one line."""
-    import os
-    import signal
-    import threading
-
-    from conftest import REPO, deepspeed_cmd, kill_group, launch_env
-
     shards, run = tmp_path / "shards", tmp_path / "run"
     prep(shards, 100)
     cmd = deepspeed_cmd(1, "ds_configs/zero2.json", TINY + [
         f"data.train_shards={shards}", f"run_dir={run}", "train.max_steps=2000", "data.mix_shards=1",
         "checkpoint.every_steps=1000", "tracking.enabled=false"])
-    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines, going = [], threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step 2/"):
-                going.set()
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert going.wait(240), "".join(lines[-40:])
+    with running_until(cmd, r"step 2/") as (proc, lines, reader):
         prep(shards, 150, "--overwrite")  # 15 shards where there were 22: the next shard the run reads is another's
         assert proc.wait(240) == 2, "".join(lines[-40:])
         reader.join(30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        kill_group(proc)
     out = "".join(lines)
     assert "Traceback" not in out and "truncated" not in out, out[-3000:]
     (line,) = [ln for ln in lines if "error:" in ln]

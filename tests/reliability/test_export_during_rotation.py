@@ -2,16 +2,13 @@
 of 4 tries, calling a complete checkpoint incomplete or not a checkpoint: rotation deleted the one the export had
 resolved. Now convert and evaluate hold the run's rotation off while they read (a shared lock rotation must take
 exclusively; it rotates at the next save instead), so every export of a rotating run succeeds."""
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 
-from conftest import REPO, TINY, deepspeed_cmd, kill_group, launch_env
+from conftest import REPO, TINY, deepspeed_cmd, running_until
 
 pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
@@ -21,30 +18,14 @@ def test_exports_of_a_rotating_run_all_succeed(sample_shards, tmp_path):
     cmd = deepspeed_cmd(1, "ds_configs/zero2.json", TINY + [
         f"data.train_shards={sample_shards}", f"run_dir={run_dir}", "train.max_steps=5000",
         "checkpoint.every_steps=1", "checkpoint.keep_last=1", "tracking.enabled=false"])
-    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines, going = [], threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if re.match(r"step 3/", line):
-                going.set()
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     results = []
-    try:
-        assert going.wait(240), "".join(lines[-40:])
+    with running_until(cmd, r"step 3/") as (proc, lines, _):
         for i in range(4):  # each while the run writes a checkpoint a step and deletes the one before
             out = tmp_path / f"export{i}"
             results.append(subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--checkpoint",
                                            str(run_dir), "--output", str(out)], cwd=REPO, capture_output=True,
                                           text=True, timeout=300))
         assert proc.poll() is None, "".join(lines[-40:])  # the training ran through every export
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        kill_group(proc)
     failed = [r.stderr[-1000:] for r in results if r.returncode != 0]
     assert not failed, failed
     steps = [int(re.search(r"step(\d+)", r.stdout)[1]) for r in results]

@@ -5,13 +5,11 @@ request that waits STOP_GRACE_S for the step to end abandons it between microbat
 with one line naming the step and the last complete checkpoint, and no half-step is saved."""
 import os
 import signal
-import subprocess
-import threading
 import time
 
 import pytest
 
-from conftest import REPO, TINY, deepspeed_cmd, kill_group, launch_env, run_pretrain
+from conftest import TINY, deepspeed_cmd, run_pretrain, running_until
 
 pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
@@ -34,25 +32,12 @@ def test_sigterm_inside_a_long_step_stops_within_seconds(sample_shards, tmp_path
     cmd = deepspeed_cmd(1, "ds_configs/zero2.json", TINY + [
         f"data.train_shards={sample_shards}", f"run_dir={run_dir}", "train.max_steps=2",
         "train.micro_batch_size=1", "train.grad_accum_steps=2000", "train.heartbeat_seconds=1"])
-    proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines, beat = [], threading.Event()
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step 1: microbatch ") and " computed, " in line:
-                beat.set()
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert beat.wait(240), "".join(lines[-40:])  # the heartbeat of step 1 while its microbatches are computed
+    # ready: the heartbeat of step 1 while its microbatches are computed
+    with running_until(cmd, r"step 1: microbatch .* computed, ") as (proc, lines, reader):
         sent = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler's preemption sends to the job
         reader.join(60)  # the output ends when the last process of the launch (the rank) has exited
         took = time.monotonic() - sent
-    finally:
-        kill_group(proc)
     out = "".join(lines)
     assert took < 10, (took, out[-3000:])
     print(f"stopped {took:.1f} s after SIGTERM")
