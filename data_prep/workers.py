@@ -75,20 +75,27 @@ def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
 
 
 def _die_with_parent(parent: int) -> None:
-    """SIGTERM this worker when the process that forked it dies (SIGKILL of the main process, an OOM kill): an
-    orphan would wait on its feed pipe for good and hold its work directory's lock. Linux: the kernel's parent-death
-    signal; elsewhere a thread that watches the parent pid."""
+    """Kill this worker when the process that forked it dies (SIGKILL of the main process, an OOM kill): an orphan
+    would wait on its feed pipe for good, or run its job to the end, holding its work directory's lock (and the
+    inherited --workers lock). Linux: the kernel's parent-death signal; elsewhere a thread that watches the parent
+    pid.
+
+    The signal is SIGKILL, not SIGTERM: a SIGTERM only sets a flag that this process's main thread acts on when it
+    next runs Python code, and then unwinds through the job's cleanup; a worker stopped (SIGSTOP, a debugger) or
+    stuck in a C call when its parent dies outlives it for as long, lock held. An orphan needs no cleanup: the
+    kernel drops its flocks, and the rerun drops the unlisted partial shard and takes over the lock file that still
+    names it. (A SIGTERM of the parent still unwinds the workers: the parent terminates them itself.)"""
     try:
-        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:  # 1 = PR_SET_PDEATHSIG
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL) != 0:  # 1 = PR_SET_PDEATHSIG
             raise OSError
     except (OSError, AttributeError):
         def watch():
             while os.getppid() == parent:
                 time.sleep(0.5)
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGKILL)
         threading.Thread(target=watch, daemon=True, name="parent-watch").start()
     if os.getppid() != parent:  # the parent died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _worker(queue, index: int, kwargs: dict, feed: Feed | None = None, parent: int = 0) -> None:

@@ -106,3 +106,50 @@ def test_a_refused_second_run_touches_nothing_of_the_first(tmp_path):
     got, want = (json.loads((d / "manifest.json").read_text()) for d in (out, tmp_path / "lone"))
     assert [s["sha256"] for s in got["shards"]] == [s["sha256"] for s in want["shards"]]
     assert not list(tmp_path.glob(".*.workers.lock"))
+
+
+def test_workers_that_cannot_run_python_code_die_with_their_parent(tmp_path):
+    """Campaign issue 37 case 7: orphans of `--workers 2 --dedup` outlived a SIGKILLed main process by 15-40 s,
+    holding their work directory's lock. The parent-death signal was SIGTERM, whose Python handler acts only when the
+    worker's main thread next runs Python code: a worker that cannot (here: stopped, as by a debugger or a job-control
+    stop; likewise one inside a long C call) outlived its parent for as long. It is SIGKILL now, which the kernel
+    carries out whatever the worker is doing; each lock is free once the parent is gone."""
+    import fcntl
+    import os
+    import signal
+
+    fasta = big_fasta(tmp_path / "big.fa")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "data_prep", "rnacentral", "--input", str(fasta), "--output", str(out),
+           "--workers", "2", "--dedup", "--progress", "off"]
+    main = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    staging = tmp_path / "out.workers-partial"
+    workers = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and main.poll() is None:
+            workers = psutil.Process(main.pid).children()
+            # each job's lock file names its worker once the worker took it, after it armed the parent-death signal
+            locks = [p.read_text() for p in staging.glob(".job*/.lock")]
+            if len(workers) == 2 and all(any(f"pid {w.pid} " in t for t in locks) for w in workers):
+                break
+            time.sleep(0.005)
+        else:
+            raise AssertionError("the run ended before its workers could be stopped")
+        for w in workers:
+            os.kill(w.pid, signal.SIGSTOP)  # neither can run its handlers now
+        main.kill()
+        main.wait()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5 and not all(gone(w.pid) for w in workers):
+            time.sleep(0.05)
+        assert all(gone(w.pid) for w in workers), "a worker outlived its parent"
+        for path in [tmp_path / ".out.workers.lock", *staging.glob(".job*/.lock")]:
+            with open(path) as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: still held by an orphan
+    finally:
+        for w in workers:
+            try:
+                os.kill(w.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
