@@ -225,8 +225,9 @@ train_family() {
   if [ "$DRY" = 1 ]; then "$PY" bench/gpu_report.py sample-util --out "$WORK/util_$key.csv" --fake &
   else "$PY" bench/gpu_report.py sample-util --out "$WORK/util_$key.csv" & fi
   sampler=$!
-  NPROC=1 bash scripts/launch.sh launchers/pretrain.py --ds_config ds_configs/zero2.json --config "$config" \
-    --resume never "${args[@]}" >"$WORK/train_$key.log" 2>&1
+  # --log_level info: the launcher's spawn command (which python ran the ranks) stays in the log, CPU dry run included
+  NPROC=1 bash scripts/launch.sh --log_level info launchers/pretrain.py --ds_config ds_configs/zero2.json \
+    --config "$config" --resume never "${args[@]}" >"$WORK/train_$key.log" 2>&1
   rc=$?
   kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
   if [ "$rc" = 0 ]; then

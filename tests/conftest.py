@@ -94,11 +94,25 @@ def run_launch(cmd: list, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def kill_group(proc: subprocess.Popen):
-    """SIGKILL every process of a launch started with ``start_new_session=True`` (if any is left) and reap it."""
+    """SIGKILL every process of a launch started with ``start_new_session=True`` (if any is left) and reap it.
+
+    Its descendants too, found while the launcher lives: torchrun starts each rank in a session of its own, out of
+    reach of the group's kill, and such orphans would train on (and checkpoint) after the "kill"."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for p in descendants:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
     proc.wait()
 
 
@@ -160,9 +174,7 @@ def launch_and_kill(cmd: list, metrics: Path, at_step: int, timeout: int = 300):
             time.sleep(0.05)
         assert proc.poll() is None, "training ended before it could be killed"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_group(proc)
 
 
 def sqlite_uri(path: Path) -> str:

@@ -289,15 +289,15 @@ def hold_off_rotation(path: Path) -> None:
     """Keep the training that writes the checkpoints at ``path`` (a run dir, its checkpoints/ dir or a tag dir) from
     deleting any of them for the rest of this process: a shared flock on CHECKPOINTS/.readers.lock, which rotation
     must take exclusively. For short-lived tools (convert, evaluate): an export during rotation otherwise finds the
-    checkpoint it resolved gone or half-deleted. Nothing for an export, or where the lock file cannot be made (a
-    read-only copy, which no training rotates)."""
+    checkpoint it resolved gone or half-deleted. Nothing for an export, or where no training ever rotated (the lock
+    file is made by the first rotation, at a run's first save, before anything can be deleted)."""
     p = Path(path)
     ckpts = p / "checkpoints" if (p / "checkpoints").is_dir() else p if (p / LATEST).exists() else (
         p.parent if (p / CLIENT_STATE).is_file() else None)
     if ckpts is None:
         return
-    try:
-        fd = os.open(ckpts / READERS, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:  # never created here: a tool writes nothing into the run (rotation made it at the run's first save)
+        fd = os.open(ckpts / READERS, os.O_RDONLY)
     except OSError:
         return
     fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a rotation deletes (milliseconds)

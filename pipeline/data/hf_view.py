@@ -21,7 +21,11 @@ from pipeline.data.shards import load_manifest
 
 def shard_dataset(directory: str | Path):
     """The records of the shard directory ``directory`` (its manifest.json) as a ``datasets.IterableDataset``."""
-    import datasets  # only here: its import costs about a second that the rest of the project never needs
+    try:  # only here: its import costs about a second that the rest of the project never needs
+        import datasets
+    except ImportError:
+        raise ImportError("pipeline.data.hf_view needs Hugging Face datasets: pip install 'datasets>=3' (the "
+                          "project's [hf] extra; scripts/setup.sh installs it with the tests)") from None
 
     directory = Path(directory)
     manifest = load_manifest(directory)

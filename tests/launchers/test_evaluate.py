@@ -48,7 +48,11 @@ def test_reconstruction_sweep(trained_run, tmp_path):
     assert "reconstruction K=1-3: 100%" in proc.stderr and "batch/s]" in proc.stderr
     assert [ln for ln in proc.stderr.splitlines() if ln.startswith("warning:")] == [
         f"warning: {TRUST}: unpickling {res['checkpoint']} with torch.load(weights_only=False), which runs any code "
-        "the files hold"]
+        "the files hold",
+        f"warning: {HELDOUT_FASTA}: 205 of 211 sequences are longer than the model's window of 62 residues "
+        "(data.context_length 64); each is evaluated on one seeded random window of 62, not whole (the longest has "
+        "543)"]
+    assert res["cropped"] == 205 and res["window"] == 62
     assert "%|" not in proc.stdout
 
     from mlflow.tracking import MlflowClient
@@ -227,7 +231,8 @@ def test_bad_input_is_one_error_line(trained_run, tmp_path):
     # the run's own DeepSpeed checkpoint needs no --trust-checkpoint: its files hold tensors and DeepSpeed's classes
     proc = evaluate("--checkpoint", str(trained_run), "--task", "reconstruction", "--data", str(HELDOUT_FASTA),
                     "--depths", "1", "--output", str(tmp_path / "own.json"), "--no-mlflow")
-    assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert not [ln for ln in proc.stderr.splitlines() if "warning" in ln and "model's window" not in ln], proc.stderr
 
 
 def test_export_loads_without_deepspeed_and_gives_the_same_numbers(trained_run, tmp_path):

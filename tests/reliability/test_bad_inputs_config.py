@@ -68,7 +68,7 @@ def test_non_utf8_config(tmp_path):
 
 def test_missing_config_file(tmp_path):
     f = tmp_path / "missing.yaml"
-    assert_one_line_error(pretrain(tmp_path, config=f), str(f), "not found")
+    assert_one_line_error(pretrain(tmp_path, config=f), str(f), "no such file, nor a config name of launchers/configs")
 
 
 def test_non_finite_override(tmp_path):
