@@ -72,6 +72,7 @@ import errno
 import getpass
 import hashlib
 import json
+import logging
 import shlex
 import shutil
 import subprocess
@@ -487,6 +488,8 @@ class Tracker:
             self._monitor = False
             self._warn_once("sysmetrics", f"no system metrics ({_short(e)}; `pip install psutil`)")
             return
+        # its INFO lines (started, stopped, "Skip logging GPU metrics") would reach every console and train.log
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         timeout_s = self.timeout_s
 
         class Monitor(SystemMetricsMonitor):
