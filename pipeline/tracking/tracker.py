@@ -270,13 +270,8 @@ class Tracker:
                 spool = self.run_dir / SPOOL_DIR / (subdir or "") / src.name
                 spool.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(src, spool)
-            with self._cv:
-                self._state["artifacts"][art] = {"src": str(src.resolve()), "subdir": subdir,
-                                                 "spool": str(spool) if spool else None, "sent": []}
-                self._queue.append(("a", art))
-                self._cv.notify_all()
-                snap = self._snapshot(force=True)
-            self._write(snap)
+            self._enqueue("a", "artifacts", art, {"src": str(src.resolve()), "subdir": subdir,
+                                                  "spool": str(spool) if spool else None, "sent": []})
         except Exception as e:
             self._warn_once("artifact", f"log_artifact {path}: {_short(e)}")
 
@@ -296,15 +291,19 @@ class Tracker:
             entry = {"name": name, "source": source, "digest": digest[:16], "context": context,
                      "profile": {"manifest_sha256": fp["sha256"], "shards": fp["shards"], "samples": fp["samples"]}
                      if fp else {}, "sent": []}
-            key = f"{context}:{name}"
-            with self._cv:
-                self._state.setdefault("datasets", {})[key] = entry
-                self._queue.append(("d", key))
-                self._cv.notify_all()
-                snap = self._snapshot(force=True)
-            self._write(snap)
+            self._enqueue("d", "datasets", f"{context}:{name}", entry)
         except Exception as e:
             self._warn_once("dataset", f"log_dataset {spec}: {_short(e)}")
+
+    def _enqueue(self, kind: str, table: str, key: str, entry: dict):
+        """Journal ``entry`` under state[table][key] and queue it for the worker (kind "a" artifact, "d" dataset);
+        the journal is written before this returns, so a crash right after still knows what was not sent."""
+        with self._cv:
+            self._state.setdefault(table, {})[key] = entry
+            self._queue.append((kind, key))
+            self._cv.notify_all()
+            snap = self._snapshot(force=True)
+        self._write(snap)
 
     def finish(self, status: str = "FINISHED"):
         """Queue the run's status, wait at most flush_timeout_s for everything to be sent, then stop the worker."""
