@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .fasta import GZIP_ERRORS, FastaError, Record, iter_fasta_text, open_input
+from .fasta import GZIP_ERRORS, GZIP_MAGIC, FastaError, Record, iter_fasta_text, open_input, track_position
 from .sources import parse_uniref_header
 
 CHUNK = 1 << 22  # decompressed bytes read at a time; a record longer than this makes its chunk longer
@@ -95,6 +95,124 @@ def chunks(path: Path, size: int = CHUNK) -> Iterator[tuple[bytes, int]]:
             text, carry = buf[:cut + 1], buf[cut + 1:]
             yield text, line
             line += int(np.count_nonzero(np.frombuffer(text, np.uint8) == 10))  # text.count(b"\n"), SIMD
+
+
+def is_gzip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == GZIP_MAGIC
+
+
+# ------------------------------------------------------------------------------------------ byte ranges of jobs
+# ``--num-jobs N`` on plain (uncompressed) FASTA: job I parses only the bytes [lo, hi) of the inputs laid end to
+# end, cut at record starts ('>' at the start of a line), so that N jobs share the parsing. A record belongs to the
+# job whose range holds its '>': a record that straddles a nominal cut is read once, by the job it starts in. The
+# sample keys stay the global record indices, so job I counts the records before its range (count_records: two
+# bytes.count per 16 MB block, no parsing; about 30x the parse rate) to number its own.
+@dataclass
+class ByteRange:
+    input: int  # position of the input in the job's input list
+    lo: int  # byte offset of the range's first record ('>')
+    hi: int  # byte offset after its last record (the next record's '>', or the input's size)
+    first_line: int = 1  # line number of lo (set for the job's first range; 1 for the inputs after it)
+    first_index: int | None = None  # global index of the record at lo (the job's first range; then None: the
+    # index goes on from the previous input's last record)
+
+
+def record_start(path: Path, at: int) -> int:
+    """The first record start (a '>' at byte 0 or after a '\\n') at or after byte ``at`` of the plain file ``path``;
+    its size when no record starts there."""
+    size = path.stat().st_size
+    if at <= 0:
+        return 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(at - 1)
+        base, prev = at - 1, b""  # file offset of buf[0]
+        while True:
+            block = f.read(1 << 20)
+            if not block:
+                return size
+            buf = prev + block
+            k = buf.find(b"\n>")
+            if k >= 0:
+                return base + k + 1
+            base, prev = base + len(buf) - 1, buf[-1:]
+
+
+def count_records(path: Path, end: int) -> tuple[int, int]:
+    """(records, line breaks) in bytes [0, end) of the plain FASTA ``path``: the '>' at line starts, and the
+    '\\n's."""
+    records = lines = 0
+    last = b"\n"  # the file's start is a line start
+    with open(path, "rb", buffering=0) as f:
+        left = end
+        while left > 0:
+            block = f.read(min(1 << 24, left))
+            if not block:
+                break
+            left -= len(block)
+            records += block.count(b"\n>") + (last == b"\n" and block[:1] == b">")
+            lines += block.count(b"\n")
+            last = block[-1:]
+    return records, lines
+
+
+def byte_ranges(paths: list[Path], num_jobs: int, job_index: int) -> list[ByteRange]:
+    """Job ``job_index``'s ranges of ``paths`` laid end to end, cut near k / N of their bytes at record starts
+    (so a job may get none, when one record spans a cut's whole share)."""
+    sizes = [p.stat().st_size for p in paths]
+    total = sum(sizes)
+
+    def cut(k: int) -> tuple[int, int]:  # (input, offset) of the record start at or after k / N of the bytes
+        x = k * total // num_jobs
+        for i, size in enumerate(sizes):
+            if x < size:
+                at = record_start(paths[i], x)
+                return (i, at) if at < size else (i + 1, 0)
+            x -= size
+        return len(paths), 0
+    (i0, o0), (i1, o1) = cut(job_index), cut(job_index + 1)
+    out = []
+    for i in range(i0, min(i1 + 1, len(paths))):
+        lo, hi = (o0 if i == i0 else 0), (o1 if i == i1 else sizes[i])
+        if lo < hi:
+            out.append(ByteRange(i, lo, hi))
+    if out:
+        before = [count_records(paths[i], sizes[i])[0] for i in range(out[0].input)]
+        records, lines = count_records(paths[out[0].input], out[0].lo)
+        out[0].first_index, out[0].first_line = sum(before) + records, lines + 1
+    return out
+
+
+def range_chunks(path: Path, r: ByteRange, size: int = CHUNK) -> Iterator[tuple[bytes, int, None]]:
+    """chunks() of the byte range ``r`` of the plain file ``path``, as (text, line of its first line, None)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    line, carry = r.first_line, b""
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, "data_prep-read") as ahead:
+        f.seek(r.lo)
+        track_position(path, lambda: f.tell() - r.lo)  # progress: the bytes of the range read
+        left = r.hi - r.lo
+
+        def read():
+            return f.read(min(size, left))
+        pending = ahead.submit(read)
+        while True:
+            block = pending.result()
+            left -= len(block)
+            if block and left > 0:
+                pending = ahead.submit(read)
+            buf = carry + block if carry else block
+            if not block or left <= 0:
+                if buf:
+                    yield buf, line, None
+                return
+            cut = buf.rfind(b"\n>")
+            if cut < 0:
+                carry = buf
+                continue
+            text, carry = buf[:cut + 1], buf[cut + 1:]
+            yield text, line, None
+            line += int(np.count_nonzero(np.frombuffer(text, np.uint8) == 10))
 
 
 # UniRef headers of the two shapes the shared data holds (parse_uniref_header reads any): the full header
@@ -177,7 +295,7 @@ class Reader:
                     continue
                 text = text.replace(b"\r\n", b"\n")  # iter_fasta strips line ends: the same records
             yield self._parse(text, first_line)
-        if self.texts is not None:
+        if getattr(self.texts, "end", None) is not None:  # fed: the input's records, as the parent counted them
             self.index = self.base + self.texts.end
 
     def _parse(self, text: bytes, first_line: int) -> Chunk:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .batch import Reader, json_string, starts_with_header
+from .batch import ByteRange, Reader, byte_ranges, is_gzip, json_string, range_chunks, starts_with_header
 from .checks import DamageCheck, PrepError
 from .common import LOWERCASE, input_fingerprint, split_of
 from .fasta import FastaError, input_position
@@ -89,11 +89,13 @@ class BatchReader:
     def takes(self, path: Path) -> bool:
         return starts_with_header(path)
 
-    def read(self, path: Path, first_index: int, jobs: tuple[int, int], feed: Feed | None = None) -> Reader:
+    def read(self, path: Path, first_index: int, jobs: tuple[int, int], feed: Feed | None = None,
+             byte_range: ByteRange | None = None) -> Reader:
         """``feed``: in a --workers process, the parent's chunks of ``path`` (data_prep/feed.py) instead of the
-        file's."""
-        return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs,
-                      None if feed is None else feed.texts(path))
+        file's; ``byte_range``: only that range of the (plain) file (the job's share, batch.byte_ranges)."""
+        texts = feed.texts(path) if feed is not None else \
+            range_chunks(path, byte_range) if byte_range is not None else None
+        return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs, texts)
 
 
 def batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx: Context) -> BatchReader | None:
@@ -105,6 +107,18 @@ def batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx: Cont
     if settings.dedup or settings.window is not None or ctx.members is not None or ctx.invalid_positions is None:
         return None
     return BatchReader(source, encoder, ctx)
+
+
+def splits_bytes(source: Source, encoder: Encoder, inputs: list[Path], settings: Settings,
+                 members: dict | Path | None) -> bool:
+    """Whether job I of ``--num-jobs N`` reads only its byte range of the inputs (batch.byte_ranges) rather than
+    every record, keeping those whose index % N == I: when every input is plain FASTA that the batch reader takes
+    whole (a gzip stream cannot be entered in the middle: its jobs each decompress all of it)."""
+    if settings.num_jobs == 1 or settings.dedup or settings.window is not None or members is not None:
+        return False
+    if source.reader not in (iter_fasta_source, iter_uniref) or encoder.kind not in ("nucleotide", "protein"):
+        return False
+    return all(not is_gzip(p) and starts_with_header(p) for p in inputs)
 
 
 class SequenceBuild:
@@ -133,6 +147,9 @@ class SequenceBuild:
         self.fast = batch_reader(source, encoder, s, self.ctx)
         # (N, I): the job owns the records whose global index % N == I; set again for each input (fed: (1, 0))
         self.own = (s.num_jobs, s.job_index)
+        # plain inputs: this job's byte ranges, by input (None: every job reads every record, see splits_bytes)
+        self.ranges = {r.input: r for r in byte_ranges(inputs, s.num_jobs, s.job_index)} \
+            if feed is None and self.fast is not None and splits_bytes(source, encoder, inputs, s, members) else None
         self.bar: Progress | None = None
         self._next_update = 0.0  # when the per-record path next updates the progress bar
         # the meta.json of a batch-path sample, {"id", "source", "length", ...} as json.dumps writes it
@@ -165,6 +182,8 @@ class SequenceBuild:
         gc.disable()
         try:
             mode, interval = self.progress
+            if self.ranges is not None:  # the bar counts this job's bytes
+                self.sizes = [r.hi - r.lo if (r := self.ranges.get(k)) else 0 for k in range(len(self.inputs))]
             with Progress(self.source.name, sum(self.sizes), mode, interval) as self.bar:
                 for n_input, path in enumerate(self.inputs):
                     self._read_input(n_input, path)
@@ -178,7 +197,8 @@ class SequenceBuild:
             self.bar = None
             if collecting:
                 gc.enable()
-        return self._manifests(), self.index
+        # records seen: of all inputs (every record is numbered), or only this job's byte ranges
+        return self._manifests(), (self.read if self.ranges is not None else self.index)
 
     def _read_input(self, n_input: int, path: Path) -> None:
         s = self.settings
@@ -186,7 +206,10 @@ class SequenceBuild:
         inp = {k: {"path": str(path), **fp, "records": 0, "kept": 0, "residues": 0} for k in self.splits}
         done_before = sum(self.sizes[:n_input])
         self.own = (s.num_jobs, s.job_index)
-        if self.fast is not None and self.fast.takes(path):
+        if self.ranges is not None:  # another job's bytes, or a range of them: whole records, at least one
+            any_record = n_input not in self.ranges or self._read_batches(path, inp, done_before,
+                                                                          self.ranges[n_input])
+        elif self.fast is not None and self.fast.takes(path):
             any_record = self._read_batches(path, inp, done_before)
         else:
             any_record = self._read_records(path, inp, done_before)
@@ -197,15 +220,17 @@ class SequenceBuild:
             self.stats[k]["records_kept"] += inp[k]["kept"]
             self.stats[k]["residues"] += inp[k]["residues"]
 
-    def _read_batches(self, path: Path, inp: dict, done_before: int) -> bool:
-        """The input on the batch path; whether it held a record."""
+    def _read_batches(self, path: Path, inp: dict, done_before: int, byte_range: ByteRange | None = None) -> bool:
+        """The input (or ``byte_range`` of it) on the batch path; whether it held a record."""
         s = self.settings
         # --strict: another job's invalid record is an error here too, so every record is parsed
         jobs = (1, 0) if s.strict else self.own
-        if self.feed is not None:  # a --workers process: the parent's chunks, every record of them ours
+        if self.feed is not None or byte_range is not None:  # the parent's chunks, or this job's bytes: all ours
             self.own = jobs = (1, 0)
+        if byte_range is not None and byte_range.first_index is not None:
+            self.index = byte_range.first_index
         start = self.index
-        reader = self.fast.read(path, self.index, jobs, self.feed)
+        reader = self.fast.read(path, self.index, jobs, self.feed, byte_range)
         for chunk in reader:
             self.index = reader.start  # the chunk's first global index (fed chunks skip the others')
             if isinstance(chunk, list):  # read record by record

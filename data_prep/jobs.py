@@ -31,6 +31,7 @@ from pipeline.outputs import kept_note, publish_dir
 
 from . import Source, batch
 from .build import build as build_sequences
+from .build import splits_bytes
 from .checks import PrepError
 from .clusters import build as build_clusters
 from .clusters import load_clusters
@@ -124,6 +125,8 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
                                 "inputs?")
             return manifests, seen
         work_fingerprint = fingerprint(source, encoder, inputs, settings, members)
+        if splits_bytes(source, encoder, inputs, settings, members) and feed is None:
+            work_fingerprint["split"] = "bytes"  # other records than job I of N by record index: never mixed
     splits = SPLITS if settings.val_fraction is not None else ("",)
     if feed is not None:  # a fed --workers job holds other records than job I of N: never resumed as one
         work_fingerprint = {**work_fingerprint, "fed_chunk": batch.CHUNK}

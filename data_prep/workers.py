@@ -33,11 +33,12 @@ from .settings import Result, Settings
 from .sources import iter_fasta_source, iter_uniref
 
 
-def _fed(source: Source, settings: Settings, kwargs: dict) -> bool:
-    """Whether a --workers run is fed by the parent: the jobs would take the batch reader (build.batch_reader)."""
+def _fed(source: Source, settings: Settings, kwargs: dict, inputs: list[Path]) -> bool:
+    """Whether a --workers run is fed by the parent: the jobs would take the batch reader (build.batch_reader) and
+    some input is gzip (plain inputs are split into byte ranges that each job reads itself, batch.byte_ranges)."""
     return (source.reader in (iter_fasta_source, iter_uniref) and source.tokenizer in ("nucleotide", "protein")
             and not settings.dedup and settings.window is None and kwargs.get("members") is None
-            and kwargs.get("clusters") is None)
+            and kwargs.get("clusters") is None and any(p.is_file() and batch.is_gzip(p) for p in inputs))
 
 
 def _headers(text: bytes) -> int:
@@ -193,7 +194,9 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
     ctx = multiprocessing.get_context("fork")
     queue = ctx.SimpleQueue()
     progress = kwargs.pop("progress", ("auto", 60.0))
-    fed = _fed(source, settings, kwargs)
+    paths = [Path(p).resolve() for p in inputs]
+    paths = source.expand(paths) if source.expand is not None else paths
+    fed = _fed(source, settings, kwargs, paths)
     stop = ctx.Event()
     feeds = [Feed(ctx.Queue(FEED_DEPTH), stop) for _ in range(workers)] if fed else [None] * workers
     procs = []
@@ -208,8 +211,6 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
         for p in procs:
             p.start()
         if fed:
-            paths = [Path(p).resolve() for p in inputs]
-            paths = source.expand(paths) if source.expand is not None else paths
             try:
                 if all(p.is_file() for p in paths):  # else the workers report it, before they read
                     _feed_inputs(paths, [f.queue for f in feeds], procs, stop)
