@@ -34,7 +34,7 @@ from .build import build as build_sequences
 from .build import splits_bytes
 from .checks import PrepError
 from .clusters import build as build_clusters
-from .clusters import load_clusters
+from .clusters import Spill, bucket_count, load_clusters
 from .common import (FILTERED, MANIFEST, SPLIT_FILE, SPLITS, TOOL, check_output_replaceable, job_filtered_name,
                      job_manifest_name, split_doc, write_json)
 from .encode import Encoder
@@ -81,6 +81,7 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
         raise PrepError(f"--text-column applies to babylm (.csv text), not to {source.name}")
     encoder = Encoder(source, alphabet, spm)
     settings = check_settings(source, encoder, settings)
+    spill = None
     if clusters is not None:
         if source.name != "uniref":
             raise PrepError(f"--clusters is a uniref option, not {source.name}'s")
@@ -100,12 +101,18 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
             raise PrepError(f"--clusters {clusters} does not exist or is not a file")
         if clusters in inputs:
             raise PrepError(f"{clusters} is given both as --input and as --clusters")
-        # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind.
-        cmap = load_clusters(clusters, settings.num_jobs, settings.job_index, progress)
+        # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind. The spill (the
+        # bucket files of clusters.py's join, under $TMPDIR) is removed however the job ends.
+        spill = Spill(bucket_count(inputs))
+        try:
+            cmap = load_clusters(clusters, spill, settings.num_jobs, settings.job_index, progress)
+        except BaseException:
+            spill.remove()
+            raise
 
         def build(work: WorkDir):
             return build_clusters(encoder, inputs, cmap, settings, open_splits(work, settings, encoder, "clusters"),
-                                  source.name, progress)
+                                  source, progress)
         work_fingerprint = fingerprint(source, encoder, inputs, settings, None, clusters)
     else:
         member_map = None
@@ -130,10 +137,14 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
     splits = SPLITS if settings.val_fraction is not None else ("",)
     if feed is not None:  # a fed --workers job holds other records than job I of N: never resumed as one
         work_fingerprint = {**work_fingerprint, "fed_chunk": batch.CHUNK}
-    if settings.num_jobs == 1:
-        return _run_single(source, encoder, output, overwrite, build, work_fingerprint, splits, settings)
-    options = record_options(settings, text_column, members, clusters)
-    return _run_job(source, encoder, output, settings, overwrite, build, work_fingerprint, splits, options)
+    try:
+        if settings.num_jobs == 1:
+            return _run_single(source, encoder, output, overwrite, build, work_fingerprint, splits, settings)
+        options = record_options(settings, text_column, members, clusters)
+        return _run_job(source, encoder, output, settings, overwrite, build, work_fingerprint, splits, options)
+    finally:
+        if spill is not None:
+            spill.remove()
 
 
 def _copy_model(encoder: Encoder, directory: Path) -> None:

@@ -235,7 +235,8 @@ class ShardSet:
             return  # already in a verified shard of the interrupted run
         self.open_writer().write(key, tokens, meta, *(() if offsets is None else (offsets,)))
 
-    def extend(self, keys: list, tokens: np.ndarray, bounds: np.ndarray, metas: list) -> None:
+    def extend(self, keys: list, tokens: np.ndarray, bounds: np.ndarray, metas: list,
+               members: np.ndarray | None = None) -> None:
         """Several samples (ShardWriter.extend), those already in verified shards skipped as in ``write``."""
         n = len(keys)
         skip = min(n, max(0, self.skip - self.written))
@@ -243,8 +244,10 @@ class ShardSet:
         if skip == n:
             return
         if skip:
+            if members is not None:  # the skipped samples' members: those that end by bounds[skip]
+                members = members[np.searchsorted(np.cumsum(members), bounds[skip], "right"):]
             keys, metas, tokens, bounds = keys[skip:], metas[skip:], tokens[bounds[skip]:], bounds[skip:] - bounds[skip]
-        self.open_writer().extend(keys, tokens, bounds, metas)
+        self.open_writer().extend(keys, tokens, bounds, metas, members)
 
     def abort(self) -> None:
         if self.writer is not None:

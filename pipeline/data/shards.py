@@ -332,23 +332,38 @@ class ShardWriter:
             self._block_tokens += len(tokens)
         self._added(1, len(tokens))
 
-    def extend(self, keys: list[str], tokens: np.ndarray, bounds: np.ndarray, meta_json: list[str]):
-        """Several samples at once (blocks, layout "sequences"): sample i is ``keys[i]``,
-        ``tokens[bounds[i]:bounds[i + 1]]`` and meta ``meta_json[i]``, one JSON object already encoded as
-        ``json.dumps(meta, separators=(",", ":"))`` would (the caller's promise: data_prep's batch path, tested to
-        equal it). ``tokens``: 1-D integer [bounds[-1]]; ``bounds``: [len(keys) + 1]. Same checks as ``write``,
-        over the whole batch."""
-        if self.block_samples is None or self.layout != "sequences":
-            raise ValueError("extend() writes blocks of sequences: the writer needs block_samples and layout "
-                             "'sequences'")
+    def extend(self, keys: list[str], tokens: np.ndarray, bounds: np.ndarray, meta_json: list[str],
+               members: np.ndarray | None = None):
+        """Several samples at once: sample i is ``keys[i]``, ``tokens[bounds[i]:bounds[i + 1]]`` and meta
+        ``meta_json[i]``, one JSON object already encoded as ``json.dumps(meta, separators=(",", ":"))`` would (the
+        caller's promise: data_prep's batch path, tested to equal it). ``tokens``: 1-D integer [bounds[-1]];
+        ``bounds``: [len(keys) + 1]; layout "clusters": ``members``, the lengths of every sample's members one
+        after the other (they add up to each sample's length). Same checks as ``write``, over the whole batch;
+        without blocks (format 1), ``write`` per sample."""
         n = len(keys)
         if n == 0:
+            return
+        if (members is not None) != (self.layout == "clusters"):
+            raise ValueError("extend: member lengths are given for, and only for, the clusters layout")
+        bounds = np.asarray(bounds, dtype=np.int64)
+        if members is not None:
+            members = np.asarray(members, dtype=np.int64)
+            ends = np.cumsum(members)
+            if (members <= 0).any() or (np.diff(bounds) <= 0).any() or not np.isin(bounds[1:], ends).all() \
+                    or (len(ends) and ends[-1] != bounds[-1]):
+                raise ValueError("extend: member lengths must be positive and add up to each sample's length")
+        if self.block_samples is None:
+            first = np.concatenate([[0], np.searchsorted(ends, bounds[1:]) + 1]) if members is not None else None
+            for i, key in enumerate(keys):
+                lo, hi = int(bounds[i]), int(bounds[i + 1])
+                offsets = None if members is None else \
+                    np.concatenate([[0], ends[first[i]:first[i + 1]] - lo]).astype(np.int64)
+                self.write(key, tokens[lo:hi], json.loads(meta_json[i]), offsets)
             return
         joined = "\n".join(keys)
         if "." in joined or "/" in joined or joined.count("\n") != n - 1 or any(not k for k in (keys[0], keys[-1])):
             for k in keys:
                 check_key(k)
-        bounds = np.asarray(bounds, dtype=np.int64)
         if len(bounds) != n + 1 or len(meta_json) != n or bounds[0] != 0 or bounds[-1] != len(tokens):
             raise ValueError(f"extend: {n} keys, {len(meta_json)} metas, bounds [{len(bounds)}] from "
                              f"{bounds[0] if len(bounds) else None} to {bounds[-1] if len(bounds) else None} for "
@@ -372,6 +387,8 @@ class ShardWriter:
             b["tokens"].append(tokens[lo:hi])
             b["lengths"].extend(lengths[at:at + take].tolist())
             b["meta"].extend(meta_json[at:at + take])
+            if members is not None:  # the members of samples at..at+take: those that end in (lo, hi]
+                b["members"].append(members[np.searchsorted(ends, lo, "right"):np.searchsorted(ends, hi, "right")])
             self._block_tokens += hi - lo
             at += take
             self._added(take, hi - lo)
