@@ -36,7 +36,6 @@ from __future__ import annotations
 import heapq
 import json
 import math
-import re
 import resource
 import shutil
 import tempfile
@@ -50,7 +49,7 @@ import numpy as np
 from .batch import Chunk, Reader, is_gzip, json_string, starts_with_header
 from .checks import DamageCheck, PrepError, sum_stats
 from .common import FINGERPRINT, LOWERCASE, TSV_HEADER, input_fingerprint
-from .fasta import FastaError, Record, input_position, iter_fasta, numbered_lines
+from .fasta import GZIP_ERRORS, FastaError, Record, input_position, iter_fasta, numbered_lines, open_input
 from .progress import Progress
 
 if TYPE_CHECKING:
@@ -77,8 +76,10 @@ KEPT, FILTERED, REPLACED, STRICT = 0, 1, 2, 3
 
 def keys(ids: list[str], prefix: str = "") -> tuple[np.ndarray, np.ndarray]:
     """(k1, k2) uint64 of each id: two hashes of this process (the spill never outlives it)."""
-    k1 = np.fromiter((hash(prefix + i) for i in ids), np.int64, len(ids)).view(np.uint64)
-    k2 = np.fromiter((hash(prefix + i + "\x00") for i in ids), np.int64, len(ids)).view(np.uint64)
+    if prefix:
+        ids = [prefix + i for i in ids]
+    k1 = np.fromiter(map(hash, ids), np.int64, len(ids)).view(np.uint64)
+    k2 = np.fromiter(map(hash, [i + "\x00" for i in ids]), np.int64, len(ids)).view(np.uint64)
     return k1, k2
 
 
@@ -196,17 +197,16 @@ class ClusterMap:
     first_member: str | None  # this job's first member id (named when none is found in the FASTA)
 
     def own(self):
-        """(row index, name, members as written "a,b,...", line, first slot, member count) of this job's clusters,
-        in TSV order (pass 1 checked every row)."""
-        r = slot = 0
-        for lineno, parts in _rows(self.path):
-            if parts is None:
-                continue
-            if r % self.num_jobs == self.job_index:
-                count = parts[1].count(",") + 1
-                yield r, parts[0], parts[1], lineno, slot, count
-                slot += count
-            r += 1
+        """RowBlocks of this job's clusters in TSV order, with ``firsts``: the first slot of each (pass 1 checked
+        every row). ``first_row`` is then the block's first row of the file, and row r is row ``rows[r]``."""
+        slot = 0
+        for b in _row_blocks(self.path):
+            sel = np.flatnonzero((b.first_row + np.arange(len(b.names))) % self.num_jobs == self.job_index)
+            counts = b.counts[sel]
+            firsts = slot + np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+            slot += int(counts.sum())
+            yield (b.first_row + sel, [b.names[i] for i in sel.tolist()], [b.members[i] for i in sel.tolist()],
+                   b.lines[sel], firsts, counts)
 
 
 def _parse_row(path: Path, lineno: int, parts: list[str]) -> tuple[str, list[str]]:
@@ -226,26 +226,113 @@ def _parse_row(path: Path, lineno: int, parts: list[str]) -> tuple[str, list[str
 
 def _rows(path: Path):
     """(line, fields) of the data rows, after the optional header; blank lines yield None."""
-    first = True
+    first = [True]
     for lineno, line in numbered_lines(path):
-        if line.endswith(b"\r"):
-            line = line[:-1]
-        if not line.strip():
-            yield lineno, None
-            continue
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise FastaError(f"{path}:{lineno}: invalid UTF-8 byte {line[e.start]:#04x}") from None
-        parts = text.split("\t")
-        if tuple(parts) == TSV_HEADER:
-            if not first:  # two TSVs concatenated: the header would become a cluster named UR50_cluster_name
-                raise FastaError(f"{path}:{lineno}: header line {TSV_HEADER[0]}<TAB>{TSV_HEADER[1]} repeated "
-                                 "after the first line (concatenated files?)")
-            first = False
-            continue
-        first = False
-        yield lineno, parts
+        parts = _row(path, lineno, line, first)
+        if parts != []:
+            yield lineno, parts
+
+
+@dataclass
+class RowBlock:
+    """Consecutive data rows of the TSV: row r of the block is data row ``first_row + r`` of the file."""
+    first_row: int
+    names: list  # cluster names
+    members: list  # the members as written, "a,b,..."
+    lines: np.ndarray  # int64: 1-based line of each row
+    counts: np.ndarray  # int64: members of each row
+    blank: int  # blank lines among the block's lines
+
+
+_HEADER = "\t".join(TSV_HEADER).encode() + b"\n"
+_BLANKS = np.zeros(256, bool)  # blanks other than \t and \n that str.split() splits on (ASCII)
+_BLANKS[[0x20, 0x0d, 0x0b, 0x0c, 0x1c, 0x1d, 0x1e, 0x1f]] = True
+_EMPTY_FIELDS = (b"\n\n", b"\n\t", b"\t\n", b"\t,", b",,", b",\n")  # and a repeated header: line by line
+
+
+def _plain(text: bytes) -> bool:
+    """Whether ``text`` can take _parse_block's fast path: ASCII, no blank but \t and \n, no empty field."""
+    return (text.isascii() and not text.startswith((b"\t", b"\n")) and not any(e in text for e in _EMPTY_FIELDS)
+            and _HEADER[:-1] not in text and not _BLANKS[np.frombuffer(text, np.uint8)].any())
+
+
+def _row_blocks(path: Path, size: int = 1 << 22):
+    """The TSV's data rows in RowBlocks of about ``size`` bytes: a block of plain rows (ASCII, one tab a line, no
+    blank line, no empty field) parsed by a few str and numpy operations over the whole block; any other block
+    line by line, with the checks and errors of ``_rows`` and ``_parse_row``."""
+    first, line, row, carry = [True], 1, 0, b""
+    try:
+        with open_input(path) as f:
+            while True:
+                block = f.read(size)
+                buf = carry + block
+                cut = buf.rfind(b"\n") + 1 if block else len(buf)
+                if block and cut == 0:
+                    carry = buf
+                    continue
+                text, carry = buf[:cut], buf[cut:]
+                if text:
+                    out = _parse_block(path, text if text.endswith(b"\n") else text + b"\n", line, row, first)
+                    line += text.count(b"\n")
+                    row += len(out.names)
+                    yield out
+                if not block:
+                    return
+    except GZIP_ERRORS as e:
+        raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
+
+
+def _parse_block(path: Path, text: bytes, first_line: int, first_row: int, first: list) -> RowBlock:
+    """The rows of ``text`` (whole lines, the last ending with a newline) from line ``first_line``; ``first``:
+    [whether no data or header line came before], updated."""
+    if first[0] and text.startswith(_HEADER):
+        text, first_line = text[len(_HEADER):], first_line + 1
+        first[0] = False
+    if not text:
+        return RowBlock(first_row, [], [], np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
+    arr = np.frombuffer(text, np.uint8)
+    if _plain(text):
+        nl, tab = np.flatnonzero(arr == 10), np.flatnonzero(arr == 9)
+        if len(tab) == len(nl) and (np.searchsorted(tab, nl) == np.arange(1, len(nl) + 1)).all():
+            # one tab in every line: name<TAB>members, no field empty (_UNUSUAL), no blank inside one
+            fields = text.decode("ascii").replace("\n", "\t").split("\t")[:-1]
+            counts = np.diff(np.searchsorted(np.flatnonzero(arr == 44), np.concatenate([[0], nl]))) + 1
+            first[0] = False
+            return RowBlock(first_row, fields[0::2], fields[1::2], first_line + np.arange(len(nl)), counts, 0)
+    names, members, lines, counts, blank = [], [], [], [], 0
+    for k, raw in enumerate(text[:-1].split(b"\n")):
+        lineno = first_line + k
+        parts = _row(path, lineno, raw, first)
+        if parts is None:
+            blank += 1
+        elif parts:
+            name, ids = _parse_row(path, lineno, parts)
+            names.append(name)
+            members.append(",".join(ids))
+            lines.append(lineno)
+            counts.append(len(ids))
+    return RowBlock(first_row, names, members, np.array(lines, np.int64), np.array(counts, np.int64), blank)
+
+
+def _row(path: Path, lineno: int, line: bytes, first: list) -> list | None:
+    """One line's fields: None for a blank line, [] for the header."""
+    if line.endswith(b"\r"):
+        line = line[:-1]
+    if not line.strip():
+        return None
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FastaError(f"{path}:{lineno}: invalid UTF-8 byte {line[e.start]:#04x}") from None
+    parts = text.split("\t")
+    if tuple(parts) == TSV_HEADER:
+        if not first[0]:  # two TSVs concatenated: the header would become a cluster named UR50_cluster_name
+            raise FastaError(f"{path}:{lineno}: header line {TSV_HEADER[0]}<TAB>{TSV_HEADER[1]} repeated "
+                             "after the first line (concatenated files?)")
+        first[0] = False
+        return []
+    first[0] = False
+    return parts
 
 
 def load_clusters(path: Path, spill: Spill, num_jobs: int = 1, job_index: int = 0,
@@ -254,44 +341,30 @@ def load_clusters(path: Path, spill: Spill, num_jobs: int = 1, job_index: int = 
     ``tsv-*`` buckets, job ``job_index``'s members with their slots; an id listed twice is an error naming both
     lines."""
     out = BlockWriter(spill.files("tsv"))
-    ids: list[str] = []
-    slots: list[int] = []
-    names: list[str] = []
     n_clusters = n_members = blank = own_clusters = own_members = 0
     first_member = None
-
-    def flush():
-        k1, k2 = keys(ids)
-        n1, n2 = keys(names, "\x01")
-        rows = np.zeros(len(ids) + len(names), TSV_ROW)
-        rows["k1"], rows["k2"] = np.concatenate([k1, n1]), np.concatenate([k2, n2])
-        rows["slot"][:len(ids)] = slots
-        rows["slot"][len(ids):] = NAME
-        out.write(rows, np.zeros(0, np.uint8), rows["k2"] % spill.buckets, np.zeros(len(rows), np.int64))
-        ids.clear(), slots.clear(), names.clear()
     try:
         with Progress(f"{path.name} (clusters TSV)", path.stat().st_size, *progress) as bar:
-            for lineno, parts in _rows(path):
-                if lineno % 4096 == 0:
-                    bar.update(input_position(path), clusters=n_clusters, members=n_members)
-                if parts is None:
-                    blank += 1
-                    continue
-                name, members = _parse_row(path, lineno, parts)
-                names.append(name)
-                ids.extend(members)
-                if n_clusters % num_jobs == job_index:
-                    slots.extend(range(own_members, own_members + len(members)))
-                    own_clusters += 1
-                    own_members += len(members)
-                    first_member = first_member or members[0]
-                else:
-                    slots.extend([OTHER] * len(members))
-                n_clusters += 1
-                n_members += len(members)
-                if len(ids) >= FLUSH:
-                    flush()
-            flush()
+            for b in _row_blocks(path):
+                blank += b.blank
+                own = (b.first_row + np.arange(len(b.names))) % num_jobs == job_index
+                member_own = np.repeat(own, b.counts)
+                ids = ",".join(b.members).split(",") if b.members else []
+                slots = np.where(member_own, own_members + np.cumsum(member_own) - 1, OTHER)
+                if first_member is None and own.any():
+                    first_member = ids[int(np.argmax(member_own))]
+                k1, k2 = keys(ids)
+                n1, n2 = keys(b.names, "\x01")
+                rows = np.zeros(len(ids) + len(b.names), TSV_ROW)
+                rows["k1"], rows["k2"] = np.concatenate([k1, n1]), np.concatenate([k2, n2])
+                rows["slot"][:len(ids)] = slots
+                rows["slot"][len(ids):] = NAME
+                out.write(rows, np.zeros(0, np.uint8), rows["k2"] % spill.buckets, np.zeros(len(rows), np.int64))
+                n_clusters += len(b.names)
+                n_members += len(ids)
+                own_clusters += int(own.sum())
+                own_members += int(member_own.sum())
+                bar.update(input_position(path), clusters=n_clusters, members=n_members)
     finally:
         out.close()
     if n_clusters == 0:
@@ -437,8 +510,9 @@ class Outcomes:
             aux += [tokens, extra]
             at += len(tokens) + len(extra)
         data = np.frombuffer(chunk.tokens + b"".join(aux), np.uint8)
-        sizes = (rows["ntok"] + rows["nextra"]).astype(np.int64)
-        self._write(rows, chunk.ids, gather(data, starts, sizes), n_input)
+        if special:  # payloads in record order (the records' tokens in place, the others' from aux)
+            data = gather(data, starts, (rows["ntok"] + rows["nextra"]).astype(np.int64))
+        self._write(rows, chunk.ids, data, n_input)
 
     def _write(self, rows: np.ndarray, ids: list[str], data: np.ndarray, n_input: int) -> None:
         if not len(rows):
@@ -585,9 +659,10 @@ def _join(cmap: ClusterMap, counts: list[dict], damage: DamageCheck, invalid_cha
 
 
 def _member(cmap: ClusterMap, slot: int) -> str:
-    for _, _, members, _, first, count in cmap.own():
-        if first <= slot < first + count:
-            return members.split(",")[slot - first]
+    for _, _, members, _, firsts, counts in cmap.own():
+        for m, first, count in zip(members, firsts.tolist(), counts.tolist()):
+            if first <= slot < first + count:
+                return m.split(",")[slot - first]
     return "?"
 
 
@@ -628,7 +703,9 @@ class Slots:
         return out, np.frombuffer(b"".join(pieces), np.uint8), extras
 
 
-_PLAIN_IDS = re.compile(r'[^\x20-\x7e]|["\\]')  # what json.dumps would escape in an id
+_ESCAPED = np.ones(256, bool)  # the bytes json.dumps escapes in a string (ensure_ascii): all but printable ASCII
+_ESCAPED[0x20:0x7f] = False
+_ESCAPED[[ord('"'), ord("\\")]] = True
 
 
 class Writer:
@@ -646,22 +723,20 @@ class Writer:
                             + ',"length":%d,"members":%s,"listed":%d}\n')
 
     def run(self, bar: Progress) -> None:
-        batch, size = [], 0
-        for row in self.cmap.own():
-            batch.append(row)
-            size += row[5]
-            if size >= self.BATCH:
-                self._batch(batch)
-                bar.update(input_position(self.cmap.path), written=self.stats["clusters_kept"])
-                batch, size = [], 0
-        if batch:
-            self._batch(batch)
+        for index, names, members, lines, firsts, counts in self.cmap.own():
+            # batches of about BATCH members (a cluster larger than that alone)
+            cuts = np.unique(np.searchsorted(np.cumsum(counts), np.arange(self.BATCH, int(counts.sum()),
+                                                                          self.BATCH)) + 1)
+            for i, j in zip([0, *cuts.tolist()], [*cuts.tolist(), len(counts)]):
+                if i < j:
+                    self._batch(tuple(index[i:j].tolist()), names[i:j], members[i:j], lines[i:j].tolist(),
+                                firsts[i:j].tolist(), counts[i:j])
+            bar.update(input_position(self.cmap.path), written=self.stats["clusters_kept"])
 
-    def _batch(self, batch: list) -> None:
-        index, names, members, lines, firsts, counts = zip(*batch)
+    def _batch(self, index: tuple, names: list, members: list, lines: list, firsts: list, counts: np.ndarray
+               ) -> None:
         a = firsts[0]
-        rows, tokens, extras = self.slots.range(a, firsts[-1] + counts[-1])
-        counts = np.array(counts, np.int64)
+        rows, tokens, extras = self.slots.range(a, firsts[-1] + int(counts[-1]))
         starts = np.zeros(len(counts), np.int64)
         np.cumsum(counts[:-1], out=starts[1:])
         kept = (rows["status"] == KEPT) | (rows["status"] == REPLACED)
@@ -677,7 +752,8 @@ class Writer:
         st["clusters_kept"] += int(np.count_nonzero(kept_n))
         st["members_kept"] += int(kept_n.sum())
         st["residues"] += int(size.sum())
-        plain = not _PLAIN_IDS.search("".join(members))
+        joined = "".join(members)
+        plain = joined.isascii() and not _ESCAPED[np.frombuffer(joined.encode("ascii"), np.uint8)].any()
         prev = 0
         for j in np.flatnonzero(kept_n != counts).tolist() + [len(counts)]:
             if prev < j:  # clusters prev..j-1, every member kept
