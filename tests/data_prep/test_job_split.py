@@ -1,0 +1,192 @@
+"""``--num-jobs N`` jobs then ``merge`` against one job, on real data: plain FASTA split into byte ranges (job I
+parses only its share, data_prep/batch.py ``byte_ranges``) and UniRef50 clusters (split by cluster, joined on disk in
+hash buckets, data_prep/clusters.py). The reference is the one-job run of the same command: the merged directory
+must hold the same records (keys, tokens, meta), the same manifest counts and the same filtered.tsv rows."""
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_prep import batch, clusters
+from data_prep.__main__ import main
+from pipeline.data.shard_reader import read_clusters, read_shard
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLES = REPO / "data" / "samples"
+RFAM = SAMPLES / "rfam_nrc_train_sample.fasta.gz"
+UR90, UR_TSV = SAMPLES / "uniref90_clusters_sample.fasta.gz", SAMPLES / "uniref50_to_uniref90_sample.tsv"
+
+
+def run(*args) -> int:
+    return main([str(a) for a in args])
+
+
+def content(d: Path, layout: str = "sequences", ordered: bool = True) -> tuple:
+    """(records, manifest without its shard list, filtered.tsv rows) of a shard directory; ``ordered`` False sorts
+    the records by key and the rows (the jobs of a cluster split hold every N-th cluster)."""
+    m = json.loads((d / "manifest.json").read_text())
+    read = read_clusters if layout == "clusters" else read_shard
+    recs = [(k, [t.tolist() for t in v] if layout == "clusters" else v.tolist(), meta)
+            for s in m["shards"] for k, v, meta in read(d / s["path"], s["samples"])]
+    m.pop("shards")
+    rows = (d / "filtered.tsv").read_text().splitlines() if (d / "filtered.tsv").exists() else []
+    if not ordered:
+        recs, rows = sorted(recs, key=lambda r: r[0]), rows[:1] + sorted(rows[1:])
+    return recs, m, rows
+
+
+def jobs_then_merge(args: list, out: Path, n: int) -> Path:
+    for i in range(n):
+        assert run(*args, "--output", out, "--num-jobs", n, "--job-index", i) == 0
+    if n > 1:  # one job of one writes manifest.json itself
+        assert run("merge", "--output", out) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def rna_inputs(tmp_path_factory) -> list[Path]:
+    """The shipped Rfam sample as two plain FASTA files (the split falls inside the first), records filtered by
+    --min-length among them."""
+    tmp = tmp_path_factory.mktemp("rna")
+    text = gzip.decompress(RFAM.read_bytes())
+    cut = text.index(b"\n>", len(text) * 2 // 3) + 1
+    a, b = tmp / "a.fa", tmp / "b.fa"
+    a.write_bytes(text[:cut])
+    b.write_bytes(text[cut:])
+    return [a, b]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_rnacentral_byte_range_jobs_merge_to_one_job(rna_inputs, tmp_path, n):
+    args = ["rnacentral", "--input", *rna_inputs, "--min-length", 60, "--shard-size", 150]
+    assert run(*args, "--output", tmp_path / "one") == 0
+    merged = jobs_then_merge(args, tmp_path / "jobs", n)
+    one, got = content(tmp_path / "one"), content(merged)
+    assert got == one  # in order too: job 0's bytes come first
+    assert len(one[0]) > 1000 and one[1]["filtered"]["shorter_than_60"] > 0
+    sizes = [p.stat().st_size for p in rna_inputs]
+    parsed = [sum(r.hi - r.lo for r in batch.byte_ranges(rna_inputs, n, i)) for i in range(n)]
+    assert sum(parsed) == sum(sizes) and max(parsed) < sum(sizes) / n * 1.2  # each job parses about 1/N
+
+
+def test_a_record_across_a_cut_is_read_once_by_the_job_it_starts_in(tmp_path):
+    """Four real records, the second made 3/4 of the file long: the nominal cuts at 1/3 and 2/3 fall inside it,
+    so job 1 gets no bytes at all and job 2 starts at the third record; line numbers stay the file's."""
+    recs = gzip.decompress(RFAM.read_bytes()).replace(b"\r\n", b"\n").split(b"\n>")[:4]
+    recs = [r if r.startswith(b">") else b">" + r for r in recs]
+    head, seq = recs[1].split(b"\n", 1)
+    recs[1] = head + b"\n" + (seq.replace(b"\n", b"") * 60 + b"\n") * 10
+    path = tmp_path / "long.fa"
+    path.write_bytes(b"\n".join(r.rstrip(b"\n") for r in recs) + b"\n")
+    size = path.stat().st_size
+    starts = [0] + [i + 1 for i in range(size) if path.read_bytes()[i:i + 2] == b"\n>"]
+    assert starts[1] < size // 3 and 2 * size // 3 < starts[2]  # both cuts inside record 2
+    assert batch.byte_ranges([path], 3, 1) == []
+    assert [(r.lo, r.hi, r.first_index) for r in batch.byte_ranges([path], 3, 2)] == [(starts[2], size, 2)]
+    args = ["rnacentral", "--input", path]
+    assert run(*args, "--output", tmp_path / "one") == 0
+    assert content(jobs_then_merge(args, tmp_path / "jobs", 3)) == content(tmp_path / "one")
+
+    bad = tmp_path / "bad.fa"  # record 4's header without an id: job 2's, named with the file's line number
+    lines = path.read_bytes().split(b"\n")
+    at = next(k for k in range(len(lines) - 1, 0, -1) if lines[k].startswith(b">"))
+    lines[at] = b">"
+    bad.write_bytes(b"\n".join(lines))
+    for i in (0, 1):
+        assert run("rnacentral", "--input", bad, "--output", tmp_path / "bad", "--num-jobs", 3, "--job-index", i) == 0
+    assert run("rnacentral", "--input", bad, "--output", tmp_path / "bad", "--num-jobs", 3, "--job-index", 2) == 1
+    assert run("rnacentral", "--input", bad, "--output", tmp_path / "bad-one") == 1
+
+
+def test_bad_record_error_names_the_files_line(tmp_path, capsys):
+    text = gzip.decompress(RFAM.read_bytes()).replace(b"\r\n", b"\n")
+    lines = text.split(b"\n")
+    k = next(i for i in range(len(lines) * 3 // 4, len(lines)) if lines[i] and not lines[i].startswith(b">"))
+    lines[k] = lines[k][:5] + b"!" + lines[k][6:]
+    path = tmp_path / "bad.fa"
+    path.write_bytes(b"\n".join(lines))
+    assert run("rnacentral", "--input", path, "--output", tmp_path / "o", "--num-jobs", 2, "--job-index", 1,
+               "--strict") == 1
+    assert f"{path}:{k + 1}:6: character '!'" in capsys.readouterr().err
+
+
+def test_crlf_input_splits_like_one_job(tmp_path):
+    text = gzip.decompress(RFAM.read_bytes()).replace(b"\r\n", b"\n").replace(b"\n", b"\r\n")
+    path = tmp_path / "crlf.fa"
+    path.write_bytes(text)
+    args = ["rnacentral", "--input", path]
+    assert run(*args, "--output", tmp_path / "one") == 0
+    assert content(jobs_then_merge(args, tmp_path / "jobs", 2)) == content(tmp_path / "one")
+
+
+@pytest.fixture(scope="module")
+def cluster_inputs(tmp_path_factory) -> tuple[Path, Path]:
+    """The shipped cluster sample with what a job must name: members missing from the FASTA, one with a character
+    outside the alphabet, lowercase residues, a member too short for --min-length 30."""
+    tmp = tmp_path_factory.mktemp("clusters")
+    recs = [">" + r for r in gzip.decompress(UR90.read_bytes()).decode().split("\n>")]
+    recs[0] = recs[0][1:]
+    kept = [r for k, r in enumerate(recs) if k % 17 != 5]  # missing members
+    head, *seq = kept[3].split("\n")
+    kept[3] = head + "\n" + "\n".join(seq).replace("A", "J", 1)  # J: not in the ESM alphabet
+    head, *seq = kept[8].split("\n")
+    kept[8] = head + "\n" + "\n".join(seq).lower()
+    head, *seq = kept[11].split("\n")
+    kept[11] = head + "\nMKVLA\n"
+    fasta = tmp / "members.fa"
+    fasta.write_text("".join(r if r.endswith("\n") else r + "\n" for r in kept))
+    return fasta, UR_TSV
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_cluster_jobs_merge_to_one_job(cluster_inputs, tmp_path, n):
+    fasta, tsv = cluster_inputs
+    args = ["uniref", "--input", fasta, "--clusters", tsv, "--min-length", 30, "--max-filtered-fraction", 1,
+            "--shard-size", 60]
+    assert run(*args, "--output", tmp_path / "one") == 0
+    one = content(tmp_path / "one", "clusters", ordered=False)
+    got = content(jobs_then_merge(args, tmp_path / "jobs", n), "clusters", ordered=False)
+    assert got == one
+    mf = one[1]["stats"]["members_filtered"]
+    assert mf["not_in_fasta"] > 10 and mf["invalid_character"] == 1 and mf["shorter_than_30"] >= 1
+    assert one[1]["stats"]["lowercase_residues"] > 0
+
+
+def test_cluster_buckets_and_batches_do_not_change_the_output(cluster_inputs, tmp_path, monkeypatch):
+    """Many hash buckets (every bucket boundary cuts clusters' slot ranges) and pass-4 batches of 7 members give
+    the bytes of one bucket and one batch."""
+    fasta, tsv = cluster_inputs
+    args = ["uniref", "--input", fasta, "--clusters", tsv, "--min-length", 30, "--max-filtered-fraction", 1]
+    assert clusters.bucket_count([fasta]) == 1
+    assert run(*args, "--output", tmp_path / "one") == 0
+    with monkeypatch.context() as mp:
+        mp.setattr(clusters, "BUCKET_BYTES", 4096)
+        mp.setattr(clusters.Writer, "BATCH", 7)
+        assert clusters.bucket_count([fasta]) > 50
+        assert run(*args, "--output", tmp_path / "many") == 0
+    assert content(tmp_path / "many", "clusters") == content(tmp_path / "one", "clusters")
+    a = [(s.name, s.read_bytes()) for s in sorted((tmp_path / "one").glob("*.tar"))]
+    assert a == [(s.name, s.read_bytes()) for s in sorted((tmp_path / "many").glob("*.tar"))]
+
+
+def test_cluster_spill_is_removed_whatever_the_end(cluster_inputs, tmp_path, monkeypatch):
+    fasta, tsv = cluster_inputs
+    spills = tmp_path / "tmp"
+    spills.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spills))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    assert run("uniref", "--input", fasta, "--clusters", tsv, "--output", tmp_path / "ok",
+               "--max-filtered-fraction", 1) == 0
+    assert run("uniref", "--input", fasta, "--clusters", tsv, "--output", tmp_path / "bad", "--strict") == 1  # J
+    assert list(spills.iterdir()) == []
+
+
+def test_gather_equals_slicing():
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 255, 5000, dtype=np.uint8)
+    starts = rng.integers(0, 4000, 300)
+    sizes = rng.integers(0, 100, 300)
+    want = np.concatenate([data[a:a + n] for a, n in zip(starts, sizes)])
+    assert np.array_equal(clusters.gather(data, starts, sizes, group=7), want)
