@@ -14,35 +14,55 @@
 (b) data_prep: input MB/s of ``python -m data_prep SOURCE`` (a fresh process, as ``gzip -dc`` is: interpreter
     start, imports, parse, normalize, filter, tokenize, write tars + sha256 + manifest) against ``gzip -dc`` of the
     same gzipped input (MB = compressed input bytes), timed in rotation, the output directory removed outside the
-    timing. The inputs stand for multi-GB corpora: each file of ../shared/data is repeated ``--copies`` times (about
-    64 MB of FASTA; record ids made unique by a suffix ``_<copy>``, for --clusters in the mapping TSV too) and
+    timing. The inputs stand for multi-GB corpora: each file of ../shared/data is repeated to about ``--mb`` MB of
+    FASTA (default 64; record ids made unique by a suffix ``_<copy>``, for --clusters in the mapping TSV too) and
     gzipped (level 6) into the temp dir, so that the fixed cost of a run (printed apart: a 10-record input) does not
-    decide the ratio. RNAcentral with 1 process (RESULT P3) and with ``--workers 2`` (RESULT P3w2: this process
-    decompresses once and deals chunks of records to two worker processes, then the merge; against one
-    ``gzip -dc``), and the UniRef50 files (``uniref``, 1 and 2 workers; ``uniref --clusters`` on the UniRef90
-    members). Target P3 >= 0.5 per worker, P3w2 near 2 x P3 (on a machine with 2 free cores). The CPU seconds of
-    each side are printed too: on a loaded machine they tell the work apart from the waiting.
+    decide the ratio.
+    - RNAcentral with 1 process (RESULT P3, target >= 0.5) and with ``--workers 2`` (RESULT P3w2: this process
+      decompresses once and deals chunks of records to two worker processes, then the merge; against one
+      ``gzip -dc``: 0.5 per worker, target >= 1.0, on a machine with 2 free cores);
+    - the UniRef50 files (``uniref``, 1 and 2 workers: RESULT P3u, P3u100 and their w2);
+    - ``uniref --clusters TSV`` on the UniRef90 member sample, same size, 1 process (RESULT P3uc, target >= 0.5;
+      2 workers printed too).
+    Each prints its seconds and its per-rotation ratio as min / median / max over the rotations, the CPU seconds of
+    each side (on a loaded machine they tell the work apart from the waiting) and the peak RSS of data_prep.
+(c) Clusters memory: peak RSS (ru_maxrss from os.wait4: the data_prep process and its children) of the 1-process
+    ``uniref --clusters`` run of (b) (the largest of its repeats) and of one run on SCALE (10) x the copies (about
+    640 MB of FASTA, gzipped streaming, the TSV likewise): RESULT P3uc.rss10 = peak at 10x / peak at 1x, target
+    <= 1.2 (memory bounded by the cluster map, not the input). The 10x run's speed against one ``gzip -dc`` of it is
+    RESULT P3uc.x10 (one run each: the input is large).
+(d) Job array split: the input (RNAcentral) repeated to SCALE x ``--mb`` MB as one plain FASTA (byte-range splitting
+    applies to plain files only); in rotation, one job (``data_prep rnacentral``) against two jobs started together
+    (``--num-jobs 2 --job-index 0`` and ``1``, wall from the start of the first to the end of the last), then
+    ``data_prep merge`` timed apart. RESULT P3j2 = one job / two jobs (best of each; target >= 1.7 on 2 free
+    cores); P3j2.merged adds the merge to the two jobs. The first rotation also reads both outputs (manifest totals,
+    and sha256 of every (key, tokens) in manifest order): ``merged == one job: True``, else the script exits 1.
 
 Default input: RNAcentral ncRNA test set from ../shared/data (gzipped into a temp dir), else the shipped Rfam sample;
-the loader (a) reads the shards of the file as it is (not repeated). Each timing is the best of ``--repeats``
-(``--quick``: 2 repeats, and the masked loader epoch left out); the default run takes about a minute on two cores.
+the loader (a) reads the shards of the file as it is (not repeated). Each RESULT ratio is of the best time of each
+side over ``--repeats`` rotations (spreads printed beside it; ``--quick``: 2 repeats, and the masked loader epoch
+left out; (c) and (d) run under --quick too). The default run takes about N minutes on two cores and up to about
+1.3 GB of the temp dir for (d) (input plus one output at a time).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import gzip
+import hashlib
 import io
+import json
 import os
 import re
-import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -125,6 +145,7 @@ def loader_epoch(shard_dir: Path, context: int, micro_batch: int, workers: int, 
 
 SHARED = REPO.parent / "shared" / "data" / "protein"
 UNIREF = [SHARED / "uniref50_202104_esm2_train_5000.fasta", SHARED / "uniref50_2022_fullheader_100.fasta"]
+SCALE = 10  # (c), (d): inputs repeated to SCALE x --mb
 UNIREF90, CLUSTERS = SHARED / "uniref90_202104_members_of_ur50_first2500.fasta", \
     SHARED / "uniref50_to_uniref90_mapping_first2500.tsv"
 
@@ -148,16 +169,34 @@ def per_record_copy(shard_dir: Path, out: Path) -> Path:
     return out
 
 
-def gzipped(src: Path, tmp: Path, copies: int = 1) -> Path:
-    """``src`` gzipped into ``tmp``; with ``copies`` > 1 its records ``copies`` times, ids suffixed ``_<copy>``."""
+def write_copies(src: Path, out, copies: int) -> None:
+    """``src``'s FASTA (gunzipped if gzipped) written to the binary file ``out``; with ``copies`` > 1 its records
+    ``copies`` times, ids suffixed ``_<copy>``, one copy at a time (memory: one copy, whatever ``copies``)."""
     raw = src.read_bytes()
     if raw[:2] == b"\x1f\x8b":
         raw = gzip.decompress(raw)
+    if copies == 1:
+        out.write(raw)
+        return
+    raw = raw if raw.endswith(b"\n") else raw + b"\n"
+    for k in range(copies):
+        out.write(re.sub(rb"(?m)^>(\S+)", lambda m, k=k: b">" + m[1] + b"_%d" % k, raw))
+
+
+def gzipped(src: Path, tmp: Path, copies: int = 1) -> Path:
+    """``src`` gzipped (level 6) into ``tmp``, streamed; with ``copies`` > 1 its records ``copies`` times, ids
+    suffixed ``_<copy>``."""
     out = tmp / (src.name + (f".x{copies}" if copies > 1 else "") + ".gz")
-    if copies > 1:
-        raw = raw if raw.endswith(b"\n") else raw + b"\n"
-        raw = b"".join(re.sub(rb"(?m)^>(\S+)", lambda m, k=k: b">" + m[1] + b"_%d" % k, raw) for k in range(copies))
-    out.write_bytes(gzip.compress(raw, 6))
+    with gzip.open(out, "wb", compresslevel=6) as f:
+        write_copies(src, f, copies)
+    return out
+
+
+def plain_copies(src: Path, tmp: Path, copies: int) -> Path:
+    """``src``'s records ``copies`` times as one uncompressed FASTA in ``tmp`` (ids suffixed as by gzipped)."""
+    out = tmp / f"{src.name.removesuffix('.gz')}.x{copies}.plain.fasta"
+    with open(out, "wb") as f:
+        write_copies(src, f, copies)
     return out
 
 
@@ -165,27 +204,66 @@ def tsv_copies(src: Path, tmp: Path, copies: int) -> Path:
     """The --clusters mapping TSV for gzipped(..., copies): every cluster and member id suffixed per copy, as
     gzipped suffixes the records (none for one copy: a small --mb gave the TSV suffixes its FASTA lacked)."""
     head, *rows = src.read_text().splitlines()
+    rows = [r for r in rows if r]
     out = tmp / f"{src.stem}.x{copies}.tsv"
+
     def suffixed(row: str, k: int) -> str:  # "cluster<TAB>member,member,..."
         if copies == 1:
             return row
         cluster, members = row.split("\t", 1)
         return f"{cluster}_{k}\t" + ",".join(f"{m}_{k}" for m in members.split(","))
-    out.write_text("\n".join([head] + [suffixed(r, k) for k in range(copies) for r in rows if r]) + "\n")
+    with open(out, "w") as f:
+        f.write(head + "\n")
+        for k in range(copies):
+            f.write("".join(suffixed(r, k) + "\n" for r in rows))
     return out
 
 
-def run_timed(cmd: list) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the process and its children) of one subprocess run."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    r = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)))
-    wall = time.perf_counter() - t0
-    if r.returncode:
-        raise SystemExit(f"{' '.join(map(str, cmd))} failed with exit status {r.returncode}: {r.stderr.decode()}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+class Run(NamedTuple):
+    wall: float  # seconds, from before the first process started to after the last one ended
+    cpu: float  # user + system seconds of the processes and their children
+    rss: float  # MB: the largest peak resident set size among the processes and their children (ru_maxrss)
+
+
+# Starts the commands of argv[1] (JSON) together, waits for each with os.wait4 and prints their wall time, exit
+# statuses, CPU seconds and ru_maxrss. The bench starts it rather than its commands, because a process's ru_maxrss
+# counts the memory it had before its exec: Python starts a child with vfork (or fork), whose exec records the
+# peak RSS of the process it came from, here this bench (hundreds of MB of numpy, torch and inputs), not the
+# child's own. This launcher is a bare interpreter (-I -S, about 11 MB); it times from just before the first start
+# to the end of the last, so its own start-up is outside the timing.
+LAUNCHER = """
+import json, os, subprocess, sys, time
+cmds = json.loads(sys.argv[1])
+t0 = time.perf_counter()
+procs = [subprocess.Popen(c, stdout=subprocess.DEVNULL) for c in cmds]
+done = []
+for p in procs:
+    _, status, ru = os.wait4(p.pid, 0)
+    done.append((os.waitstatus_to_exitcode(status), ru.ru_utime + ru.ru_stime, ru.ru_maxrss))
+print(json.dumps({"wall": time.perf_counter() - t0, "done": done}))
+"""
+
+
+def run_timed(*cmds: list) -> Run:
+    """One run of ``cmds``, started together (each a fresh process, stdout discarded) by LAUNCHER, which waits for
+    each with os.wait4: its rusage is that process's own and its waited-for children's (ru_maxrss: the largest)."""
+    with tempfile.TemporaryFile() as err:
+        r = subprocess.run([sys.executable, "-I", "-S", "-c", LAUNCHER, json.dumps([list(map(str, c)) for c in cmds])],
+                           stdout=subprocess.PIPE, stderr=err, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+        err.seek(0)
+        if r.returncode:
+            raise SystemExit(f"bench/data.py: the launcher failed ({r.returncode}): {err.read().decode()}")
+        out = json.loads(r.stdout)
+        failed = [(c, rc) for c, (rc, _, _) in zip(cmds, out["done"]) if rc]
+        if failed:
+            raise SystemExit("; ".join(f"{' '.join(map(str, c))} failed with exit status {rc}" for c, rc in failed)
+                             + f": {err.read().decode(errors='replace')}")
+    return Run(out["wall"], sum(d[1] for d in out["done"]), max(d[2] for d in out["done"]) / 1024)  # Linux: KB
+
+
+def spread(xs: list, fmt: str = "{:.3f}") -> str:
+    """min / median / max of ``xs``."""
+    return " / ".join(fmt.format(x) for x in (min(xs), statistics.median(xs), max(xs)))
 
 
 def prep_cmd(args: list, gz: Path, out: Path, shard_size: int, workers: int) -> list:
@@ -193,25 +271,95 @@ def prep_cmd(args: list, gz: Path, out: Path, shard_size: int, workers: int) -> 
             "--shard-size", str(shard_size), "--workers", str(workers), "--progress", "off"]
 
 
-def prep_vs_gzip(tmp: Path, name: str, gz: Path, args: list, shard_size: int, repeats: int) -> dict:
-    """Best (wall, CPU) of ``gzip -dc gz`` and of ``python -m data_prep args`` on it with 1 and 2 workers, each in a
-    fresh process, timed in rotation (the output directory removed before each run, outside the timing)."""
+def prep_vs_gzip(tmp: Path, name: str, gz: Path, args: list, shard_size: int, repeats: int,
+                 workers: tuple = (1, 2)) -> dict:
+    """``gzip -dc gz`` and ``python -m data_prep args`` on it with each of ``workers``, each in a fresh process,
+    timed in rotation (the output directory removed before each run, outside the timing): every Run by key
+    ("gzip", "w1", "w2"), the best wall time by key, the CPU seconds of that best run."""
     out = tmp / f"shards-{name}"
-    best_of = {"gzip": (float("inf"), 0.0), "w1": (float("inf"), 0.0), "w2": (float("inf"), 0.0)}
+    runs = {"gzip": [], **{f"w{w}": [] for w in workers}}
     for _ in range(repeats):
-        best_of["gzip"] = min(best_of["gzip"], run_timed(["gzip", "-dc", str(gz)]))
-        for w in (1, 2):
+        runs["gzip"].append(run_timed(["gzip", "-dc", str(gz)]))
+        for w in workers:
             shutil.rmtree(out, ignore_errors=True)
-            best_of[f"w{w}"] = min(best_of[f"w{w}"], run_timed(prep_cmd(args, gz, out, shard_size, w)))
+            runs[f"w{w}"].append(run_timed(prep_cmd(args, gz, out, shard_size, w)))
     shutil.rmtree(out, ignore_errors=True)
-    return {"mb": gz.stat().st_size / 1e6, **{k: v[0] for k, v in best_of.items()},
-            "cpu": {k: v[1] for k, v in best_of.items()}}
+    fastest = {k: min(v) for k, v in runs.items()}  # Run orders by wall time first
+    return {"mb": gz.stat().st_size / 1e6, "runs": runs, **{k: r.wall for k, r in fastest.items()},
+            "cpu": {k: r.cpu for k, r in fastest.items()}}
 
 
-def fixed_cost(tmp: Path, src: Path, repeats: int) -> tuple[float, float]:
+def rotation_ratios(r: dict, key: str) -> list:
+    """gzip -dc time / data_prep time of each rotation (the two timed next to each other)."""
+    return [g.wall / p.wall for g, p in zip(r["runs"]["gzip"], r["runs"][key])]
+
+
+def content(shard_dir: Path) -> tuple[int, int, str]:
+    """(total_samples, total_tokens of manifest.json, sha256 of every (key, tokens) read from the shards in manifest
+    order): two directories with equal digests hold the same records in the same order."""
+    from pipeline.data.shard_reader import read_shard
+
+    m = json.loads((shard_dir / "manifest.json").read_text())
+    h = hashlib.sha256()
+    for s in m["shards"]:
+        for key, tokens, _ in read_shard(shard_dir / s["path"], s["samples"]):
+            h.update(b"%s\0%s\0%d\0" % (key.encode(), tokens.dtype.str.encode(), len(tokens)))
+            h.update(np.ascontiguousarray(tokens).tobytes())
+    return m["total_samples"], m["total_tokens"], h.hexdigest()
+
+
+def clusters_at_scale(tmp: Path, k: int, shard_size: int) -> dict:
+    """One gzip -dc and one 1-process ``data_prep uniref --clusters`` on the UniRef90 members repeated ``k`` times
+    (the gzipped input and the TSV written streaming, removed after)."""
+    gz, tsv = gzipped(UNIREF90, tmp, k), tsv_copies(CLUSTERS, tmp, k)
+    out = tmp / "shards-clusters-big"
+    g = run_timed(["gzip", "-dc", str(gz)])
+    os.sync()  # the previous outputs' writeback is not this run's
+    p = run_timed(prep_cmd(["uniref", "--clusters", tsv], gz, out, shard_size, 1))
+    r = {"copies": k, "mb": gz.stat().st_size / 1e6, "fasta_mb": k * UNIREF90.stat().st_size / 1e6, "gzip": g,
+         "prep": p}
+    shutil.rmtree(out, ignore_errors=True)
+    gz.unlink()
+    tsv.unlink()
+    return r
+
+
+def jobs_split(tmp: Path, src: Path, k: int, shard_size: int, repeats: int) -> dict:
+    """One job against two concurrent jobs (``--num-jobs 2 --job-index 0`` and ``1``, byte ranges of a plain FASTA)
+    on ``src`` repeated ``k`` times, uncompressed; then ``merge`` of the two, timed apart; in rotation, ``repeats``
+    times. The first rotation also reads both outputs: the merged one must hold the one job's records."""
+    fasta = plain_copies(src, tmp, k)
+    o1, o2 = tmp / "shards-one-job", tmp / "shards-two-jobs"
+
+    def cmd(out: Path, *extra) -> list:
+        return [sys.executable, "-m", "data_prep", "rnacentral", "--input", str(fasta), "--output", str(out),
+                "--shard-size", str(shard_size), "--progress", "off", *extra]
+    one, two, merge, same = [], [], [], None
+    for i in range(repeats):
+        shutil.rmtree(o1, ignore_errors=True)
+        os.sync()
+        one.append(run_timed(cmd(o1)))
+        if i == 0:
+            want = content(o1)
+        shutil.rmtree(o1, ignore_errors=True)  # the one job's output goes before the two jobs write theirs
+        shutil.rmtree(o2, ignore_errors=True)
+        os.sync()
+        two.append(run_timed(cmd(o2, "--num-jobs", "2", "--job-index", "0"),
+                             cmd(o2, "--num-jobs", "2", "--job-index", "1")))
+        merge.append(run_timed([sys.executable, "-m", "data_prep", "merge", "--output", str(o2)]))
+        if i == 0:
+            got = content(o2)
+            same = (got == want, want, got)
+        shutil.rmtree(o2, ignore_errors=True)
+    r = {"copies": k, "mb": fasta.stat().st_size / 1e6, "one": one, "two": two, "merge": merge, "same": same}
+    fasta.unlink()
+    return r
+
+
+def fixed_cost(tmp: Path, src: Path, repeats: int) -> tuple[float, float, float]:
     """(seconds of a fresh ``python -m data_prep rnacentral`` on the first 10 records of ``src``, seconds of the
-    same run in this process after a first one): process start + imports, and what a run costs beyond its records
-    (arguments, work directory, shard, manifest)."""
+    same run in this process after a first one, peak RSS MB of the fresh process): process start + imports, and what
+    a run costs beyond its records (arguments, work directory, shard, manifest)."""
     from data_prep.__main__ import main as prep_main
 
     raw = gzip.decompress(src.read_bytes()) if src.read_bytes()[:2] == b"\x1f\x8b" else src.read_bytes()
@@ -219,15 +367,17 @@ def fixed_cost(tmp: Path, src: Path, repeats: int) -> tuple[float, float]:
     small.write_bytes(b">" + b"\n>".join(raw.split(b"\n>")[:10]).lstrip(b">") + b"\n")
     out = tmp / "shards-ten"
     fresh = inproc = float("inf")
+    rss = 0.0
     for _ in range(repeats + 1):
         shutil.rmtree(out, ignore_errors=True)
-        fresh = min(fresh, run_timed(prep_cmd(["rnacentral"], small, out, 2000, 1))[0])
+        r = run_timed(prep_cmd(["rnacentral"], small, out, 2000, 1))
+        fresh, rss = min(fresh, r.wall), max(rss, r.rss)
         shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(io.StringIO()):
             prep_main(["rnacentral", "--input", str(small), "--output", str(out), "--progress", "off"])
         inproc = min(inproc, time.perf_counter() - t0) if _ else inproc  # the first in-process call: imports
-    return fresh, inproc
+    return fresh, inproc, rss
 
 
 def main(argv=None):
@@ -274,7 +424,7 @@ def main(argv=None):
                 uniref[f.name]["copies"] = k
         clusters = None
         if UNIREF90.is_file() and CLUSTERS.is_file():
-            k = copies(UNIREF90, args.mb / 4)  # the per-record cluster path: a quarter of the size
+            k = copies(UNIREF90)
             clusters = prep_vs_gzip(tmp, "clusters", gzipped(UNIREF90, tmp, k),
                                     ["uniref", "--clusters", tsv_copies(CLUSTERS, tmp, k)], args.shard_size, repeats)
             clusters["copies"] = k
@@ -292,6 +442,11 @@ def main(argv=None):
         (t_bare, (bare_tokens, _)), (t_own, _), (t_load, load_tokens), (t_old, old_tokens) = timed[:4]
         bare_rate, own_rate, load_rate = bare_tokens / t_bare, bare_tokens / t_own, load_tokens / t_load
         old_rate = old_tokens / t_old
+        shutil.rmtree(per_record)
+
+        # (c) the clusters path at SCALE x the size: peak memory and speed, one run (d) one job vs two on plain FASTA
+        big = clusters_at_scale(tmp, clusters["copies"] * SCALE, args.shard_size) if clusters is not None else None
+        jobs = jobs_split(tmp, args.input, k_rna * SCALE, args.shard_size, repeats)
 
     print(f"input: {args.input} ({gz_mb:.2f} MB gzipped, {manifest.total_samples} records, "
           f"{manifest.total_tokens} tokens, {len(manifest.shards)} shards, format {manifest.format})")
@@ -315,10 +470,10 @@ def main(argv=None):
           f"{os.cpu_count()} CPUs")
     print(f"    fixed cost of a run (first 10 records of {args.input.name}): {fixed[0] * 1e3:.0f} ms in a fresh "
           f"process (interpreter, imports), {fixed[1] * 1e3:.0f} ms in a warm one (arguments, work dir, shard, "
-          "manifest)")
+          f"manifest); peak RSS of the fresh process {fixed[2]:.0f} MB")
 
     def show(label: str, r: dict):
-        cpu = r["cpu"]
+        cpu, runs = r["cpu"], r["runs"]
         print(f"(b) {label} x{r['copies']}: gzip -dc {r['mb'] / r['gzip']:6.2f} MB/s, data_prep "
               f"{r['mb'] / r['w1']:6.2f} MB/s (ratio {r['gzip'] / r['w1']:.3f}), --workers 2 "
               f"{r['mb'] / r['w2']:6.2f} MB/s (ratio {r['gzip'] / r['w2']:.3f}, speed-up {r['w1'] / r['w2']:.2f}x)"
@@ -327,17 +482,49 @@ def main(argv=None):
         print(f"    without the fixed cost of a fresh process ({fixed[0]:.2f} s, what a multi-GB input makes "
               f"negligible): ratio {r['gzip'] / (r['w1'] - fixed[0]):.3f} 1 process, "
               f"{r['gzip'] / (r['w2'] - fixed[0]):.3f} --workers 2")
+        secs = ", ".join(f"{what} {spread([x.wall for x in runs[k]], '{:.2f}')}"
+                         for k, what in (("gzip", "gzip -dc"), ("w1", "1 process"), ("w2", "--workers 2")))
+        print(f"    over {len(runs['gzip'])} rotations, min / median / max: seconds {secs}; ratio per rotation "
+              f"{spread(rotation_ratios(r, 'w1'))} 1 process, {spread(rotation_ratios(r, 'w2'))} --workers 2; "
+              f"peak RSS {max(x.rss for x in runs['w1']):.0f} MB 1 process, {max(x.rss for x in runs['w2']):.0f} MB "
+              "--workers 2")
     show(f"rnacentral {args.input.name}", rna)
     for name, r in uniref.items():
         show(f"uniref {name}", r)
     if clusters is not None:
         show(f"uniref --clusters {UNIREF90.name}", clusters)
+    if big is not None:
+        peak1 = max(r.rss for r in clusters["runs"]["w1"])
+        b_gzip, b_prep = big["gzip"], big["prep"]
+        print(f"(c) uniref --clusters peak memory, 1 process (ru_maxrss of data_prep and its children, os.wait4): "
+              f"x{clusters['copies']} ({clusters['copies'] * UNIREF90.stat().st_size / 1e6:.0f} MB of FASTA) "
+              f"{peak1:.0f} MB (max of {repeats} runs; min {min(r.rss for r in clusters['runs']['w1']):.0f}), "
+              f"x{big['copies']} ({big['fasta_mb']:.0f} MB of FASTA, {big['mb']:.1f} MB gzipped) {b_prep.rss:.0f} MB "
+              f"(one run): {SCALE} x the input, {b_prep.rss / peak1:.2f} x the peak; less the {fixed[2]:.0f} MB of a "
+              f"10-record run (interpreter, imports): {(b_prep.rss - fixed[2]) / max(peak1 - fixed[2], 1):.2f} x")
+        print(f"    x{big['copies']}, one run each (the input is large): gzip -dc {big['mb'] / b_gzip.wall:6.2f} MB/s "
+              f"({b_gzip.wall:.1f} s), data_prep {big['mb'] / b_prep.wall:6.2f} MB/s ({b_prep.wall:.1f} s, "
+              f"CPU {b_prep.cpu:.1f} s), ratio {b_gzip.wall / b_prep.wall:.3f}")
+    one, two, merge = ([r.wall for r in jobs[k]] for k in ("one", "two", "merge"))
+    print(f"(d) --num-jobs 2 on plain FASTA (each job parses its byte range), {args.input.name} x{jobs['copies']} "
+          f"({jobs['mb']:.0f} MB uncompressed), fresh processes, {repeats} rotations; seconds min / median / max:")
+    print(f"    one job                 {spread(one, '{:.2f}')} s  ({jobs['mb'] / min(one):.1f} MB/s, "
+          f"CPU {min(jobs['one']).cpu:.1f} s)")
+    print(f"    two jobs, concurrently  {spread(two, '{:.2f}')} s  (start of the first to end of the last; "
+          f"CPU {min(jobs['two']).cpu:.1f} s)")
+    print(f"    merge                   {spread(merge, '{:.2f}')} s")
+    print(f"    one job / two jobs per rotation {spread([a / b for a, b in zip(one, two)])}; including the merge "
+          f"{spread([a / (b + m) for a, b, m in zip(one, two, merge)])}")
+    same, want, got = jobs["same"]
+    print(f"merged == one job: {same}  (first rotation: {want[0]} samples, {want[1]} tokens, content sha256 "
+          f"{want[2][:16]}" + ("" if same else f"; merged: {got[0]} samples, {got[1]} tokens, {got[2][:16]}") + ")")
     print(f"RESULT P2 {load_rate / bare_rate:.3f} loader / bare tar+np.load read of the same shards, tokens/s "
           "(reported: the floor is a vectorized block read; per-sample loader work dominates)")
     print(f"RESULT P3 {rna['gzip'] / rna['w1']:.3f} data_prep rnacentral / gzip -dc, MB/s of gzipped input, "
-          "1 process (target >= 0.5)")
+          f"1 process, best of {repeats} (per rotation {spread(rotation_ratios(rna, 'w1'))}; target >= 0.5)")
     print(f"RESULT P3w2 {rna['gzip'] / rna['w2']:.3f} data_prep rnacentral --workers 2 (one reader feeding 2 "
-          "worker processes + merge) / one gzip -dc, MB/s (target near 2 x P3)")
+          f"worker processes + merge) / one gzip -dc, MB/s, best of {repeats} (per rotation "
+          f"{spread(rotation_ratios(rna, 'w2'))}; target >= 1.0)")
     print(f"RESULT P3.steady {rna['gzip'] / (rna['w1'] - fixed[0]):.3f} P3 without data_prep's start-up "
           f"({fixed[0]:.2f} s of interpreter and imports, negligible on a multi-GB input; target >= 0.5)")
     print(f"RESULT P3w2.steady {rna['gzip'] / (rna['w2'] - fixed[0]):.3f} P3w2 without that start-up")
@@ -348,8 +535,21 @@ def main(argv=None):
         print(f"RESULT {tag}w2 {r['gzip'] / r['w2']:.3f} data_prep uniref {name} --workers 2 / gzip -dc "
               "(target near 2 x 1 process)")
     if clusters is not None:
-        print(f"RESULT P3uc {clusters['gzip'] / clusters['w1']:.3f} data_prep uniref --clusters (UniRef90 members) "
-              "/ gzip -dc, 1 process (reported: not regressing)")
+        print(f"RESULT P3uc {clusters['gzip'] / clusters['w1']:.3f} data_prep uniref --clusters (UniRef90 members "
+              f"x{clusters['copies']}) / gzip -dc, 1 process, start-up included, best of {repeats} (per rotation "
+              f"{spread(rotation_ratios(clusters, 'w1'))}; target >= 0.5)")
+    if big is not None:
+        print(f"RESULT P3uc.rss10 {big['prep'].rss / peak1:.3f} peak RSS of data_prep uniref --clusters on {SCALE} x "
+              f"the input / on 1 x ({big['prep'].rss:.0f} MB / {peak1:.0f} MB; target <= 1.2)")
+        print(f"RESULT P3uc.x10 {big['gzip'].wall / big['prep'].wall:.3f} P3uc on {SCALE} x the input "
+              f"({big['fasta_mb']:.0f} MB of FASTA), one run")
+    print(f"RESULT P3j2 {min(one) / min(two):.3f} data_prep rnacentral one job / two concurrent jobs (--num-jobs 2, "
+          f"byte ranges of {jobs['mb']:.0f} MB of plain FASTA), wall, best of {repeats}, merge apart (per rotation "
+          f"{spread([a / b for a, b in zip(one, two)])}; target >= 1.7)")
+    print(f"RESULT P3j2.merged {min(one) / (min(two) + min(merge)):.3f} P3j2 with the merge's time added to the two "
+          "jobs'")
+    if not same:
+        raise SystemExit("bench/data.py: the merged output of the two jobs is not the one job's output")
 
 
 if __name__ == "__main__":
