@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench import run_all
-from conftest import HELDOUT_FASTA, REPO
+from conftest import HELDOUT_FASTA, REPO, SHARED_DATA
 
 sys.path.insert(0, str(REPO / "tests" / "tools"))
 from checkpoint_factory import tiny_config, write_export  # noqa: E402
@@ -49,8 +49,11 @@ SMALLER = {
         Smoke("bench/wavefront.py", ("--length", "32", "--repeats", "1"), ("P1", "P1.waste", "P1.gather"),
               quick=False),
     ],
-    "bench/data.py": [  # (b)'s inputs repeated to 2 MB of FASTA, not 64
-        Smoke("bench/data.py", ("--repeats", "1", "--mb", "2"), ("P2", "P3", "P3.steady", "P3w2")),
+    "bench/data.py": [  # (b)'s inputs repeated to 2 MB of FASTA, not 64 (the 10x runs of (c) and (d): 20 MB)
+        Smoke("bench/data.py", ("--repeats", "1", "--mb", "2"),
+              ("P2", "P3", "P3.steady", "P3w2", "P3j2", "P3j2.merged")
+              + (("P3uc", "P3uc.rss10", "P3uc.x10") if (SHARED_DATA / "protein").is_dir() else ()),
+              says=("merged == one job: True",)),
     ],
     "bench/engine.py": [
         Smoke("bench/engine.py", ("--skip-scaling", "--steps", "2", "--warmup", "1"), ("P4", "P4.cpu"),

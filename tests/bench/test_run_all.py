@@ -23,6 +23,9 @@ def test_targets():
     assert run_all.check_target("P1", 1.10) == "ok" and run_all.check_target("P1", 1.2) == "MISS"
     assert run_all.check_target("P1.waste", 0.0) == "ok" and run_all.check_target("P1.waste", 3.0) == "MISS"
     assert run_all.check_target("P3", 0.5) == "ok" and run_all.check_target("P3", 0.49) == "MISS"
+    assert run_all.check_target("P3uc", 0.5) == "ok" and run_all.check_target("P3uc", 0.06) == "MISS"
+    assert run_all.check_target("P3uc.rss10", 1.2) == "ok" and run_all.check_target("P3uc.rss10", 3.5) == "MISS"
+    assert run_all.check_target("P3j2", 1.7) == "ok" and run_all.check_target("P3j2", 1.5) == "MISS"
     assert run_all.check_target("P2", 0.01) == "-"  # reported without a target (run_all.TARGETS says why)
     assert run_all.check_target("P6.dynamic", 9.0) == "-"  # per-setup lines carry no target of their own
 
