@@ -41,8 +41,9 @@
 Default input: RNAcentral ncRNA test set from ../shared/data (gzipped into a temp dir), else the shipped Rfam sample;
 the loader (a) reads the shards of the file as it is (not repeated). Each RESULT ratio is of the best time of each
 side over ``--repeats`` rotations (spreads printed beside it; ``--quick``: 2 repeats, and the masked loader epoch
-left out; (c) and (d) run under --quick too). The default run takes about N minutes on two cores and up to about
-1.3 GB of the temp dir for (d) (input plus one output at a time).
+left out; (c) and (d) run under --quick too). Peak RSS is read through a bare launcher process (LAUNCHER). The
+default run takes about 2.5 minutes on two quiet cores (--quick about 2; most of it the one 10x clusters run) and up
+to about 1.3 GB of the temp dir, for (d): its input and one output at a time.
 """
 from __future__ import annotations
 
