@@ -89,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m data_prep",
         description="Tokenize a corpus into WebDataset tar shards plus manifest.json.",
-        epilog="Multi-job: run job I of N with --num-jobs N --job-index I (job I takes the records whose global "
-               "index % N == I), then `python -m data_prep merge --output DIR`.")
+        epilog="Multi-job: run job I of N with --num-jobs N --job-index I, then `python -m data_prep merge "
+               "--output DIR`. Job I parses about 1/N of plain FASTA inputs (a byte range cut at record starts); "
+               "of gzip and other inputs it reads every record and keeps those whose index % N == I; with "
+               "--clusters, the clusters whose TSV row % N == I.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="SOURCE|synthetic-hops|merge|train-spm")
     for src in SOURCES.values():
         p = sub.add_parser(src.name, help=src.help, description=src.help, epilog=f"Example:\n  {EXAMPLES[src.name]}",
