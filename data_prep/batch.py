@@ -138,6 +138,15 @@ def record_start(path: Path, at: int) -> int:
             base, prev = base + len(buf) - 1, buf[-1:]
 
 
+def headers(text: bytes, after_newline: bool = True) -> int:
+    """Lines of ``text`` that start with '>' (``after_newline``: whether text[0] starts a line). As
+    text.count(b"\\n>"), in a third of its time: '>' is rare, so only the bytes before the few of them are
+    checked."""
+    a = np.frombuffer(text, np.uint8)
+    at = np.flatnonzero(a == 62)
+    return int(np.count_nonzero(a[at[at > 0] - 1] == 10)) + int(after_newline and text[:1] == b">")
+
+
 def count_records(path: Path, end: int) -> tuple[int, int]:
     """(records, line breaks) in bytes [0, end) of the plain FASTA ``path``: the '>' at line starts, and the
     '\\n's."""
@@ -150,20 +159,32 @@ def count_records(path: Path, end: int) -> tuple[int, int]:
             if not block:
                 break
             left -= len(block)
-            records += block.count(b"\n>") + (last == b"\n" and block[:1] == b">")
+            records += headers(block, last == b"\n")
             lines += block.count(b"\n")
             last = block[-1:]
     return records, lines
 
 
+SCAN_COST = 0.15  # count_records' time per byte over the batch parse's (measured: 1.2 GB/s against 165 MB/s)
+
+
+def cut_fraction(k: int, num_jobs: int) -> float:
+    """Where cut k of N falls, as a fraction of the bytes: not k / N, but such that every job's scan of the bytes
+    before its range plus its parse take about as long. With q = 1 - SCAN_COST job I gets q^I times job 0's share,
+    and cut k falls at (1 - q^k) / (1 - q^N). So N jobs finish in about SCAN_COST / (1 - q^N) of one job's time:
+    1 / 1.86 for 2 jobs, 1 / 3.2 for 4, and never below SCAN_COST (about 7x faster than one job)."""
+    q = 1.0 - SCAN_COST
+    return (1.0 - q ** k) / (1.0 - q ** num_jobs)
+
+
 def byte_ranges(paths: list[Path], num_jobs: int, job_index: int) -> list[ByteRange]:
-    """Job ``job_index``'s ranges of ``paths`` laid end to end, cut near k / N of their bytes at record starts
-    (so a job may get none, when one record spans a cut's whole share)."""
+    """Job ``job_index``'s ranges of ``paths`` laid end to end, cut near ``cut_fraction`` of their bytes at record
+    starts (so a job may get none, when one record spans a cut's whole share)."""
     sizes = [p.stat().st_size for p in paths]
     total = sum(sizes)
 
-    def cut(k: int) -> tuple[int, int]:  # (input, offset) of the record start at or after k / N of the bytes
-        x = k * total // num_jobs
+    def cut(k: int) -> tuple[int, int]:  # (input, offset) of the record start at or after cut k's byte
+        x = total if k == num_jobs else round(total * cut_fraction(k, num_jobs))
         for i, size in enumerate(sizes):
             if x < size:
                 at = record_start(paths[i], x)

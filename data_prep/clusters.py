@@ -256,7 +256,7 @@ def _plain(text: bytes) -> bool:
             and _HEADER[:-1] not in text and not _BLANKS[np.frombuffer(text, np.uint8)].any())
 
 
-def _row_blocks(path: Path, size: int = 1 << 22):
+def _row_blocks(path: Path, size: int = 1 << 20):
     """The TSV's data rows in RowBlocks of about ``size`` bytes: a block of plain rows (ASCII, one tab a line, no
     blank line, no empty field) parsed by a few str and numpy operations over the whole block; any other block
     line by line, with the checks and errors of ``_rows`` and ``_parse_row``."""

@@ -41,14 +41,6 @@ def _fed(source: Source, settings: Settings, kwargs: dict, inputs: list[Path]) -
             and kwargs.get("clusters") is None and any(p.is_file() and batch.is_gzip(p) for p in inputs))
 
 
-def _headers(text: bytes) -> int:
-    """Lines of ``text`` that start with '>' (text.count(b"\\n>") + 1 for a text that starts with '>', in a third of
-    its time: '>' is rare, so the bytes before the few of them are checked)."""
-    a = np.frombuffer(text, np.uint8)
-    at = np.flatnonzero(a == 62)
-    return int(np.count_nonzero(a[at[at > 0] - 1] == 10)) + int(text[:1] == b">")
-
-
 def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
     """The parent's side of a fed --workers run: every input the batch reader takes is decompressed here, once, and
     cut into chunks of whole records (batch.chunks) dealt round-robin to the workers. Raises Aborted when a worker
@@ -69,7 +61,7 @@ def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
         key, first = str(path), 0
         for text, line in batch.chunks(path, batch.CHUNK):
             put(feeds[number % n], ("chunk", key, number, text, line, first, input_position(path)))
-            first += _headers(text)
+            first += batch.headers(text)
             number += 1
         for q in feeds:
             put(q, ("end", key, first, number))
