@@ -40,9 +40,9 @@ def task_env(index: int, tasks=range(N), **extra) -> dict:
     return env
 
 
-def run_tasks(output: Path, envs: list[dict]) -> list[subprocess.CompletedProcess]:
+def run_tasks(output: Path, envs: list[dict], prep: list = PREP) -> list[subprocess.CompletedProcess]:
     """The array's tasks at once, as SLURM would start them, each `bash data_prep.sbatch <the command>`."""
-    cmd = ["bash", str(ARRAY), *PREP, "--output", str(output)]
+    cmd = ["bash", str(ARRAY), *prep, "--output", str(output)]
     procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for env in envs]
     out = []
@@ -107,6 +107,26 @@ def test_array_then_merge_is_one_job(runs, tmp_path):
     assert p.returncode == 0, p.stderr
     assert "data_prep rnacentral merge: records read 2107, written 2107" in p.stdout
     assert_one_job_output(out, root / "one")
+
+
+def test_array_on_plain_fasta_reads_a_byte_range_per_task(runs, tmp_path):
+    """The same records decompressed: each task parses about a third of the bytes (data_prep/batch.py
+    byte_ranges), and the array then the merge still give the one-job output."""
+    import gzip
+
+    from data_prep.batch import byte_ranges
+
+    root, _ = runs
+    plain = tmp_path / "rfam.fa"
+    plain.write_bytes(gzip.decompress(SAMPLE_FASTA.read_bytes()))
+    shares = [sum(r.hi - r.lo for r in byte_ranges([plain], N, i)) for i in range(N)]
+    assert sum(shares) == plain.stat().st_size and max(shares) < 0.45 * plain.stat().st_size
+    prep = ["rnacentral", "--input", str(plain), "--shard-size", "300"]
+    for t in run_tasks(tmp_path / "array", [task_env(i) for i in range(N)], prep):
+        assert t.returncode == 0, t.stderr
+    p = merge(tmp_path / "array")
+    assert p.returncode == 0, p.stderr
+    assert_one_job_output(tmp_path / "array", root / "one")
 
 
 def test_missing_task_fails_the_merge_and_its_rerun_completes_it(runs, tmp_path):
