@@ -284,9 +284,9 @@ class Reader:
     upper-cased residue, 0xff for a byte outside the alphabet (the source's: for UniRef lowercase is accepted and
     upper-cased); ``invalid_positions``: the source reader's own check (for the per-record
     fallback); ``uniref``: the source parses UniRef headers into meta (``to_record`` completes a fallback record
-    the way the source does)."""
+    the way the source does), None: no meta at all (the chunks' ``tails`` are None; --clusters keeps ids only)."""
 
-    def __init__(self, path: Path, tokens: bytes, invalid_positions: Callable | None, uniref: bool,
+    def __init__(self, path: Path, tokens: bytes, invalid_positions: Callable | None, uniref: bool | None,
                  to_record: Callable[[Record], Record] = lambda r: r, first_index: int = 0,
                  jobs: tuple[int, int] = (1, 0), texts=None):
         self.path, self.uniref, self.to_record = path, uniref, to_record
@@ -373,14 +373,17 @@ class Reader:
             bad_seq = np.flatnonzero(cum[bounds[1:]] != cum[bounds[:-1]]).tolist()
         split = [h.split(None, 1) for h in heads]
         ids = [sp[0] if sp else "" for sp in split]
-        descs = [(sp[1].strip() if len(sp) > 1 else "") for sp in split]
         metas: dict[int, dict] = {}
-        if self.uniref:
+        if self.uniref is None:
+            tails = [None] * n
+        elif self.uniref:
+            descs = [(sp[1].strip() if len(sp) > 1 else "") for sp in split]
             tails = uniref_tails(descs)
             for j, t in enumerate(tails):
                 if t is None and split[j]:
                     metas[j] = parse_uniref_header(ids[j], descs[j])
         else:
+            descs = [(sp[1].strip() if len(sp) > 1 else "") for sp in split]
             tails = [f',"description":{d}}}' for d in map(json_string, descs)]
         for j, sp in enumerate(split):
             if not sp:  # no record id: the per-record path raises the error

@@ -539,7 +539,7 @@ def _read_fasta(outcomes: Outcomes, encoder, inputs: list[Path], source, progres
             for n_input, path in enumerate(inputs):
                 first = outcomes.records
                 if starts_with_header(path):
-                    texts = Reader(path, batch.tokens, batch.check, False, first_index=first)
+                    texts = Reader(path, batch.tokens, batch.check, None, first_index=first)  # ids, no meta
                 else:  # a BOM, blank lines first: record by record, in batches
                     texts = _batches(iter_fasta(path, batch.check, on_invalid="yield"))
                 for part in texts:
