@@ -101,7 +101,7 @@ UniRef50 clusters for ESM-2 sampling (``data_prep/clusters.py``)::
   ``lowercase_residues``, ``fasta_records`` and the whole TSV's ``mapping`` counts.
 * One error naming ``file:line``, before anything is written, for a TSV line without two tab-separated fields, an
   empty or blank-containing id, a cluster listed twice, a member listed twice (two clusters, or one), a repeated
-  header; and, while reading the FASTA, for a member record found twice. A TSV none of whose member ids (of the
+  header; and, once the FASTA is read, for a member record found twice. A TSV none of whose member ids (of the
   job's clusters) is a FASTA record id is one error naming both first ids. ``--uniref90-members`` reads the same
   header (skipped on line 1) and fails the same way when no input record carries one of its UniRef50 ids.
   ``--strict`` makes an invalid member an error naming ``file:line:column``; ``--replace-invalid X`` writes its bad
@@ -111,13 +111,11 @@ UniRef50 clusters for ESM-2 sampling (``data_prep/clusters.py``)::
   reads the whole TSV and FASTA. A job cannot tell another job's member from a record in no cluster, so its manifest
   has ``records_in_no_cluster: null``; ``merge`` computes it (FASTA records minus the members all jobs found) and
   checks that the jobs together cover every cluster of the TSV. Resume after a crash works as for every source.
-* Memory: a job holds the whole TSV's ids only as 8-byte hashes for the uniqueness checks (8 bytes per member and
-  per cluster, about twice that while they are sorted) and, for its own clusters, the member ids (about 300 bytes
-  each, measured on the shared 2,500-cluster set) plus the kept members' tokens (1 byte a residue) until it writes.
-  The full UniRef90 (about 150M members, some 40G residues at the sample's mean of 279) needs about 90 GB in one
-  job, so at that scale run it as an array of jobs, e.g. ``--num-jobs 64`` (about 1.5 GB of clusters plus ~3 GB of
-  transient hashes per job), then ``python -m data_prep merge --output DIR``. Each job parses the whole FASTA
-  (~10 MB/s of FASTA per job on one core here), so the jobs should run in parallel on the same files.
+* Memory does not grow with the corpus: the member FASTA is read in chunks by the batch reader and every member is
+  joined to its record in hash buckets on disk under ``$TMPDIR`` (data_prep/clusters.py gives the four passes);
+  the peak was 97 MB at 64 MB of FASTA and 102 MB at ten times that. The spill needs about twice the members'
+  tokens plus 64 bytes per id, for the length of the job. The full UniRef90 can run as one job, or as an array of
+  ``--num-jobs N`` jobs that each read the whole FASTA and write a 1/N of the clusters, then ``merge``.
 
 Jobs are resumable: shards are written as ``.tmp`` and renamed when whole into a work directory
 (``DIR.partial`` or ``DIR/.jobIIII-of-NNNN.partial``) whose ``progress.jsonl`` lists each finished shard with its
