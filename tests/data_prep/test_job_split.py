@@ -210,3 +210,15 @@ def test_cluster_members_read_record_by_record_give_the_same_clusters(cluster_in
             x.pop("path"), x.pop("size"), x.pop("sha256_sampled", None)
         out[name] = (recs, m, [r.split("\t")[:2] + r.split("\t")[3:] for r in rows])  # the input column differs
     assert out["records"] == out["batch"]
+
+
+def test_workers_on_plain_fasta_run_byte_range_jobs(rna_inputs, tmp_path):
+    """--workers 2 on plain inputs: two byte-range jobs of this machine (no feeding parent), merged in input order."""
+    args = ["rnacentral", "--input", *rna_inputs, "--min-length", 60, "--shard-size", 150]
+    assert run(*args, "--output", tmp_path / "one") == 0
+    assert run(*args, "--output", tmp_path / "w2", "--workers", 2) == 0
+    assert content(tmp_path / "w2") == content(tmp_path / "one")
+    # each job read records (fed, worker 1 would get none: the input is one chunk of batch.CHUNK)
+    docs = [json.loads(p.read_text()) for p in sorted((tmp_path / "w2").glob("manifest-job*.json"))]
+    assert [d["job"]["index"] for d in docs] == [0, 1] and all(sum(i["records"] for i in d["inputs"]) > 500
+                                                               for d in docs)
