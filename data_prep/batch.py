@@ -68,23 +68,36 @@ def starts_with_header(path: Path) -> bool:
         return f.peek(1)[:1] == b">"
 
 
-def chunks(path: Path, size: int = CHUNK) -> Iterator[tuple[bytes, int]]:
+def chunks(path: Path, size: int = CHUNK, byte_range: ByteRange | None = None) -> Iterator[tuple[bytes, int]]:
     """(text, line number of its first line): the input cut before lines that start with '>'. The next block is
-    read (decompressed: ISA-L leaves the GIL) in a thread while the caller works on this one."""
+    read (decompressed: ISA-L leaves the GIL) in a thread while the caller works on this one. ``byte_range``: only
+    those bytes of the plain file (a job's share, byte_ranges), its lines numbered as the file's."""
     from concurrent.futures import ThreadPoolExecutor
 
-    line, carry = 1, b""
-    with open_input(path) as f, ThreadPoolExecutor(1, "data_prep-read") as ahead:
-        pending = ahead.submit(f.read, size)
+    if byte_range is None:
+        f, left, line = open_input(path), None, 1
+    else:
+        f, left, line = open(path, "rb", buffering=0), byte_range.hi - byte_range.lo, byte_range.first_line
+        f.seek(byte_range.lo)
+        track_position(path, lambda: f.tell() - byte_range.lo)  # progress: the bytes of the range read
+
+    def read() -> bytes:
+        return f.read(size if left is None else min(size, left))
+    carry = b""
+    with f, ThreadPoolExecutor(1, "data_prep-read") as ahead:
+        pending = ahead.submit(read)
         while True:
             try:
                 block = pending.result()
             except GZIP_ERRORS as e:
                 raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
-            if block:
-                pending = ahead.submit(f.read, size)
+            if left is not None:
+                left -= len(block)
+            more = bool(block) and (left is None or left > 0)
+            if more:
+                pending = ahead.submit(read)
             buf = carry + block if carry else block
-            if not block:
+            if not more:
                 if buf:
                     yield buf, line
                 return
@@ -202,38 +215,6 @@ def byte_ranges(paths: list[Path], num_jobs: int, job_index: int) -> list[ByteRa
         records, lines = count_records(paths[out[0].input], out[0].lo)
         out[0].first_index, out[0].first_line = sum(before) + records, lines + 1
     return out
-
-
-def range_chunks(path: Path, r: ByteRange, size: int = CHUNK) -> Iterator[tuple[bytes, int, None]]:
-    """chunks() of the byte range ``r`` of the plain file ``path``, as (text, line of its first line, None)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    line, carry = r.first_line, b""
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, "data_prep-read") as ahead:
-        f.seek(r.lo)
-        track_position(path, lambda: f.tell() - r.lo)  # progress: the bytes of the range read
-        left = r.hi - r.lo
-
-        def read():
-            return f.read(min(size, left))
-        pending = ahead.submit(read)
-        while True:
-            block = pending.result()
-            left -= len(block)
-            if block and left > 0:
-                pending = ahead.submit(read)
-            buf = carry + block if carry else block
-            if not block or left <= 0:
-                if buf:
-                    yield buf, line, None
-                return
-            cut = buf.rfind(b"\n>")
-            if cut < 0:
-                carry = buf
-                continue
-            text, carry = buf[:cut + 1], buf[cut + 1:]
-            yield text, line, None
-            line += int(np.count_nonzero(np.frombuffer(text, np.uint8) == 10))
 
 
 # UniRef headers of the two shapes the shared data holds (parse_uniref_header reads any): the full header

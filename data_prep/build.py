@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .batch import ByteRange, Reader, byte_ranges, is_gzip, json_string, range_chunks, starts_with_header
+from .batch import CHUNK, ByteRange, Reader, byte_ranges, chunks, is_gzip, json_string, starts_with_header
 from .checks import DamageCheck, PrepError
 from .common import LOWERCASE, input_fingerprint, split_of
 from .fasta import FastaError, input_position
@@ -93,8 +93,8 @@ class BatchReader:
              byte_range: ByteRange | None = None) -> Reader:
         """``feed``: in a --workers process, the parent's chunks of ``path`` (data_prep/feed.py) instead of the
         file's; ``byte_range``: only that range of the (plain) file (the job's share, batch.byte_ranges)."""
-        texts = feed.texts(path) if feed is not None else \
-            range_chunks(path, byte_range) if byte_range is not None else None
+        texts = feed.texts(path) if feed is not None else None if byte_range is None else \
+            ((text, line, None) for text, line in chunks(path, CHUNK, byte_range))
         return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs, texts)
 
 
