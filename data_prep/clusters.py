@@ -528,7 +528,7 @@ class Outcomes:
 
 def _read_fasta(outcomes: Outcomes, encoder, inputs: list[Path], source, progress: tuple) -> list[dict]:
     """Pass 2: every record of the member FASTA files into the spill; returns each input's counts."""
-    from .build import BatchReader
+    from .build import BatchReader  # here: build -> settings -> clusters (the summary line) would be a circle
     from .sources import Context
 
     batch = BatchReader(source, encoder, Context(encoder.invalid_positions))
