@@ -63,11 +63,28 @@ def test_cluster_blocks_read_as_per_record_shards(tmp_path):
         members = [rng.integers(4, 31, int(rng.integers(1, 9))).astype(np.uint8) for _ in range(int(rng.integers(1, 4)))]
         clusters.append((f"{i:012d}", members, {"id": f"c{i}", "members": [f"m{j}" for j in range(len(members))]}))
     infos = {}
-    for name, bs in (("old", None), ("new", 3)):
-        w = ShardWriter(tmp_path, prefix=name, max_samples=10, vocab_size=33, block_samples=bs, layout="clusters")
-        for k, ms, m in clusters:
-            w.write(k, np.concatenate(ms), m, np.concatenate([[0], np.cumsum([len(x) for x in ms])]))
+    for name, bs in (("old", None), ("new", 3), ("ext", 3), ("old_ext", None)):
+        w = ShardWriter(tmp_path, prefix=name, max_samples=10, vocab_size=33, block_samples=bs, layout="clusters",
+                        block_tokens=40)
+        if name.endswith("ext"):  # extend() in uneven batches, the members' lengths one after the other
+            for a, b in ((0, 2), (2, 17), (17, len(clusters))):
+                part = clusters[a:b]
+                sizes = [sum(len(x) for x in ms) for _, ms, _ in part]
+                w.extend([k for k, _, _ in part], np.concatenate([x for _, ms, _ in part for x in ms]),
+                         np.concatenate([[0], np.cumsum(sizes)]), [json.dumps(m, separators=(",", ":"))
+                                                                   for _, _, m in part],
+                         np.array([len(x) for _, ms, _ in part for x in ms]))
+        else:
+            for k, ms, m in clusters:
+                w.write(k, np.concatenate(ms), m, np.concatenate([[0], np.cumsum([len(x) for x in ms])]))
         infos[name] = w.close()
+    # extend() writes the bytes write() does, with blocks (format 2) and without (format 1)
+    for a, b in (("new", "ext"), ("old", "old_ext")):
+        assert [(tmp_path / s.path).read_bytes() for s in infos[a]] == [(tmp_path / s.path).read_bytes()
+                                                                          for s in infos[b]], (a, b)
+    with pytest.raises(ValueError, match="member lengths must be positive and add up"):
+        ShardWriter(tmp_path, prefix="bad", layout="clusters", block_samples=3).extend(
+            ["000000000000"], np.zeros(5, np.uint8), np.array([0, 5]), ["{}"], np.array([2, 2]))
     expect = [(k, [x.tolist() for x in ms], m) for k, ms, m in clusters]
     for name, shards in infos.items():
         got, loader = [], []
