@@ -112,7 +112,7 @@ UniRef50 clusters for ESM-2 sampling (``data_prep/clusters.py``)::
   has ``records_in_no_cluster: null``; ``merge`` computes it (FASTA records minus the members all jobs found) and
   checks that the jobs together cover every cluster of the TSV. Resume after a crash works as for every source.
 * Memory does not grow with the corpus: the member FASTA is read in chunks by the batch reader and every member is
-  joined to its record in hash buckets on disk under ``$TMPDIR`` (data_prep/clusters.py gives the four passes);
+  joined to its record in hash buckets on disk under ``$TMPDIR`` (data_prep/join.py gives the four passes);
   the peak was 97 MB at 64 MB of FASTA and 102 MB at ten times that. The spill needs about twice the members'
   tokens plus 64 bytes per id, for the length of the job. The full UniRef90 can run as one job, or as an array of
   ``--num-jobs N`` jobs that each read the whole FASTA and write a 1/N of the clusters, then ``merge``.

@@ -34,11 +34,12 @@ from .build import build as build_sequences
 from .build import splits_bytes
 from .checks import PrepError
 from .clusters import build as build_clusters
-from .clusters import Spill, bucket_count, load_clusters
+from .clusters import load_clusters
 from .common import (FILTERED, MANIFEST, SPLIT_FILE, SPLITS, TOOL, check_output_replaceable, job_filtered_name,
                      job_manifest_name, split_doc, write_json)
 from .encode import Encoder
 from .fasta import FastaError
+from .join import Spill, bucket_count
 from .settings import Result, Settings, check_settings, record_options
 from .sources import check_text_inputs, load_members
 from .workdir import WorkDir, fingerprint, open_splits

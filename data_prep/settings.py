@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .checks import PrepError
-from .clusters import summary as cluster_summary
 from .common import SPLITS, TAILS
 
 if TYPE_CHECKING:
@@ -171,6 +170,23 @@ def _describe(m: Manifest, location: Path, with_list: bool = True) -> str:
     if with_list and st.get("filtered_list"):
         out += f"; dropped records listed in {location.parent / st['filtered_list']}"
     return out
+
+
+def cluster_summary(m: Manifest, location: Path, job: str = "") -> str:
+    """The line of a --clusters job (data_prep/clusters.py)."""
+    st = m.stats
+    members = ", ".join(f"{k}={v}" for k, v in st["members_filtered"].items())
+    clusters = ", ".join(f"{k}={v}" for k, v in m.filtered.items())
+    none = st.get("records_in_no_cluster")
+    return (f"data_prep {m.source}{job}: clusters {st['clusters']}, written {m.total_samples}, filtered "
+            f"{sum(m.filtered.values())} ({clusters}); members listed {st['members_listed']}, kept "
+            f"{st['members_kept']}, filtered {sum(st['members_filtered'].values())} ({members}); FASTA records "
+            f"{st['fasta_records']}, in no cluster {'(computed by merge)' if none is None else none}"
+            + (f"; replaced {st['replaced_characters']} characters by {st['replacement']!r} in "
+               f"{st['records_with_replacements']} members" if "replaced_characters" in st else "")
+            + f"; tokens {m.total_tokens}, shards {len(m.shards)} -> {location}"
+            + (f"; dropped members and clusters listed in {location.parent / st['filtered_list']}"
+               if st.get("filtered_list") else ""))
 
 
 def summary(source: str, m: Manifest, location: Path, records_seen: int | None = None, job: str = "") -> str:

@@ -18,8 +18,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 from pipeline.outputs import kept_note, publish_dir, take_lock
 
 from . import Source, batch

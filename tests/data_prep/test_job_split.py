@@ -1,6 +1,6 @@
 """``--num-jobs N`` jobs then ``merge`` against one job, on real data: plain FASTA split into byte ranges (job I
 parses only its share, data_prep/batch.py ``byte_ranges``) and UniRef50 clusters (split by cluster, joined on disk in
-hash buckets, data_prep/clusters.py). The reference is the one-job run of the same command: the merged directory
+hash buckets, data_prep/join.py). The reference is the one-job run of the same command: the merged directory
 must hold the same records (keys, tokens, meta), the same manifest counts and the same filtered.tsv rows."""
 import gzip
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import batch, clusters
+from data_prep import batch, join
 from data_prep.__main__ import main
 from pipeline.data.shard_reader import read_clusters, read_shard
 
@@ -161,12 +161,12 @@ def test_cluster_buckets_and_batches_do_not_change_the_output(cluster_inputs, tm
     the bytes of one bucket and one batch."""
     fasta, tsv = cluster_inputs
     args = ["uniref", "--input", fasta, "--clusters", tsv, "--min-length", 30, "--max-filtered-fraction", 1]
-    assert clusters.bucket_count([fasta]) == 1
+    assert join.bucket_count([fasta]) == 1
     assert run(*args, "--output", tmp_path / "one") == 0
     with monkeypatch.context() as mp:
-        mp.setattr(clusters, "BUCKET_BYTES", 4096)
-        mp.setattr(clusters.Writer, "BATCH", 7)
-        assert clusters.bucket_count([fasta]) > 50
+        mp.setattr(join, "BUCKET_BYTES", 4096)
+        mp.setattr(join.Writer, "BATCH", 7)
+        assert join.bucket_count([fasta]) > 50
         assert run(*args, "--output", tmp_path / "many") == 0
     assert content(tmp_path / "many", "clusters") == content(tmp_path / "one", "clusters")
     a = [(s.name, s.read_bytes()) for s in sorted((tmp_path / "one").glob("*.tar"))]
@@ -191,7 +191,7 @@ def test_gather_equals_slicing():
     starts = rng.integers(0, 4000, 300)
     sizes = rng.integers(0, 100, 300)
     want = np.concatenate([data[a:a + n] for a, n in zip(starts, sizes)])
-    assert np.array_equal(clusters.gather(data, starts, sizes, group=7), want)
+    assert np.array_equal(join.gather(data, starts, sizes, group=7), want)
 
 
 def test_cluster_members_read_record_by_record_give_the_same_clusters(cluster_inputs, tmp_path):
