@@ -83,11 +83,12 @@ OTHERS = [
     Smoke("bench/adaptive_depth.py", ("--export", "{export}", "--data", str(HELDOUT_FASTA), "--fixed", "2",
                                       "--max-depth", "2", "--tol", "1e9", "--within", "100"), quick=False,
           says=("fixed-depth loss by K: 1: ", "with fewer core applications: yes")),
-    # Without --quick (which forces 20 steps): 2 steps of the 4 variants, one seed. Slow: 4 trainings, each its own
-    # launcher process, plus an upcycle and an evaluation process each (10 min wall, 4.8 CPU-min, on the loaded
-    # 2-core host): its own timeout.
-    Smoke("bench/protlingo_ablation.py", ("--out", "{tmp}/ablation", "--steps", "2", "--seeds", "0"), quick=False,
-          says=("ablation: full ",), slow=True, timeout=1500),
+    # Without --quick (which forces 20 steps): 2 steps of two variants (full and dense: the MoE and memory switches
+    # on and off; tests/bench/test_protlingo_ablation.py checks the four configs), one seed. Slow: 2 trainings, each its own
+    # launcher process, plus an upcycle and an evaluation process each: its own timeout.
+    Smoke("bench/protlingo_ablation.py", ("--out", "{tmp}/ablation", "--steps", "2", "--seeds", "0", "--variants",
+                                          "full,dense"), quick=False,
+          says=("ablation: full ", ", dense "), slow=True, timeout=1500),
 ]
 
 # Scripts whose smoke run is an existing test (file::function); the check below reads that the function exists.

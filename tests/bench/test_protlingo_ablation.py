@@ -27,3 +27,10 @@ def test_bad_seeds_exit_2(tmp_path, capsys):
     assert protlingo_ablation.main(["--out", str(tmp_path), "--seeds", "a,b"]) == 2
     assert "--seeds 'a,b'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("variants", ["dense", "full,nope"])
+def test_bad_variants_exit_2(tmp_path, capsys, variants):
+    assert protlingo_ablation.main(["--out", str(tmp_path), "--variants", variants]) == 2
+    assert f"--variants {variants!r}" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
