@@ -71,6 +71,7 @@ def test_rnacentral_byte_range_jobs_merge_to_one_job(rna_inputs, tmp_path, n):
     # each job parses its share: job 0 the most (no bytes to count before it), about SCAN_COST less per job after
     assert sum(parsed) == sum(sizes) and max(parsed) < sum(sizes) * (batch.cut_fraction(1, n) + 0.02)
     assert n == 1 or min(parsed) > sum(sizes) * (batch.cut_fraction(n, n) - batch.cut_fraction(n - 1, n) - 0.02)
+    assert n == 1 or parsed[0] > sum(sizes) * (1 / n + 0.02)  # weighted: job 0 counts nothing before its range
 
 
 def test_a_record_across_a_cut_is_read_once_by_the_job_it_starts_in(tmp_path):
@@ -222,3 +223,21 @@ def test_workers_on_plain_fasta_run_byte_range_jobs(rna_inputs, tmp_path):
     docs = [json.loads(p.read_text()) for p in sorted((tmp_path / "w2").glob("manifest-job*.json"))]
     assert [d["job"]["index"] for d in docs] == [0, 1] and all(sum(i["records"] for i in d["inputs"]) > 500
                                                                for d in docs)
+
+
+def test_cluster_join_tells_ids_apart_by_the_second_key(cluster_inputs, tmp_path, monkeypatch):
+    """With the first 64-bit key reduced to 3 values (every bucket full of k1 collisions between members and other
+    records), the join still matches each member to its own record by the second key: the same clusters."""
+    fasta, tsv = cluster_inputs
+    args = ["uniref", "--input", fasta, "--clusters", tsv, "--min-length", 30, "--max-filtered-fraction", 1]
+    assert run(*args, "--output", tmp_path / "one") == 0
+    real = join.keys
+
+    def colliding(ids, prefix=""):
+        k1, k2 = real(ids, prefix)
+        return k1 % np.uint64(3), k2
+    monkeypatch.setattr(join, "keys", colliding)
+    import data_prep.clusters as clusters_module
+    monkeypatch.setattr(clusters_module, "keys", colliding)
+    assert run(*args, "--output", tmp_path / "collide") == 0
+    assert content(tmp_path / "collide", "clusters") == content(tmp_path / "one", "clusters")
