@@ -98,27 +98,27 @@ class BatchReader:
         return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs, texts)
 
 
+def batch_source(source: Source, settings: Settings, members) -> bool:
+    """Whether every record of a job can take the batch path: a FASTA source (fasta, genome, rnacentral, uniref)
+    without --dedup (a record's job and fate depend on all records before it), --window or --uniref90-members
+    (per-record work either way). What the batch reader, the byte-range split and a fed --workers run ask."""
+    return (source.reader in (iter_fasta_source, iter_uniref) and source.tokenizer in ("nucleotide", "protein")
+            and not settings.dedup and settings.window is None and members is None)
+
+
 def batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx: Context) -> BatchReader | None:
-    """The batch reader when every record of the job can take it: a FASTA source (fasta, genome, rnacentral,
-    uniref) without --dedup (a record's job and fate depend on all records before it), --window or
-    --uniref90-members (per-record work either way)."""
-    if source.reader not in (iter_fasta_source, iter_uniref) or encoder.kind not in ("nucleotide", "protein"):
-        return None
-    if settings.dedup or settings.window is not None or ctx.members is not None or ctx.invalid_positions is None:
+    """The batch reader when every record of the job can take it (``batch_source``), else None."""
+    if not batch_source(source, settings, ctx.members) or ctx.invalid_positions is None:
         return None
     return BatchReader(source, encoder, ctx)
 
 
-def splits_bytes(source: Source, encoder: Encoder, inputs: list[Path], settings: Settings,
-                 members: dict | Path | None) -> bool:
+def splits_bytes(source: Source, inputs: list[Path], settings: Settings, members) -> bool:
     """Whether job I of ``--num-jobs N`` reads only its byte range of the inputs (batch.byte_ranges) rather than
-    every record, keeping those whose index % N == I: when every input is plain FASTA that the batch reader takes
-    whole (a gzip stream cannot be entered in the middle: its jobs each decompress all of it)."""
-    if settings.num_jobs == 1 or settings.dedup or settings.window is not None or members is not None:
-        return False
-    if source.reader not in (iter_fasta_source, iter_uniref) or encoder.kind not in ("nucleotide", "protein"):
-        return False
-    return all(not is_gzip(p) and starts_with_header(p) for p in inputs)
+    every record, keeping those whose index % N == I: batch-path jobs whose inputs are all plain FASTA (a gzip
+    stream cannot be entered in the middle: its jobs each decompress all of it)."""
+    return (settings.num_jobs > 1 and batch_source(source, settings, members)
+            and all(not is_gzip(p) and starts_with_header(p) for p in inputs))
 
 
 class SequenceBuild:
@@ -149,7 +149,7 @@ class SequenceBuild:
         self.own = (s.num_jobs, s.job_index)
         # plain inputs: this job's byte ranges, by input (None: every job reads every record, see splits_bytes)
         self.ranges = {r.input: r for r in byte_ranges(inputs, s.num_jobs, s.job_index)} \
-            if feed is None and self.fast is not None and splits_bytes(source, encoder, inputs, s, members) else None
+            if feed is None and self.fast is not None and splits_bytes(source, inputs, s, members) else None
         self.bar: Progress | None = None
         self._next_update = 0.0  # when the per-record path next updates the progress bar
         # the meta.json of a batch-path sample, {"id", "source", "length", ...} as json.dumps writes it

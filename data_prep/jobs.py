@@ -133,7 +133,7 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
                                 "inputs?")
             return manifests, seen
         work_fingerprint = fingerprint(source, encoder, inputs, settings, members)
-        if splits_bytes(source, encoder, inputs, settings, members) and feed is None:
+        if splits_bytes(source, inputs, settings, members) and feed is None:
             work_fingerprint["split"] = "bytes"  # other records than job I of N by record index: never mixed
     splits = SPLITS if settings.val_fraction is not None else ("",)
     if feed is not None:  # a fed --workers job holds other records than job I of N: never resumed as one

@@ -21,6 +21,7 @@ from pathlib import Path
 from pipeline.outputs import kept_note, publish_dir, take_lock
 
 from . import Source, batch
+from .build import batch_source
 from .checks import PrepError
 from .common import TOOL, check_output_replaceable
 from .fasta import FastaError, input_position
@@ -28,15 +29,13 @@ from .feed import FEED_DEPTH, Aborted, Feed
 from .jobs import run
 from .merge import merge
 from .settings import Result, Settings
-from .sources import iter_fasta_source, iter_uniref
 
 
 def _fed(source: Source, settings: Settings, kwargs: dict, inputs: list[Path]) -> bool:
     """Whether a --workers run is fed by the parent: the jobs would take the batch reader (build.batch_reader) and
     some input is gzip (plain inputs are split into byte ranges that each job reads itself, batch.byte_ranges)."""
-    return (source.reader in (iter_fasta_source, iter_uniref) and source.tokenizer in ("nucleotide", "protein")
-            and not settings.dedup and settings.window is None and kwargs.get("members") is None
-            and kwargs.get("clusters") is None and any(p.is_file() and batch.is_gzip(p) for p in inputs))
+    return (batch_source(source, settings, kwargs.get("members")) and kwargs.get("clusters") is None
+            and any(p.is_file() and batch.is_gzip(p) for p in inputs))
 
 
 def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
