@@ -103,7 +103,7 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
         if clusters in inputs:
             raise PrepError(f"{clusters} is given both as --input and as --clusters")
         # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind. The spill (the
-        # bucket files of clusters.py's join, under $TMPDIR) is removed however the job ends.
+        # bucket files of join.py, under $TMPDIR) is removed however the job ends.
         spill = Spill(bucket_count(inputs))
         try:
             cmap = load_clusters(clusters, spill, settings.num_jobs, settings.job_index, progress)
