@@ -52,7 +52,7 @@ def settings_doc(settings: Settings) -> dict:
 # The options of a source's job CLI (argparse dests) that decide which records a job writes or what they hold. Each
 # job records them in its manifest and merge refuses jobs that differ in any (a resubmitted array job with an edited
 # command line). Every other option is in JOB_LOCAL_OPTIONS with the reason it may differ between jobs;
-# tests/data_prep/test_merge_options.py checks that the two cover the CLI, so a new option cannot be forgotten.
+# tests/reliability/test_merge_mixed_jobs.py checks that the two cover the CLI, so a new option cannot be forgotten.
 RECORD_OPTIONS = ("min_length", "max_length", "dedup", "replace_invalid", "window", "stride", "window_tail",
                   "val_fraction", "text_column", "uniref90_members", "clusters")
 JOB_LOCAL_OPTIONS = {
