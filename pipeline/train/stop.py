@@ -39,7 +39,8 @@ class StopRequest:
     The handlers only set ``reason``; the training loop all-reduces the flag once per step, so every rank finishes
     the same step, writes its part of one checkpoint and exits 0. SIGTERM to the ``deepspeed`` runner kills the
     runner alone and leaves its ``deepspeed.launcher.launch`` child and the ranks running (runner.py installs no
-    handler for a local launch): the ranks watch the launcher processes and stop when one is gone. DeepSpeed's
+    handler for a local launch), and a SIGKILLed torchrun leaves its ranks running: the ranks watch the launcher
+    processes and stop when one is gone. DeepSpeed's
     launch.py forwards SIGTERM to the ranks and kills them 30 s later, so a save that takes longer needs SIGUSR1
     sent to the ranks themselves (docs/checkpoints.md, "Preemption").
     """
@@ -88,13 +89,18 @@ class StopRequest:
 
 
 def _launcher_processes() -> list:
-    """The DeepSpeed launcher processes above this rank (launch.py and the runner or remote shell that started it),
-    as psutil handles; [] when this rank was not started by DeepSpeed's launcher."""
+    """The launcher processes above this rank, as psutil handles: DeepSpeed's launch.py and the runner or remote
+    shell that started it, or torchrun's agent; [] when this rank was started by neither. torchrun starts each rank
+    in a session of its own and does not make it die with the agent: a SIGKILLed torchrun would leave its ranks
+    training on."""
     import psutil  # a DeepSpeed dependency
 
     try:
         parent = psutil.Process(os.getppid())
-        if "deepspeed.launcher.launch" not in " ".join(parent.cmdline()):
+        cmdline = parent.cmdline()
+        if any(a == "torch.distributed.run" or os.path.basename(a) == "torchrun" for a in cmdline[:3]):
+            return [parent]
+        if "deepspeed.launcher.launch" not in " ".join(cmdline):
             return []
         watched = [parent]
         grand = parent.parent()
