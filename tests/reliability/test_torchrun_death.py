@@ -33,8 +33,8 @@ def test_a_sigkilled_torchrun_stops_its_ranks_after_a_checkpoint(sample_shards, 
         assert len(ranks) == 2
         proc.kill()  # the agent alone: its ranks are in sessions of their own
         proc.wait()
-        _, alive = psutil.wait_procs(ranks, timeout=120)
-        assert not alive, "ranks still training 120 s after torchrun was killed"
+        _, alive = psutil.wait_procs(ranks, timeout=60)
+        assert not alive, "ranks still training 60 s after torchrun was killed"
     finally:
         for p in ranks:
             try:
