@@ -40,9 +40,9 @@ class StopRequest:
     the same step, writes its part of one checkpoint and exits 0. SIGTERM to the ``deepspeed`` runner kills the
     runner alone and leaves its ``deepspeed.launcher.launch`` child and the ranks running (runner.py installs no
     handler for a local launch), and a SIGKILLed torchrun leaves its ranks running: the ranks watch the launcher
-    processes and stop when one is gone. DeepSpeed's
-    launch.py forwards SIGTERM to the ranks and kills them 30 s later, so a save that takes longer needs SIGUSR1
-    sent to the ranks themselves (docs/checkpoints.md, "Preemption").
+    processes and stop when one is gone. DeepSpeed's launch.py forwards SIGTERM to the ranks and kills them 30 s
+    later, so a save that takes longer needs SIGUSR1 sent to the ranks themselves (docs/checkpoints.md,
+    "Preemption").
     """
 
     # SIGINT: Ctrl-C reaches every rank of a local launch (one process group) and DeepSpeed's launch.py, which then
