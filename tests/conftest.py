@@ -5,8 +5,10 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -141,6 +143,56 @@ def running_until(cmd: list, ready: str, timeout: float = 240):
 
 def run_pretrain(nproc: int, ds_config: str, overrides: list, extra: list = (), timeout: int = 600):
     return run_launch(deepspeed_cmd(nproc, ds_config, overrides, extra), timeout)
+
+
+def pretrain_cmd(ds_config: str, overrides: list, extra: list = ()) -> list:
+    """A training of one process as ``python launchers/pretrain.py`` (docs/recursive_gpt.md), without a launcher: a
+    world of one starts its own process group (pipeline/distributed.py). For the tests of what a training does on its
+    own (resume, refusals, damaged checkpoints): the deepspeed runner and its launch.py are two more interpreters that
+    each import torch and DeepSpeed, about 8 s of a 1-rank launch's 11-15 s on two cores. What the launcher adds (its
+    exit, the ranks' watch of it, several ranks) is tested through deepspeed_cmd."""
+    cmd = [sys.executable, str(REPO / "launchers" / "pretrain.py"), "--ds_config", str(REPO / ds_config)]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd + list(extra)
+
+
+def run_single(ds_config: str, overrides: list, extra: list = (), timeout: int = 600) -> subprocess.CompletedProcess:
+    return run_launch(pretrain_cmd(ds_config, overrides, extra), timeout)
+
+
+# The short finished run several reliability tests start from (then damage, poison, resume or reconfigure).
+SHORT_RUN = ["train.max_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=0"]
+
+
+@pytest.fixture(scope="session")
+def _short_run(sample_shards, tmp_path_factory) -> Path:
+    """ROOT holding ROOT/run, a 4-step training on sample_shards (1 rank, ZeRO-2, TINY; checkpoints at steps 2 and 4,
+    none rotated away), and ROOT/mlflow.db, its store. Trained once per session: each test that starts from such a
+    run used to train its own, one launch each."""
+    root = tmp_path_factory.mktemp("short_run")
+    r = run_single("ds_configs/zero2.json", TINY + [f"data.train_shards={sample_shards}", f"run_dir={root / 'run'}",
+                                                   *SHORT_RUN], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root
+
+
+def copy_trained(root: Path, dest: Path):
+    """Copy ROOT, run directories and their MLflow store ROOT/mlflow.db (trained once for several tests), into
+    ``dest`` for a test to damage or resume. The store names its artifact folder by its absolute path: moved to the
+    copy's, so that a resumed copy logs its artifacts there and never into ROOT, which the next test copies."""
+    shutil.copytree(root, dest, dirs_exist_ok=True)
+    with contextlib.closing(sqlite3.connect(dest / "mlflow.db")) as db, db:
+        for table, column in (("experiments", "artifact_location"), ("runs", "artifact_uri")):
+            db.execute(f"update {table} set {column} = replace({column}, ?, ?)", (root.as_uri(), dest.as_uri()))
+
+
+@pytest.fixture
+def short_run(_short_run, tmp_path) -> Path:
+    """This test's own copy of the short run, tmp_path/run with its store tmp_path/mlflow.db beside it (where a
+    training started in tmp_path/run logs): free to damage, resume or train on, the next test gets a fresh one."""
+    copy_trained(_short_run, tmp_path)
+    return tmp_path / "run"
 
 
 def read_jsonl(path: Path) -> list:
