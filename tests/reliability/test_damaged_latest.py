@@ -8,21 +8,36 @@ import shutil
 
 import pytest
 
-from conftest import TINY, read_jsonl, run_pretrain
+from conftest import TINY, copy_trained, read_jsonl, run_single
 
 pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 
 def train(shards, run_dir, steps, *extra):
-    return run_pretrain(1, "ds_configs/zero2.json", TINY + [
+    return run_single("ds_configs/zero2.json", TINY + [
         f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={steps}", "checkpoint.every_steps=2",
         "checkpoint.keep_last=0"], list(extra), timeout=300)
 
 
-def test_a_damaged_latest_never_starts_over(sample_shards, tmp_path):
-    base = tmp_path / "base"
-    first = train(sample_shards, base, 6)
+@pytest.fixture(scope="module")
+def _six_steps(sample_shards, tmp_path_factory):
+    """ROOT/base: train(sample_shards, ROOT/base, 6), checkpoints at steps 2, 4 and 6, with its store ROOT/mlflow.db;
+    trained once for the two tests below that start from it."""
+    root = tmp_path_factory.mktemp("six_steps")
+    first = train(sample_shards, root / "base", 6)
     assert first.returncode == 0, first.stderr[-3000:]
+    return root
+
+
+@pytest.fixture
+def six_steps(_six_steps, tmp_path):
+    """The test's own copy, tmp_path/base (and tmp_path/mlflow.db): free to damage."""
+    copy_trained(_six_steps, tmp_path)
+    return tmp_path / "base"
+
+
+def test_a_damaged_latest_never_starts_over(sample_shards, six_steps, tmp_path):
+    base = six_steps
     history = (base / "metrics.jsonl").read_bytes()
     assert len(history.splitlines()) == 6
 
@@ -92,7 +107,7 @@ def test_a_fresh_start_sets_earlier_logs_aside(sample_shards, tmp_path):
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
 
 
-def test_bit_rot_inside_a_complete_checkpoint_is_never_trained_on(sample_shards, tmp_path):
+def test_bit_rot_inside_a_complete_checkpoint_is_never_trained_on(sample_shards, six_steps, tmp_path):
     """Campaign case 1: 64 bytes inverted inside a COMPLETE checkpoint's mp_rank_00_model_states.pt (same size, a
     readable archive) resumed silently and trained on the corrupted weights. Now the digest recorded at save time
     finds it: resume takes the previous checkpoint with a note naming the file (the damaged one set aside, byte for
@@ -103,9 +118,7 @@ def test_bit_rot_inside_a_complete_checkpoint_is_never_trained_on(sample_shards,
 
     from conftest import REPO
 
-    run = tmp_path / "run"
-    first = train(sample_shards, run, 6)
-    assert first.returncode == 0, first.stderr[-3000:]
+    run = six_steps
     states = run / "checkpoints" / "step00000006" / "mp_rank_00_model_states.pt"
     data = bytearray(states.read_bytes())
     mid = len(data) // 2
