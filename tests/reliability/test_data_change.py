@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SAMPLE_FASTA, TINY, deepspeed_cmd, read_jsonl, run_pretrain, running_until
+from conftest import REPO, SAMPLE_FASTA, TINY, pretrain_cmd, read_jsonl, run_single, running_until
 
 pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
@@ -19,7 +19,7 @@ def prep(out, shard_size, *extra):
 
 
 def train(shards, run_dir, steps, *extra):
-    return run_pretrain(1, "ds_configs/zero2.json", TINY + [
+    return run_single("ds_configs/zero2.json", TINY + [
         f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={steps}", "checkpoint.every_steps=2"],
         list(extra), timeout=300)
 
@@ -54,7 +54,7 @@ def test_shards_rewritten_during_training_are_named_as_such(tmp_path):
     shard?". The run now names the rebuilt directory and the ways on, in one line."""
     shards, run = tmp_path / "shards", tmp_path / "run"
     prep(shards, 100)
-    cmd = deepspeed_cmd(1, "ds_configs/zero2.json", TINY + [
+    cmd = pretrain_cmd("ds_configs/zero2.json", TINY + [
         f"data.train_shards={shards}", f"run_dir={run}", "train.max_steps=2000", "data.mix_shards=1",
         "checkpoint.every_steps=1000", "tracking.enabled=false"])
     with running_until(cmd, r"step 2/") as (proc, lines, reader):
