@@ -5,16 +5,16 @@ one line listing each change with both values; --allow-config-change continues a
 finished run asked for no more steps says so and exits 0."""
 import pytest
 
-from conftest import SAMPLE_FASTA, TINY, read_jsonl, run_pretrain
-from test_data_change import prep
+from conftest import SAMPLE_FASTA, TINY, read_jsonl, run_single
 
 pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 
 def train(shards, run_dir, steps, *sets, extra=()):
-    return run_pretrain(1, "ds_configs/zero2.json", TINY + [
+    # the config of the short run (conftest) but for max_steps and *sets
+    return run_single("ds_configs/zero2.json", TINY + [
         f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={steps}", "checkpoint.every_steps=2",
-        *sets], list(extra), timeout=300)
+        "checkpoint.keep_last=0", *sets], list(extra), timeout=300)
 
 
 def error_line(proc) -> str:
@@ -23,37 +23,34 @@ def error_line(proc) -> str:
     return line
 
 
-def test_a_changed_config_is_refused_listed_or_logged(tmp_path):
+def test_a_changed_config_is_refused_listed_or_logged(sample_shards, short_run):
     assert SAMPLE_FASTA.is_file()
-    shards, run = tmp_path / "shards", tmp_path / "run"
-    prep(shards, 400)
-    first = train(shards, run, 2)
-    assert first.returncode == 0, first.stderr[-3000:]
+    shards, run = sample_shards, short_run  # finished at train.max_steps 4 (conftest)
     metrics = (run / "metrics.jsonl").read_bytes()
-    ckpt = run / "checkpoints" / "step00000002"
+    ckpt = run / "checkpoints" / "step00000004"
 
     # The quickstart rerun with another learning rate (and seed): refused, each key with both values, nothing written.
-    line = error_line(train(shards, run, 2, "optim.lr=0.002", "seed=7"))
+    line = error_line(train(shards, run, 4, "optim.lr=0.002", "seed=7"))
     assert line.startswith(f"error: the config differs from the one checkpoint {ckpt} trained with (optim.lr: 0.003 "
                            "-> 0.002; seed: 1234 -> 7): ") and "another run_dir" in line and "--allow-config-change" in line, line
     assert (run / "metrics.jsonl").read_bytes() == metrics
 
     # Unchanged and finished: nothing to do, no NaN anywhere.
-    done = train(shards, run, 2, "train.log_every=5")  # a key that may change on resume
+    done = train(shards, run, 4, "train.log_every=5")  # a key that may change on resume
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"run {run} already finished at step 2 (train.max_steps 2)" in done.stdout, done.stdout
+    assert f"run {run} already finished at step 4 (train.max_steps 4)" in done.stdout, done.stdout
     assert "nan" not in (done.stdout + done.stderr).lower()
 
     # Another model: refused before DeepSpeed, even with --allow-config-change (the weights are its own model's).
-    line = error_line(train(shards, run, 4, "model.d_ff=96"))
+    line = error_line(train(shards, run, 6, "model.d_ff=96"))
     assert "(model.d_ff: 128 -> 96)" in line, line
-    line = error_line(train(shards, run, 4, "model.d_ff=96", extra=["--allow-config-change"]))
+    line = error_line(train(shards, run, 6, "model.d_ff=96", extra=["--allow-config-change"]))
     assert line.startswith(f"error: model.d_ff: checkpoint {ckpt} holds the weights of its own model "
                            "(model.d_ff: 128 -> 96); "), line
 
     # With the flag the run continues, and the change is in train.log.
-    go = train(shards, run, 3, "optim.lr=0.002", extra=["--allow-config-change"])
+    go = train(shards, run, 5, "optim.lr=0.002", extra=["--allow-config-change"])
     assert go.returncode == 0, go.stderr[-3000:]
-    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     log = (run / "train.log").read_text()
-    assert f"config changed since checkpoint step00000002 (--allow-config-change): optim.lr: 0.003 -> 0.002" in log
+    assert f"config changed since checkpoint step00000004 (--allow-config-change): optim.lr: 0.003 -> 0.002" in log

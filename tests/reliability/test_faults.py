@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, deepspeed_cmd, launch_env, read_jsonl, run_pretrain
+from conftest import REPO, TINY, deepspeed_cmd, launch_env, read_jsonl, run_pretrain, run_single
 from pipeline.commands import shown
 from pipeline.tracking.store import default_store
 
@@ -36,17 +36,15 @@ def files_digest(tag_dir: Path) -> dict:
     return {p.name: p.read_bytes() for p in sorted(tag_dir.iterdir())}
 
 
-def test_divergence_stops_nonzero_and_keeps_the_last_good_checkpoint(sample_shards, tmp_path):
-    run_dir = tmp_path / "run"
-    good = run_pretrain(1, "ds_configs/zero2.json", overrides(sample_shards, run_dir, 4, "checkpoint.every_steps=2"))
-    assert good.returncode == 0, good.stderr[-3000:]
+def test_divergence_stops_nonzero_and_keeps_the_last_good_checkpoint(sample_shards, short_run):
+    run_dir = short_run  # 4 good steps, checkpoints at steps 2 and 4 (conftest)
     kept = files_digest(run_dir / "checkpoints" / "step00000004")
 
     # The same run continued at a learning rate that blows the weights up: the gradient norm is inf from then on and
     # DeepSpeed skips every update. Which step overflows first depends on the kernels (the fused RMSNorm's backward
     # works on the normalized input and overflows later than the plain formula's, which multiplies raw values), so
     # the steps are read from the run.
-    bad = run_pretrain(1, "ds_configs/zero2.json", overrides(
+    bad = run_single("ds_configs/zero2.json", overrides(
         sample_shards, run_dir, 40, "checkpoint.every_steps=2", "optim.lr=1.0e4", "train.max_nonfinite_steps=3"),
         ["--allow-config-change"])  # a resume with another optim.lr
     out = bad.stdout + bad.stderr
@@ -123,7 +121,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_0_on_every_rank(sample_sh
 
 def test_max_hours_deadline_checkpoints_and_exits_0(sample_shards, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
-    proc = run_pretrain(1, "ds_configs/zero2.json", overrides(sample_shards, run_dir, 100000, "train.max_hours=0.0004"))
+    proc = run_single("ds_configs/zero2.json", overrides(sample_shards, run_dir, 100000, "train.max_hours=0.0004"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
     assert (run_dir / "checkpoints" / "latest").read_text() == f"step{last:08d}"
@@ -148,16 +146,14 @@ def test_an_error_on_rank_1_is_printed_with_its_rank_and_last(sample_shards, tmp
     assert any(n in errors[-1] for n in rank1) and "rank 1" in errors[-1], errors  # the cause, not the peer's fallout
 
 
-def test_damaged_checkpoints_resume_from_the_newest_complete_and_rollback_keeps_latest(sample_shards, tmp_path):
-    run_dir = tmp_path / "run"
+def test_damaged_checkpoints_resume_from_the_newest_complete_and_rollback_keeps_latest(sample_shards, short_run):
+    run_dir = short_run  # train(4, "checkpoint.keep_last=0") done (conftest): checkpoints at steps 2 and 4
     ckpts = run_dir / "checkpoints"
 
     def train(steps, *more, extra=()):
-        return run_pretrain(1, "ds_configs/zero2.json",
-                            overrides(sample_shards, run_dir, steps, "checkpoint.every_steps=2", *more), extra)
+        return run_single("ds_configs/zero2.json",
+                          overrides(sample_shards, run_dir, steps, "checkpoint.every_steps=2", *more), extra)
 
-    first = train(4, "checkpoint.keep_last=0")
-    assert first.returncode == 0, first.stderr[-3000:]
     lr4 = read_jsonl(run_dir / "metrics.jsonl")[-1]["lr"]
 
     # A truncated client_state.json (a kill mid-save before markers existed): resume from step 2, saying so.

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, launch_env, run_pretrain
+from conftest import REPO, TINY, launch_env
 
 PRETRAIN = [sys.executable, str(REPO / "launchers/pretrain.py"), "--ds_config", str(REPO / "ds_configs/zero2.json")]
 CONVERT = [sys.executable, str(REPO / "tools/convert_checkpoint.py")]
@@ -48,13 +48,9 @@ def one_error(proc) -> str:
     return line[line.index("error:"):]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(sample_shards, tmp_path_factory):
-    run = tmp_path_factory.mktemp("fs") / "run"
-    proc = run_pretrain(1, "ds_configs/zero2.json", TINY + [f"data.train_shards={sample_shards}", f"run_dir={run}",
-                                                           "train.max_steps=2"], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run / "checkpoints" / "step00000002"
+@pytest.fixture
+def checkpoint(short_run):
+    return short_run / "checkpoints" / "step00000004"  # the test's copy of the session's short run (conftest)
 
 
 def train_cmd(shards, run_dir):
