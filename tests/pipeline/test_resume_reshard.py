@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, losses, run_pretrain, samples_per_step
+from conftest import REPO, TINY, losses, run_pretrain, run_single, samples_per_step
 
 sys.path.insert(0, str(REPO / "tests" / "pipeline" / "parallel"))
 from test_expert_parallel import protein_shards, protlingo_yaml  # noqa: E402,F401  (fixtures)
@@ -22,9 +22,11 @@ def overrides(shards, run_dir, ga, *more, config=None):
 
 
 def train(nproc, stage, shards, run_dir, ga, *more, config=None):
-    """A real launch; ``config``: a run config YAML (default: the Eco-RNA demo at TINY size)."""
-    proc = run_pretrain(nproc, f"ds_configs/zero{stage}.json", overrides(shards, run_dir, ga, *more, config=config),
-                        extra=["--config", str(config)] if config else [])
+    """A real launch; ``config``: a run config YAML (default: the Eco-RNA demo at TINY size). One rank: one process,
+    without the deepspeed runner (conftest.run_single), the world of one the checkpoint is resharded to or from."""
+    sets, extra = overrides(shards, run_dir, ga, *more, config=config), ["--config", str(config)] if config else []
+    ds_config = f"ds_configs/zero{stage}.json"
+    proc = run_single(ds_config, sets, extra) if nproc == 1 else run_pretrain(nproc, ds_config, sets, extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

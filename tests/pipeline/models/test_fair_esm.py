@@ -84,7 +84,7 @@ def test_init_from_a_fair_esm_checkpoint_starts_where_its_upcycled_export_does(f
     """train.init_from a fair-esm .pt (the family's import_weights: backbone copied, MoE upcycled exactly, routers and
     memory fresh from the run's seed) trains step for step as train.init_from the export tools/upcycle_esm2.py
     writes from the same file (seed 0, no perturbation); a config that is not the file's backbone is refused."""
-    from conftest import losses, run_pretrain
+    from conftest import losses, run_single
     from golden.cases import CASES, REL
 
     path, _ = fair_checkpoint
@@ -99,12 +99,12 @@ def test_init_from_a_fair_esm_checkpoint_starts_where_its_upcycled_export_does(f
             "tracking.enabled=false", "seed=0"]
     got = {}
     for name, src in (("export", export), ("fair", path)):
-        r = run_pretrain(1, "ds_configs/zero2.json", [*over, f"run_dir={tmp_path / name}", f"train.init_from={src}"],
-                         ["--config", str(config)])
+        r = run_single("ds_configs/zero2.json", [*over, f"run_dir={tmp_path / name}", f"train.init_from={src}"],
+                       ["--config", str(config)])
         assert r.returncode == 0, r.stderr[-3000:]
         got[name] = losses(tmp_path / name)
     assert got["fair"] == got["export"] and len(got["fair"]) == 3, got
-    r = run_pretrain(1, "ds_configs/zero2.json", [*over, "model.d_ff=128", "model.moe_shared_hidden=64",
-                                                  f"run_dir={tmp_path / 'bad'}", f"train.init_from={path}"],
-                     ["--config", str(config)])
+    r = run_single("ds_configs/zero2.json", [*over, "model.d_ff=128", "model.moe_shared_hidden=64",
+                                              f"run_dir={tmp_path / 'bad'}", f"train.init_from={path}"],
+                   ["--config", str(config)])
     assert r.returncode == 2 and "model.d_ff is 128 but the checkpoint gives 256" in r.stderr, r.stderr[-2000:]
