@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, deepspeed_cmd, running_until
+from conftest import REPO, TINY, pretrain_cmd, running_until
 
 pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 
 def test_exports_of_a_rotating_run_all_succeed(sample_shards, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = deepspeed_cmd(1, "ds_configs/zero2.json", TINY + [
+    cmd = pretrain_cmd("ds_configs/zero2.json", TINY + [
         f"data.train_shards={sample_shards}", f"run_dir={run_dir}", "train.max_steps=5000",
         "checkpoint.every_steps=1", "checkpoint.keep_last=1", "tracking.enabled=false"])
     results = []

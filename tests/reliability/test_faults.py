@@ -97,7 +97,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_0_on_every_rank(sample_sh
     try:
         wait_for_step(run_dir / "metrics.jsonl", 3, proc)
         # A second training on the same run_dir is refused, naming the holder, and leaves the first alone.
-        second = run_pretrain(1, "ds_configs/zero2.json", overrides(sample_shards, run_dir, 5))
+        second = run_single("ds_configs/zero2.json", overrides(sample_shards, run_dir, 5))
         assert second.returncode == 2
         assert "in use by another training (host" in second.stderr and "pid" in second.stderr
         proc.send_signal(signal.SIGTERM)  # what a scheduler sends: the runner dies, launch.py and the ranks stay

@@ -9,16 +9,15 @@ import time
 
 import pytest
 
-from conftest import TINY, deepspeed_cmd, run_pretrain, running_until
+from conftest import TINY, deepspeed_cmd, run_single, running_until
 
 pytestmark = pytest.mark.slow  # DeepSpeed training launches
 
 
 def test_a_step_larger_than_the_training_set_is_refused_at_once(sample_shards, tmp_path):
     t0 = time.monotonic()
-    r = run_pretrain(1, "ds_configs/zero2.json", TINY + [f"data.train_shards={sample_shards}",
-                                                         f"run_dir={tmp_path / 'run'}",
-                                                         "train.grad_accum_steps=1000000000"], timeout=120)
+    r = run_single("ds_configs/zero2.json", TINY + [f"data.train_shards={sample_shards}", f"run_dir={tmp_path / 'run'}",
+                                                   "train.grad_accum_steps=1000000000"], timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert ("error: train.grad_accum_steps: one step reads at least 4,000,000,000 samples (grad_accum_steps "
             "1,000,000,000 x 4 a microbatch x 1 ranks) but the training set holds 2,107; lower "
