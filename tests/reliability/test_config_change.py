@@ -53,4 +53,4 @@ def test_a_changed_config_is_refused_listed_or_logged(sample_shards, short_run):
     assert go.returncode == 0, go.stderr[-3000:]
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     log = (run / "train.log").read_text()
-    assert f"config changed since checkpoint step00000004 (--allow-config-change): optim.lr: 0.003 -> 0.002" in log
+    assert "config changed since checkpoint step00000004 (--allow-config-change): optim.lr: 0.003 -> 0.002" in log

@@ -2,7 +2,6 @@
 exit 0, and evaluate.py on an export whose config.yaml does not match its weights ended in a traceback. Now weights
 that hold a NaN are never resumed, evaluated or exported (one line naming the weight and what to do instead, exit 2),
 and weights of another shape than their config are one line naming the tensor and both shapes."""
-import subprocess
 import sys
 
 import pytest
