@@ -2,13 +2,12 @@
 (the OOM killer, `kill -9`) used to leave both ranks training on, writing to a run directory nobody watched. The
 ranks now watch torchrun as they watch DeepSpeed's launcher: they stop after the step, checkpointed, and exit."""
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
-from conftest import REPO, TINY, free_port, kill_group, launch_env, read_jsonl
+from conftest import REPO, TINY, kill_group, launch_env, read_jsonl, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -17,9 +16,8 @@ def test_a_sigkilled_torchrun_stops_its_ranks_after_a_checkpoint(sample_shards, 
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     sets = [f"data.train_shards={sample_shards}", f"run_dir={run_dir}", "train.max_steps=100000",
             "checkpoint.every_steps=1000", *TINY]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(REPO / "launchers" / "pretrain.py"), "--ds_config", str(REPO / "ds_configs" / "zero2.json"),
-           *[a for s in sets for a in ("--set", s)]]
+    cmd = torchrun(2, REPO / "launchers" / "pretrain.py", ["--ds_config", str(REPO / "ds_configs" / "zero2.json"),
+                                                          *[a for s in sets for a in ("--set", s)]])
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

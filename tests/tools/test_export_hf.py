@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, launch_env, run_launch
+from conftest import REPO, launch_env, run_launch, torchrun
 
 sys.path.insert(0, str(REPO / "tests" / "pipeline" / "parallel"))
-from test_expert_parallel import protein_shards, torchrun  # noqa: E402,F401  (protein_shards: a fixture)
+from test_expert_parallel import protein_shards  # noqa: E402,F401  (a fixture)
 
 WORDS = "the cat dog sat ran on a mat log red big small fox jumped over lazy river".split()
 TOL = 1e-6

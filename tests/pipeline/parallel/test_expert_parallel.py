@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, free_port, launch_and_kill, read_jsonl, run_launch
+from conftest import REPO, launch_and_kill, read_jsonl, run_launch, torchrun
 from ep_worker import CLIP, initial_model, make_optimizer, run_config, step_batches
 from pipeline.checkpoint import load_state_dict, load_trained_model
 from pipeline.config import ConfigError, load_config
@@ -59,13 +59,6 @@ def _reference_step(model, opt, family, cfg, batches) -> dict:
     opt.step()
     return {"state": {k: v.detach().clone() for k, v in model.named_parameters()}, "grad_norm": norm,
             "loss": float(total.detach())}
-
-
-def torchrun(nproc: int, script: Path, args: list) -> list:
-    """torchrun rather than deepspeed (both work, docs/architecture.md, "DeepSpeed on CPU"): it starts in half the time,
-    which matters for 4 processes on 2 cores. It sets OMP_NUM_THREADS=1 per process."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-            str(free_port()), str(script), *args]
 
 
 @pytest.fixture(scope="module")
