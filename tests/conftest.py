@@ -195,11 +195,14 @@ def copy_trained(root: Path, dest: Path):
 
 
 @pytest.fixture
-def short_run(_short_run, tmp_path) -> Path:
+def short_run(_short_run, tmp_path):
     """This test's own copy of the short run, tmp_path/run with its store tmp_path/mlflow.db beside it (where a
-    training started in tmp_path/run logs): free to damage, resume or train on, the next test gets a fresh one."""
+    training started in tmp_path/run logs): free to damage, resume or train on, the next test gets a fresh one.
+    After the test, the shared run must hold the same files as before (nothing logged into it through the copy)."""
+    before = sorted(_short_run.rglob("*"))
     copy_trained(_short_run, tmp_path)
-    return tmp_path / "run"
+    yield tmp_path / "run"
+    assert sorted(_short_run.rglob("*")) == before, f"a test wrote into the shared run {_short_run}"
 
 
 def read_jsonl(path: Path) -> list:
