@@ -14,7 +14,8 @@ value of its probe key (``loss``) at that step, so running it twice sends nothin
 those the engine logs (every tracking.every-th, train.max_steps and the last), all of them with --all-steps.
 Run it when the training is not running (a live tracker sends the same steps itself).
 
-Prints one line; exit status 0, or 1 with one ``error:`` line (store unreachable, unreadable run directory).
+Prints one line (the progress of the steps sent goes to stderr); exit status 0, or 1 with one ``error:`` line
+(store unreachable, unreadable run directory).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import yaml  # noqa: E402
 
+from pipeline.eval.cli import progress  # noqa: E402
 from pipeline.tracking.journal import PENDING, config_params, new_state, read_state, write_state  # noqa: E402
 from pipeline.tracking.replay import logged_cadence, read_metrics_jsonl, replay  # noqa: E402
 from pipeline.tracking.store import Store, _short, artifact_location, bounded_http, default_store  # noqa: E402
@@ -82,7 +84,8 @@ def default_uri(run_dir: Path, state: dict, config: dict) -> str:
 
 
 def sync(run_dir: Path, uri: str | None = None, all_steps: bool = False, status: str | None = None,
-         timeout_s: float = 10.0) -> dict:
+         timeout_s: float = 10.0, bar=None) -> dict:
+    """``bar``: see replay (main passes a tqdm bar on stderr)."""
     run_dir = Path(run_dir).resolve()
     if not run_dir.is_dir():
         raise SyncError(f"{run_dir}: not a directory")
@@ -112,7 +115,7 @@ def sync(run_dir: Path, uri: str | None = None, all_steps: bool = False, status:
             train, tracking = config.get("train") or {}, config.get("tracking") or {}
             every = tracking.get("every") or train.get("log_every") or 1  # before tracking.every: the console's
             records = logged_cadence(records, int(every), train.get("max_steps"))
-        sent, there = replay(store, run_id, records, state.get("anchors", []))
+        sent, there = replay(store, run_id, records, state.get("anchors", []), bar=bar)
         if sent:
             cs = state.setdefault("confirmed_step", {})
             cs[uri] = max(cs.get(uri, -1), max(sent))
@@ -175,7 +178,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        res = sync(args.run_dir, args.tracking_uri, args.all_steps, args.status, args.timeout)
+        res = sync(args.run_dir, args.tracking_uri, args.all_steps, args.status, args.timeout,
+                   bar=lambda total: progress(total=total, desc="mlflow_sync", unit="step"))
     except SyncError as e:
         print(f"mlflow_sync: error: {e}", file=sys.stderr)
         return 1

@@ -79,9 +79,14 @@ def main(argv=None) -> int:
     from pipeline.models.protlingo import (NOT_BACKBONE, ProtLingo, ProtLingoConfig, backbone_mismatch, config_from_hf,
                                            hf_to_protlingo, upcycle_state_dict)
 
+    from pipeline.eval.cli import progress
+
+    # Three steps: reading ESM2 and writing model.safetensors take the time (seconds to minutes at 650M and up).
+    bar = progress(total=3, desc="upcycle", unit="step")
     try:
         check_output_dir(args.out, force=args.force, owned=written_by("upcycle_esm2.py"), what="an export",
                          tool="upcycle_esm2.py")
+        bar.set_postfix_str(f"reading {args.esm.name}")
         hf_cfg, hf_state = load_esm2(args.esm)
         base = config_from_hf(hf_cfg)
         run = load_config(args.config) if args.config else build_config({"family": "protlingo"})
@@ -105,9 +110,11 @@ def main(argv=None) -> int:
         cfg = ProtLingoConfig(**fields)
         dense = hf_to_protlingo(hf_state, base.n_layers)
     except (ConfigError, ValueError, FileNotFoundError) as e:
+        bar.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
-
+    bar.update()
+    bar.set_postfix_str(f"upcycling {len(cfg.moe_layers)} FFNs into {cfg.num_experts} experts")
     torch.manual_seed(args.seed)
     model = ProtLingo(cfg)
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -115,6 +122,8 @@ def main(argv=None) -> int:
     model.load_state_dict(state, strict=True)
 
     run = dataclasses.replace(run, model=cfg)
+    bar.update()
+    bar.set_postfix_str(f"writing {EXPORTED_WEIGHTS}")
     tmp = staging_dir(args.out)
     try:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / EXPORTED_WEIGHTS))
@@ -124,9 +133,12 @@ def main(argv=None) -> int:
             "memory_layers": cfg.memory_layers, "perturb": args.perturb, "seed": args.seed}}
         (tmp / "export.json").write_text(json.dumps(meta, indent=1))
         kept = publish_dir(tmp, args.out, "upcycle_esm2.py")
+        bar.update()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed upcycle leaves nothing behind
         raise
+    finally:
+        bar.close()
     if kept:
         print(kept_note(kept, "upcycle_esm2.py"), file=sys.stderr)
     print(f"upcycled {args.esm} -> {args.out}: {len(cfg.moe_layers)} MoE layers x {cfg.num_experts} experts, "

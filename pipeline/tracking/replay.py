@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.tracking.journal import probe_key
@@ -74,8 +75,10 @@ def estimate_times(records: list, anchors: list) -> dict:
     return out
 
 
-def replay(store: Store, run_id: str, records: list, anchors: list, skip_steps: set = frozenset()) -> tuple:
-    """Send the records whose step the store misses. Returns (steps sent, steps already there)."""
+def replay(store: Store, run_id: str, records: list, anchors: list, skip_steps: set = frozenset(),
+           bar: Callable | None = None) -> tuple:
+    """Send the records whose step the store misses. Returns (steps sent, steps already there). ``bar(total)``, if
+    given, makes a progress bar (a context manager with ``update(n)``) for the steps to send."""
     todo = [r for r in records if r["step"] not in skip_steps]
     probes = {}
     for r in todo:
@@ -93,7 +96,11 @@ def replay(store: Store, run_id: str, records: list, anchors: list, skip_steps: 
                 m, ts = numeric(r)
                 missing.append((r["step"], ts if ts is not None else times[r["step"]], m))
     missing.sort(key=lambda x: x[0])
-    store.send(run_id, missing)
+    if bar is None or not missing:
+        store.send(run_id, missing)
+    else:
+        with bar(len(missing)) as b:
+            store.send(run_id, missing, b.update)
     return [s for s, _, _ in missing], there
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 RUN_KEY_TAG = "pipeline.run_key"
@@ -261,19 +262,25 @@ class Store:
                           profile=json.dumps(entry.get("profile") or {}))
         self.client.log_inputs(run_id, [DatasetInput(dataset, [InputTag(MLFLOW_DATASET_CONTEXT, entry["context"])])])
 
-    def send(self, run_id: str, records: list):
-        """records: [(step, ts_ms, {key: value})], in step order; one log_batch per <= 1000 metrics, whole steps."""
+    def send(self, run_id: str, records: list, sent: Callable[[int], object] | None = None):
+        """records: [(step, ts_ms, {key: value})], in step order; one log_batch per <= 1000 metrics, whole steps.
+        ``sent(n)``, if given, after each log_batch that completes n steps (tools/mlflow_sync.py's progress)."""
         from mlflow.entities import Metric
 
-        batch = []
+        batch, steps = [], 0  # the steps whose metrics ``batch`` ends
         for step, ts, metrics in records:
             ms = [Metric(k, v, ts, step) for k, v in metrics.items()]
             if batch and len(batch) + len(ms) > BATCH_METRICS:
                 self.client.log_batch(run_id, metrics=batch)
-                batch = []
+                if sent is not None:
+                    sent(steps)
+                batch, steps = [], 0
             batch.extend(ms)
             while len(batch) > BATCH_METRICS:  # one step with more keys than a batch takes
                 self.client.log_batch(run_id, metrics=batch[:BATCH_METRICS])
                 batch = batch[BATCH_METRICS:]
+            steps += 1
         if batch:
             self.client.log_batch(run_id, metrics=batch)
+            if sent is not None:
+                sent(steps)

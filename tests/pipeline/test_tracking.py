@@ -19,6 +19,7 @@ from conftest import REPO, free_port, sqlite_uri
 from pipeline.config import ConfigError, dump_yaml, load_config
 from pipeline.tracking.journal import PENDING, STATE_FILE, read_state, resolve_run_id
 from pipeline.tracking.replay import mlflow_key
+from pipeline.tracking import store as store_mod
 from pipeline.tracking.store import RUN_KEY_TAG, Store, bounded_http, tracking_uri
 from pipeline.tracking.tracker import Tracker
 
@@ -307,7 +308,7 @@ def test_source_tags_without_git(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def test_mlflow_sync_replays_an_offline_run_idempotently(tmp_path, sample_shards):
+def test_mlflow_sync_replays_an_offline_run_idempotently(tmp_path, sample_shards, monkeypatch):
     run_dir = tmp_path / "run"
     cfg = make_cfg(run_dir, closed_port_uri(), 10.0, "tracking.every=5", "train.max_steps=12")
     run_dir.mkdir(parents=True)
@@ -331,8 +332,26 @@ def test_mlflow_sync_replays_an_offline_run_idempotently(tmp_path, sample_shards
     again = mlflow_sync.sync(run_dir, uri)
     assert (again["run_id"], again["created"], again["sent"], again["there"]) == (res["run_id"], False, [], 3)
     assert again["datasets"] == 0
-    every = mlflow_sync.sync(run_dir, uri, all_steps=True)
+    updates = []
+
+    class Bar:  # what main's tqdm bar gives replay: a context manager with update(steps)
+        def __init__(self, total):
+            self.total = total
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            updates.append((self.total, n))
+    # batches of whole steps: two steps' metrics and then some, so that batches end on both sides of a step's end
+    per_step = len(mlflow_sync.read_metrics_jsonl(run_dir / "metrics.jsonl")[0]) - 1  # its keys less "step"
+    monkeypatch.setattr(store_mod, "BATCH_METRICS", 2 * per_step + 1)
+    every = mlflow_sync.sync(run_dir, uri, all_steps=True, bar=Bar)
     assert every["sent"] == [1, 2, 3, 4, 6, 7, 8, 9, 11] and every["there"] == 3
+    assert len(updates) > 1 and {t for t, _ in updates} == {9} and sum(n for _, n in updates) == 9, updates
     assert loss_steps(uri, res["run_id"]) == list(range(1, 13))
     assert resolve_run_id(run_dir, tracker.run_id, uri) == res["run_id"]
 

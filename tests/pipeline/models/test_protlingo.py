@@ -68,6 +68,7 @@ def test_upcycled_export_still_equals_hf(esm8m, tmp_path):
                            str(out), "--moe-layers", "all", "--num-experts", "4", "--memory-layers", "0,3,5"],
                           cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    assert "upcycle: 100%" in proc.stderr and " 3/3 " in proc.stderr  # the bar on stderr
     trained = load_trained_model(out)
     cfg = trained.cfg.model
     assert cfg.moe_layers == list(range(6)) and cfg.memory_layers == [0, 3, 5] and cfg.num_experts == 4
