@@ -20,7 +20,7 @@ from pipeline.config import ConfigError, dump_yaml, load_config
 from pipeline.tracking.journal import PENDING, STATE_FILE, read_state, resolve_run_id
 from pipeline.tracking.replay import mlflow_key
 from pipeline.tracking import store as store_mod
-from pipeline.tracking.store import RUN_KEY_TAG, Store, bounded_http, tracking_uri
+from pipeline.tracking.store import RUN_KEY_TAG, bounded_http, tracking_uri
 from pipeline.tracking.tracker import Tracker
 
 sys.path.insert(0, str(REPO / "tools"))
