@@ -79,6 +79,13 @@ def torchrun(nproc: int, script: Path, args: list) -> list:
             str(free_port()), str(script), *args]
 
 
+def torchrun_pretrain(nproc: int, ds_config: str, overrides: list, extra: list = ()) -> list:
+    """``nproc`` ranks of launchers/pretrain.py under torchrun: for the multi-rank tests whose subject is not the
+    deepspeed runner (deepspeed_cmd, which the golden, CLI, signal and launcher tests keep)."""
+    return torchrun(nproc, REPO / "launchers" / "pretrain.py",
+                    ["--ds_config", str(REPO / ds_config), *[a for o in overrides for a in ("--set", o)], *extra])
+
+
 def launch_env() -> dict:
     env = dict(os.environ)
     for k in ("MLFLOW_TRACKING_URI", *RENDEZVOUS):  # a launch starts its own process group

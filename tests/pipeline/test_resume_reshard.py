@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, losses, run_pretrain, run_single, samples_per_step
+from conftest import REPO, TINY, losses, run_launch, run_single, samples_per_step, torchrun_pretrain
 
 sys.path.insert(0, str(REPO / "tests" / "pipeline" / "parallel"))
 from test_expert_parallel import protein_shards, protlingo_yaml  # noqa: E402,F401  (fixtures)
@@ -23,10 +23,12 @@ def overrides(shards, run_dir, ga, *more, config=None):
 
 def train(nproc, stage, shards, run_dir, ga, *more, config=None):
     """A real launch; ``config``: a run config YAML (default: the Eco-RNA demo at TINY size). One rank: one process,
-    without the deepspeed runner (conftest.run_single), the world of one the checkpoint is resharded to or from."""
+    without a launcher (conftest.run_single), the world of one the checkpoint is resharded to or from; two: torchrun,
+    which starts in half the deepspeed runner's time (the launcher is not what these tests are about)."""
     sets, extra = overrides(shards, run_dir, ga, *more, config=config), ["--config", str(config)] if config else []
     ds_config = f"ds_configs/zero{stage}.json"
-    proc = run_single(ds_config, sets, extra) if nproc == 1 else run_pretrain(nproc, ds_config, sets, extra)
+    proc = run_single(ds_config, sets, extra) if nproc == 1 else run_launch(
+        torchrun_pretrain(nproc, ds_config, sets, extra))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from conftest import REPO, TINY, kill_group, launch_env, read_jsonl, torchrun
+from conftest import REPO, TINY, kill_group, launch_env, read_jsonl, torchrun_pretrain
 
 pytestmark = pytest.mark.slow
 
@@ -16,8 +16,7 @@ def test_a_sigkilled_torchrun_stops_its_ranks_after_a_checkpoint(sample_shards, 
     run_dir, log = tmp_path / "run", tmp_path / "launch.log"
     sets = [f"data.train_shards={sample_shards}", f"run_dir={run_dir}", "train.max_steps=100000",
             "checkpoint.every_steps=1000", *TINY]
-    cmd = torchrun(2, REPO / "launchers" / "pretrain.py", ["--ds_config", str(REPO / "ds_configs" / "zero2.json"),
-                                                          *[a for s in sets for a in ("--set", s)]])
+    cmd = torchrun_pretrain(2, "ds_configs/zero2.json", sets)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=launch_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
