@@ -213,7 +213,7 @@ def test_the_toy_family_loads_its_config_and_plans_a_dry_run(tmp_path, sample_sh
 
 @pytest.mark.slow
 def test_the_toy_family_trains_resumes_exports_and_loads(tmp_path, sample_shards):
-    from conftest import deepspeed_cmd, losses, run_launch
+    from conftest import losses, run_launch, torchrun
     from pipeline.checkpoint import load_trained_model
     from pipeline.pretrained import load_pretrained
     from tools import convert_checkpoint
@@ -221,10 +221,9 @@ def test_the_toy_family_trains_resumes_exports_and_loads(tmp_path, sample_shards
     config, run = toy_config(tmp_path, sample_shards), tmp_path / "run"
 
     def train(steps: int):
-        cmd = deepspeed_cmd(2, "ds_configs/zero2.json", [*TINY_TOY, f"train.max_steps={steps}"],
-                            ["--config", str(config)])
-        cmd[cmd.index(str(REPO / "launchers" / "pretrain.py"))] = str(launcher(tmp_path))
-        r = run_launch(cmd, timeout=600)
+        sets = [a for o in [*TINY_TOY, f"train.max_steps={steps}"] for a in ("--set", o)]
+        r = run_launch(torchrun(2, launcher(tmp_path), ["--ds_config", str(REPO / "ds_configs" / "zero2.json"), *sets,
+                                                         "--config", str(config)]), timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
 
     train(2)  # 2 steps on 2 processes, a checkpoint at step 2

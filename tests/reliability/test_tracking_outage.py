@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY, deepspeed_cmd, free_port, launch_env, read_jsonl, run_pretrain, sqlite_uri
+from conftest import (REPO, TINY, deepspeed_cmd, free_port, launch_env, read_jsonl, run_launch, sqlite_uri,
+                      torchrun_pretrain)
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +28,10 @@ def median_step_time(run_dir) -> float:
 
 def test_unreachable_store_costs_no_training_time_and_sync_replays_it(sample_shards, tmp_path):
     base_dir, out_dir = tmp_path / "sqlite", tmp_path / "outage"
+
+    def run_pretrain(*args):  # torchrun: both launches the same way, in half the deepspeed runner's start-up
+        return run_launch(torchrun_pretrain(*args))
+
     t0 = time.perf_counter()
     base = run_pretrain(2, "ds_configs/zero2.json", overrides(sample_shards, base_dir))
     base_wall = time.perf_counter() - t0
