@@ -75,11 +75,10 @@ def main(argv=None) -> int:
 
     from pipeline.checkpoint import EXPORTED_WEIGHTS, load_esm2
     from pipeline.config import ConfigError, build_config, dump_yaml, load_config
+    from pipeline.eval.cli import progress
     from pipeline.outputs import check_output_dir, kept_note, publish_dir, staging_dir, written_by
     from pipeline.models.protlingo import (NOT_BACKBONE, ProtLingo, ProtLingoConfig, backbone_mismatch, config_from_hf,
                                            hf_to_protlingo, upcycle_state_dict)
-
-    from pipeline.eval.cli import progress
 
     # Three steps: reading ESM2 and writing model.safetensors take the time (seconds to minutes at 650M and up).
     bar = progress(total=3, desc="upcycle", unit="step")
