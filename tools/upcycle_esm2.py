@@ -80,11 +80,13 @@ def main(argv=None) -> int:
     from pipeline.models.protlingo import (NOT_BACKBONE, ProtLingo, ProtLingoConfig, backbone_mismatch, config_from_hf,
                                            hf_to_protlingo, upcycle_state_dict)
 
-    # Three steps: reading ESM2 and writing model.safetensors take the time (seconds to minutes at 650M and up).
-    bar = progress(total=3, desc="upcycle", unit="step")
+    bar = None
     try:
         check_output_dir(args.out, force=args.force, owned=written_by("upcycle_esm2.py"), what="an export",
                          tool="upcycle_esm2.py")
+        # Three steps, after the refusal of an output that is not ours (one line, no bar): reading ESM2 and writing
+        # model.safetensors take the time (seconds to minutes at 650M and up).
+        bar = progress(total=3, desc="upcycle", unit="step")
         bar.set_postfix_str(f"reading {args.esm.name}")
         hf_cfg, hf_state = load_esm2(args.esm)
         base = config_from_hf(hf_cfg)
@@ -109,7 +111,8 @@ def main(argv=None) -> int:
         cfg = ProtLingoConfig(**fields)
         dense = hf_to_protlingo(hf_state, base.n_layers)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        bar.close()
+        if bar is not None:
+            bar.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     bar.update()
