@@ -213,7 +213,7 @@ def test_the_toy_family_loads_its_config_and_plans_a_dry_run(tmp_path, sample_sh
 
 @pytest.mark.slow
 def test_the_toy_family_trains_resumes_exports_and_loads(tmp_path, sample_shards):
-    from conftest import losses, run_launch, torchrun
+    from conftest import losses, run_torchrun
     from pipeline.checkpoint import load_trained_model
     from pipeline.pretrained import load_pretrained
     from tools import convert_checkpoint
@@ -221,9 +221,8 @@ def test_the_toy_family_trains_resumes_exports_and_loads(tmp_path, sample_shards
     config, run = toy_config(tmp_path, sample_shards), tmp_path / "run"
 
     def train(steps: int):
-        sets = [a for o in [*TINY_TOY, f"train.max_steps={steps}"] for a in ("--set", o)]
-        r = run_launch(torchrun(2, launcher(tmp_path), ["--ds_config", str(REPO / "ds_configs" / "zero2.json"), *sets,
-                                                         "--config", str(config)]), timeout=600)
+        r = run_torchrun(2, "ds_configs/zero2.json", [*TINY_TOY, f"train.max_steps={steps}"],
+                         ["--config", str(config)], script=launcher(tmp_path))
         assert r.returncode == 0, r.stderr[-3000:]
 
     train(2)  # 2 steps on 2 processes, a checkpoint at step 2

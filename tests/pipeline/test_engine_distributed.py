@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (TINY, launch_and_kill, mlflow_runs, mlflow_store, read_jsonl, run_launch, run_pretrain,
+from conftest import (TINY, launch_and_kill, mlflow_runs, mlflow_store, read_jsonl, run_pretrain, run_torchrun,
                       torchrun_pretrain)
 
 pytestmark = pytest.mark.slow
@@ -54,11 +54,8 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(sample_shards, tmp_path
     common = ["train.grad_accum_steps=2", "checkpoint.every_steps=4", "train.log_samples=true",
               "data.context_length=128", "data.length_window=20", "train.max_tokens_per_microbatch=512"]
     ref_dir, kill_dir = tmp_path / "ref", tmp_path / "killed"
-
-    def run(*args):  # torchrun: four 2-rank launches, whose launcher is not what this test is about
-        return run_launch(torchrun_pretrain(*args))
-
-    ref = run(2, "ds_configs/zero2.json", overrides(sample_shards, ref_dir, steps, *common))
+    # torchrun: four 2-rank launches, whose launcher is not what this test is about
+    ref = run_torchrun(2, "ds_configs/zero2.json", overrides(sample_shards, ref_dir, steps, *common))
     assert ref.returncode == 0, ref.stderr[-3000:]
 
     # Start the same run, SIGKILL every process of it once it has logged step 10 (last checkpoint: step 8).
@@ -69,7 +66,7 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(sample_shards, tmp_path
     loader = json.loads((kill_dir / "checkpoints" / latest / "client_state.json").read_text())["loader"]
     assert any(st["window_batches"] > 0 for rank in loader for st in rank["streams"])  # mid-window
 
-    resumed = run(2, "ds_configs/zero2.json", overrides(sample_shards, kill_dir, steps, *common))
+    resumed = run_torchrun(2, "ds_configs/zero2.json", overrides(sample_shards, kill_dir, steps, *common))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
 
@@ -85,7 +82,7 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(sample_shards, tmp_path
         assert got_s == ref_s  # same samples, same steps, same order
 
     # Running again with more steps continues the same MLflow run.
-    more = run(2, "ds_configs/zero2.json", overrides(sample_shards, kill_dir, steps + 2, *common))
+    more = run_torchrun(2, "ds_configs/zero2.json", overrides(sample_shards, kill_dir, steps + 2, *common))
     assert more.returncode == 0 and "resumed from" in more.stdout
     from mlflow.tracking import MlflowClient
 

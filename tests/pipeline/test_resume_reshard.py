@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY, losses, run_launch, run_single, samples_per_step, torchrun_pretrain
+from conftest import REPO, TINY, losses, run_single, run_torchrun, samples_per_step
 
 sys.path.insert(0, str(REPO / "tests" / "pipeline" / "parallel"))
 from test_expert_parallel import protein_shards, protlingo_yaml  # noqa: E402,F401  (fixtures)
@@ -27,8 +27,7 @@ def train(nproc, stage, shards, run_dir, ga, *more, config=None):
     which starts in half the deepspeed runner's time (the launcher is not what these tests are about)."""
     sets, extra = overrides(shards, run_dir, ga, *more, config=config), ["--config", str(config)] if config else []
     ds_config = f"ds_configs/zero{stage}.json"
-    proc = run_single(ds_config, sets, extra) if nproc == 1 else run_launch(
-        torchrun_pretrain(nproc, ds_config, sets, extra))
+    proc = run_single(ds_config, sets, extra) if nproc == 1 else run_torchrun(nproc, ds_config, sets, extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

@@ -8,17 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, launch_and_kill, mlflow_runs, read_jsonl, run_launch, torchrun_pretrain
+from conftest import REPO, TINY, launch_and_kill, mlflow_runs, read_jsonl, run_torchrun, torchrun_pretrain
 from pipeline.config import ConfigError, dump_yaml, load_config
 from pipeline.train import RunPlan, lr_lambda
 
 
 def overrides(shards, run_dir, steps, *more):
     return [f"data.train_shards={shards}", f"run_dir={run_dir}", f"train.max_steps={steps}", *TINY, *more]
-
-
-def run_pretrain(nproc, ds_config, overrides, extra=()):  # torchrun: six 2-rank launches start in half the time
-    return run_launch(torchrun_pretrain(nproc, ds_config, overrides, extra))
 
 
 def tree_digest(folder: Path) -> dict:
@@ -29,7 +25,7 @@ def tree_digest(folder: Path) -> dict:
 @pytest.mark.slow
 def test_stage_b_starts_from_stage_a(sample_shards, tmp_path):
     a_dir = tmp_path / "stage_a"
-    a = run_pretrain(2, "ds_configs/zero2.json", overrides(
+    a = run_torchrun(2, "ds_configs/zero2.json", overrides(
         sample_shards, a_dir, 3, "optim.lr=3e-3", "checkpoint.every_steps=2", "checkpoint.at_steps=[1]",
         "checkpoint.keep_last=1"))
     assert a.returncode == 0, a.stderr[-3000:]
@@ -42,7 +38,7 @@ def test_stage_b_starts_from_stage_a(sample_shards, tmp_path):
     # Stage B: its own lr, warmup and schedule length (schedule_steps fixes the cosine whatever max_steps is).
     b_opts = ["optim.lr=2e-3", "optim.warmup_steps=3", "optim.schedule_steps=6", "checkpoint.every_steps=2"]
     b_ref_dir, b_kill_dir = tmp_path / "b_ref", tmp_path / "b_killed"
-    b_ref = run_pretrain(2, "ds_configs/zero2.json", overrides(sample_shards, b_ref_dir, 6, *b_opts),
+    b_ref = run_torchrun(2, "ds_configs/zero2.json", overrides(sample_shards, b_ref_dir, 6, *b_opts),
                          ["--init-from", str(a_ckpt)])
     assert b_ref.returncode == 0, b_ref.stderr[-3000:]
     assert f"initialized from {a_ckpt}" in b_ref.stdout
@@ -64,7 +60,7 @@ def test_stage_b_starts_from_stage_a(sample_shards, tmp_path):
     cmd = torchrun_pretrain(2, "ds_configs/zero2.json", overrides(sample_shards, b_kill_dir, 6, *b_opts),
                             ["--init-from", str(a_ckpt)])
     launch_and_kill(cmd, b_kill_dir / "metrics.jsonl", at_step=5)
-    resumed = run_pretrain(2, "ds_configs/zero2.json", overrides(sample_shards, b_kill_dir, 6, *b_opts),
+    resumed = run_torchrun(2, "ds_configs/zero2.json", overrides(sample_shards, b_kill_dir, 6, *b_opts),
                            ["--init-from", str(a_ckpt)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "initialized from" not in resumed.stdout
@@ -75,7 +71,7 @@ def test_stage_b_starts_from_stage_a(sample_shards, tmp_path):
 
     # With the optimizer moments: the same first loss (same weights, same batch), this run's lr, another update.
     b_opt_dir = tmp_path / "b_opt"
-    b_opt = run_pretrain(2, "ds_configs/zero2.json", overrides(sample_shards, b_opt_dir, 2, *b_opts,
+    b_opt = run_torchrun(2, "ds_configs/zero2.json", overrides(sample_shards, b_opt_dir, 2, *b_opts,
                                                                "train.init_from_optimizer=true"),
                          ["--init-from", str(a_ckpt)])
     assert b_opt.returncode == 0, b_opt.stderr[-3000:]
@@ -90,7 +86,7 @@ def test_stage_b_starts_from_stage_a(sample_shards, tmp_path):
                            "--output", str(export), "--trust-checkpoint"], cwd=REPO, capture_output=True, text=True)
     assert conv.returncode == 0, conv.stderr[-3000:]
     b_exp_dir = tmp_path / "b_export"
-    b_exp = run_pretrain(2, "ds_configs/zero2.json", overrides(sample_shards, b_exp_dir, 2, *b_opts),
+    b_exp = run_torchrun(2, "ds_configs/zero2.json", overrides(sample_shards, b_exp_dir, 2, *b_opts),
                          ["--init-from", str(export)])
     assert b_exp.returncode == 0, b_exp.stderr[-3000:]
     assert [m["loss"] for m in read_jsonl(b_exp_dir / "metrics.jsonl")] == [m["loss"] for m in ref[:2]]

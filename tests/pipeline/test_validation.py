@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import (REPO, SAMPLE_FASTA, TINY, launch_and_kill, mlflow_runs, mlflow_store, read_jsonl, run_launch,
-                      run_pretrain, torchrun_pretrain)
+                      run_pretrain, run_torchrun, torchrun_pretrain)
 from golden.cases import CASES, REL
 
 DEPTHS = [1, 2, 4]
@@ -138,7 +138,7 @@ def test_kill_and_resume_neither_repeats_nor_skips_an_evaluation(eco_run, split,
     # torchrun (half the runner's start-up): eco_run's ranks had one thread each too, so the same numbers
     launch_and_kill(torchrun_pretrain(2, "ds_configs/zero2.json", over), run / "metrics.jsonl", at_step=5)
     assert 4 in val_records(run)
-    r = run_launch(torchrun_pretrain(2, "ds_configs/zero2.json", over))
+    r = run_torchrun(2, "ds_configs/zero2.json", over)
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = val_records(run), val_records(eco_run)
     assert sorted(got) == [2, 4, 6]
