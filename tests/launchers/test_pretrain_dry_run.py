@@ -2,9 +2,9 @@
 per rank) from the training's own checks, with nothing started and nothing written."""
 import json
 import re
-import sys
 
-from conftest import REPO, TINY, run_launch
+from conftest import REPO, TINY
+from prewarmed import run_python
 
 from pipeline.config import dump_yaml, load_config
 from pipeline.checkpoint.layout import CHECKPOINT_FORMAT
@@ -22,10 +22,10 @@ def overrides(shards, run_dir) -> list:
 
 
 def dry_run(shards, run_dir, args=(), extra=()):
-    cmd = [sys.executable, PRETRAIN, "--dry-run", "--ds_config", str(REPO / "ds_configs/zero2.json")]
+    cmd = [PRETRAIN, "--dry-run", "--ds_config", str(REPO / "ds_configs/zero2.json")]
     for o in [*overrides(shards, run_dir), *extra]:
         cmd += ["--set", o]
-    return run_launch([*cmd, *args], timeout=120)
+    return run_python([*cmd, *args], REPO, timeout=120)  # a dry run starts nothing: forked (tests/prewarmed.py)
 
 
 def ranks(out: str) -> dict[int, tuple[int, dict[int, list[str]], int]]:
@@ -158,6 +158,6 @@ def test_a_batch_for_more_ranks_asks_for_world_size(sample_shards, tmp_path):
 
 
 def test_world_size_flags_need_dry_run(sample_shards, tmp_path):
-    cmd = [sys.executable, PRETRAIN, "--ds_config", str(REPO / "ds_configs/zero2.json"), "--world-size", "4"]
-    proc = run_launch(cmd, timeout=60)
+    proc = run_python([PRETRAIN, "--ds_config", str(REPO / "ds_configs/zero2.json"), "--world-size", "4"], REPO,
+                      timeout=60)
     assert proc.returncode == 2 and "they go with --dry-run" in proc.stderr, proc.stderr

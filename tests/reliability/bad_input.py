@@ -3,16 +3,17 @@ traceback. Shared by the tests/reliability/test_bad_inputs_*.py suites."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
+
+from prewarmed import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(args: list, cwd: Path = REPO, timeout: int = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python ARGS...`` (a script path or ``-m module``) from the repository root, captured."""
-    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    """``python ARGS...`` (a script path or ``-m module``) from the repository root, captured; forked from a
+    process that imported torch and DeepSpeed once (tests/prewarmed.py)."""
+    return run_python(args, cwd, timeout, env)
 
 
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:

@@ -1,17 +1,16 @@
 """tools/flops.py prints each family's forward FLOPs at the depths asked for (keyword call: the families order the
 arguments of forward_flops differently)."""
-import subprocess
-import sys
-
 import pytest
 
 from conftest import REPO
+from prewarmed import run_python
 from pipeline.config import load_config
 
 
 def flops_lines(config: str, length: int, depths: str) -> list[str]:
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "flops.py"), "--config", config, "--length",
-                           str(length), "--depths", depths], cwd=REPO, capture_output=True, text=True, check=True)
+    proc = run_python([REPO / "tools" / "flops.py", "--config", config, "--length", str(length), "--depths", depths],
+                      REPO)
+    assert proc.returncode == 0, proc.stderr
     return proc.stdout.split("\n")
 
 
@@ -98,8 +97,8 @@ def test_depths_syntax_and_cap_are_evaluate_s():
 
     assert evaluate.parse_depths is cli.parse_depths
     assert cli.parse_depths("1-3,8,2") == [1, 2, 3, 8]
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "flops.py"), "--config", "eco_rna_demo", "--length",
-                           "64", "--depths", "1-33"], cwd=REPO, capture_output=True, text=True)
+    proc = run_python([REPO / "tools" / "flops.py", "--config", "eco_rna_demo", "--length", "64", "--depths", "1-33"],
+                      REPO)
     assert proc.returncode == 2 and "--depths '1-33': depth 33 is above the maximum 32" in proc.stderr
     assert "eco_rna_demo.yaml" in proc.stderr and "objective.k_cap 8" in proc.stderr
 

@@ -2,13 +2,13 @@
 and (slow) its communication volume against the bytes a 2-process ZeRO-2 and ZeRO-3 run sends
 (bench/comm_volume.py)."""
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from conftest import REPO
+from prewarmed import run_python
 
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests" / "pipeline" / "objectives"))
@@ -20,7 +20,7 @@ from pipeline.objectives.eco_rna import Plan, recurrent_loss, sample_depths  # n
 from test_eco_rna_objective import make_batch  # noqa: E402
 from tools import scaling  # noqa: E402
 
-TOOL = [sys.executable, str(REPO / "tools" / "scaling.py")]
+TOOL = [REPO / "tools" / "scaling.py"]
 ECO_SMALL = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64", "model.n_prelude=1",
              "model.n_core=2", "model.n_coda=1", "objective.backward_window=3", "objective.anchor_depth=1",
              "objective.lambda_anchor=0.5"]
@@ -97,14 +97,13 @@ def test_parameter_skeleton_is_the_config_count(name):
 
 
 def test_cli_prints_a_plan_per_gpu_count_and_json():
-    out = subprocess.run(TOOL + ["--config", "eco_rna_80m", "--gpus", "8,64", "--ds_config", "ds_configs/zero2.json"],
-                         cwd=REPO, capture_output=True, text=True)
+    out = run_python(TOOL + ["--config", "eco_rna_80m", "--gpus", "8,64", "--ds_config", "ds_configs/zero2.json"], REPO)
     assert out.returncode == 0, out.stderr
     assert "eco_rna on 8 GPUs (1 node x 8), ZeRO-2" in out.stdout and "on 64 GPUs (8 nodes x 8)" in out.stdout
     # ZeRO-2 all-reduces every gradient once per microbatch: 2 (p-1)/p x 80,856,192 x 2 bytes on 8 GPUs
     assert "gradient all-reduce (dense): 0.283 GB in 1 calls over 8 ranks (NVLink)" in out.stdout
-    js = subprocess.run(TOOL + ["--config", "protlingo_150m", "--gpus", "64", "--ds_config", "ds_configs/zero2.json",
-                                "--ep", "4", "--json"], cwd=REPO, capture_output=True, text=True)
+    js = run_python(TOOL + ["--config", "protlingo_150m", "--gpus", "64", "--ds_config", "ds_configs/zero2.json",
+                            "--ep", "4", "--json"], REPO)
     assert js.returncode == 0, js.stderr
     (pl,) = json.loads(js.stdout)
     names = [c["name"] for c in pl["traffic"]]
@@ -118,8 +117,7 @@ def test_cli_prints_a_plan_per_gpu_count_and_json():
     (["--gpus", "8", "--set", "model.nope=1"], "model.nope"),
 ])
 def test_cli_bad_input_exits_2(args, message):
-    out = subprocess.run(TOOL + ["--config", "protlingo_150m", "--ds_config", "ds_configs/zero2.json", *args],
-                         cwd=REPO, capture_output=True, text=True)
+    out = run_python(TOOL + ["--config", "protlingo_150m", "--ds_config", "ds_configs/zero2.json", *args], REPO)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
@@ -156,9 +154,8 @@ def test_activation_checkpointing_shrinks_the_activation_estimate(name):
     """With train.activation_checkpointing: blocks a differentiated block keeps only its input: the estimate falls
     to (blocks x d + one block's activations) per token, the logits unchanged."""
     def activations(*sets):
-        out = subprocess.run(TOOL + ["--config", name, "--gpus", "8", "--ds_config", "ds_configs/zero2.json", "--json",
-                                     *[a for s in sets for a in ("--set", s)]], cwd=REPO, capture_output=True,
-                             text=True)
+        out = run_python(TOOL + ["--config", name, "--gpus", "8", "--ds_config", "ds_configs/zero2.json", "--json",
+                                 *[a for s in sets for a in ("--set", s)]], REPO)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)[0]["memory"]["activations (estimate)"]
 
