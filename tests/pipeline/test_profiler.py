@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import TINY, read_jsonl, run_pretrain
+from conftest import TINY, read_jsonl, run_torchrun
 from pipeline.config import ConfigError, load_config
 
 
@@ -13,7 +13,7 @@ from pipeline.config import ConfigError, load_config
 def test_profiled_steps_write_a_trace_and_the_top_operators(sample_shards, tmp_path):
     runs = {}
     for name, extra in (("plain", []), ("profiled", ["train.profile={start: 2, steps: 2}"])):
-        r = run_pretrain(2, "ds_configs/zero2.json", TINY + [f"data.train_shards={sample_shards}",
+        r = run_torchrun(2, "ds_configs/zero2.json", TINY + [f"data.train_shards={sample_shards}",
                                                              f"run_dir={tmp_path / name}", "train.max_steps=4",
                                                              *extra], timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]

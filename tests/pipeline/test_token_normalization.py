@@ -1,10 +1,8 @@
 """Exact token normalization (paper A.7) under real 2-process DeepSpeed, ZeRO 1-3, against single-process references."""
-import sys
-
 import pytest
 import torch
 
-from conftest import REPO, free_port, run_launch
+from conftest import REPO, run_launch, torchrun
 from pipeline.data.batch import Batch
 from pipeline.objectives.eco_rna import per_row_ce, plan, relative_displacement
 from pipeline.objectives.masking import IGNORE_INDEX
@@ -15,9 +13,9 @@ pytestmark = pytest.mark.slow
 
 def deepspeed_step(stage, shards, tmp_path, aux):
     out = tmp_path / f"z{stage}.pt"
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "tests/pipeline/token_norm_worker.py"), "--stage", str(stage), "--shards", str(shards),
-           "--out", str(out)] + (["--aux"] if aux else [])
+    # torchrun: the subject is the normalization, not the launcher (conftest.torchrun: half the runner's start-up)
+    cmd = torchrun(2, REPO / "tests/pipeline/token_norm_worker.py",
+                   ["--stage", str(stage), "--shards", str(shards), "--out", str(out)] + (["--aux"] if aux else []))
     proc = run_launch(cmd, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return torch.load(out, weights_only=True)

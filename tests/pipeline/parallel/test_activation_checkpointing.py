@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_jsonl, run_pretrain
+from conftest import read_jsonl, run_torchrun
 from golden.cases import CASES, HERE, overrides
-from pipeline.families import get_family
 from pipeline.parallel.checkpointing import apply_activation_checkpointing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
@@ -45,7 +44,7 @@ def test_a_family_without_blocks_is_refused():
 @pytest.mark.parametrize("name", ["eco_rna_zero3", "protlingo_ep2", "recursive_gpt_zero2"])
 def test_golden_runs_with_recomputed_blocks(name, tmp_path):
     config, ds_config, _ = CASES[name]
-    r = run_pretrain(2, ds_config, overrides(name, str(tmp_path / "run")) + ["train.activation_checkpointing=blocks"],
+    r = run_torchrun(2, ds_config, overrides(name, str(tmp_path / "run")) + ["train.activation_checkpointing=blocks"],
                      ["--config", config], timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     got = read_jsonl(tmp_path / "run" / "metrics.jsonl")
