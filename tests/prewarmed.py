@@ -10,10 +10,10 @@ command's, and imports the project itself (nothing of pipeline/, data_prep/, lau
 server), so a command sees the code and environment a fresh ``python`` would.
 
 What a fresh process would do that a child does not: print the import-time lines of torch and DeepSpeed (DeepSpeed's
-"Setting accelerator to CPU" warning, on stdout, is printed by the server, once, into /dev/null). The child runs under the caller's
+"Setting accelerator to CPU" warning goes to the server's stdout, /dev/null). The child runs under the caller's
 os.environ. The server's imports read the environment it started with, so a command run after os.environ changed
 (PYTEST_CURRENT_TEST aside: pytest sets it for every test) starts a new server first, and one with its own ``env``
-runs as a plain subprocess.
+runs as a plain subprocess. The child's exit is waited for with a pidfd (Linux 5.3), else by polling.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 
 SERVER = r"""
-import atexit, json, os, runpy, select, signal, sys, threading, traceback
+import atexit, json, os, runpy, select, signal, sys, threading, time, traceback
 reply = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # no print of the server (DeepSpeed logs to stdout) in the replies
 import numpy, torch, torch.nn.attention.varlen, deepspeed, yaml, safetensors.torch, transformers  # noqa: E401,F401
@@ -69,18 +69,33 @@ def child(req):
         os._exit(code)
 
 
+def exited(pid, timeout):
+    # whether child pid exits within timeout seconds (left unreaped for waitpid)
+    try:
+        fd = os.pidfd_open(pid)  # readable once the child has exited (Linux 5.3)
+    except (AttributeError, OSError):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+            time.sleep(0.005)
+        return False
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
 for line in sys.stdin:
     req = json.loads(line)
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         child(req)
-    fd = os.pidfd_open(pid)  # readable when the child has exited (Linux 5.3)
-    timed_out = not select.select([fd], [], [], req["timeout"])[0]
+    timed_out = not exited(pid, req["timeout"])
     if timed_out:
         os.killpg(pid, signal.SIGKILL)
     status = os.waitpid(pid, 0)[1]
-    os.close(fd)
     reply.write(json.dumps({"rc": os.waitstatus_to_exitcode(status), "timed_out": timed_out}) + "\n")
     reply.flush()
 """
