@@ -27,7 +27,7 @@ import threading
 from pathlib import Path
 
 SERVER = r"""
-import atexit, json, os, runpy, select, signal, sys, threading, time, traceback
+import atexit, ctypes, json, os, runpy, select, signal, sys, threading, time, traceback
 reply = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # no print of the server (DeepSpeed logs to stdout) in the replies
 import numpy, torch, torch.nn.attention.varlen, deepspeed, yaml, safetensors.torch, transformers  # noqa: E401,F401
@@ -39,6 +39,7 @@ def child(req):
     os.environ.clear()
     os.environ.update(req["env"])
     os.setpgid(0, 0)  # its own process group: a timeout kills whatever it started too
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with a server killed mid-command
     os.chdir(req["cwd"])
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, req["stdout"], os.O_WRONLY),
                             (2, req["stderr"], os.O_WRONLY)):
@@ -124,9 +125,15 @@ class _Server:
             out.touch()
             err.touch()
             proc = self.start()
-            proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "stdout": str(out), "stderr": str(err),
-                                         "timeout": timeout, "env": dict(os.environ)}) + "\n")
-            reply = proc.stdout.readline()
+            try:
+                proc.stdin.write(json.dumps({"argv": argv, "cwd": str(cwd), "stdout": str(out), "stderr": str(err),
+                                             "timeout": timeout, "env": dict(os.environ)}) + "\n")
+                reply = proc.stdout.readline()
+            except BaseException:  # interrupted (a pytest timeout, ctrl-c): its late reply must not answer the next
+                proc.kill()
+                proc.wait()
+                self.proc = None
+                raise
             if not reply:
                 raise RuntimeError(f"tests/prewarmed.py: the server exited ({proc.wait()}) running {argv}")
             r = json.loads(reply)
