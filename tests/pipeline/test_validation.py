@@ -10,6 +10,7 @@ import pytest
 from conftest import (REPO, SAMPLE_FASTA, TINY, launch_and_kill, mlflow_runs, mlflow_store, read_jsonl, run_launch,
                       run_pretrain, run_torchrun, torchrun_pretrain)
 from golden.cases import CASES, REL
+from prewarmed import run_python
 
 DEPTHS = [1, 2, 4]
 # 208 validation sequences in batches of 16: 13 batches, so rank 1 of 2 runs one lockstep pass it does not count.
@@ -39,9 +40,8 @@ def evaluate_cli(checkpoint, data, out, *extra) -> dict:
     """launchers/evaluate.py --task validation in its own process: {metric: value} from its JSON (``out``)."""
     import json
 
-    r = subprocess.run([sys.executable, "launchers/evaluate.py", "--checkpoint", str(checkpoint), "--task",
-                        "validation", "--data", str(data), "--trust-checkpoint", "--no-mlflow", "--output", str(out),
-                        *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = run_python(["launchers/evaluate.py", "--checkpoint", str(checkpoint), "--task", "validation", "--data",
+                    str(data), "--trust-checkpoint", "--no-mlflow", "--output", str(out), *extra], REPO, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(out.read_text())["metrics"]
 
@@ -187,7 +187,7 @@ def test_each_family_validates_as_evaluate_does(family, tmp_path):
     config, ds, over = CASES[case]
     split = make_split(tmp_path)
     run, val_dir = tmp_path / "run", split / "val"  # val/ is found beside train/
-    r = run_pretrain(2, ds, [*over, f"run_dir={run}", f"data.train_shards={split / 'train'}", "train.max_steps=6",
+    r = run_torchrun(2, ds, [*over, f"run_dir={run}", f"data.train_shards={split / 'train'}", "train.max_steps=6",
                              "train.log_every=1", "eval.every=2", "eval.batch_size=8", f"eval.max_samples={limit}",
                              "checkpoint.every_steps=6", "tracking.enabled=false"], ["--config", config])
     assert r.returncode == 0, r.stderr[-3000:]
