@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .common import LOWERCASE
 from .fasta import GZIP_ERRORS, GZIP_MAGIC, FastaError, Record, iter_fasta_text, open_input, track_position
 from .sources import parse_uniref_header
 
@@ -33,14 +34,14 @@ json_string = json.encoder.encode_basestring_ascii  # what json.dumps uses for s
 
 @dataclass
 class Chunk:
-    """Whole records of one input. Record j: header line ``line(j)``, id ``ids[j]``, sequence (as written, line
-    breaks removed) ``seq[bounds[j]:bounds[j + 1]]``, its tokens at the same positions of ``tokens``; ``tails[j]`` the JSON text of its meta after ``"length":N``
+    """Whole records of one input. Record j: header line ``line(j)``, id ``ids[j]``, tokens
+    ``tokens[bounds[j]:bounds[j + 1]]`` (its sequence as written, line breaks removed, tokenized); ``tails[j]`` the JSON text of its meta after ``"length":N``
     (``,"description":...}`` or the UniRef fields), or None when ``metas[j]`` holds the meta dict instead; records
     in ``slow`` (position -> Record from iter_fasta_text, or the FastaError it raised) are for the per-record path and their entries here are
     placeholders (empty sequence)."""
     ids: list
-    seq: bytes
-    tokens: bytes  # seq tokenized (upper-cased residues' ids; 0xff at bytes outside the alphabet)
+    seq_text: bytes  # the records' sequence lines one after the other, line breaks kept
+    tokens: bytes  # seq_text without line breaks, tokenized (upper-cased residues' ids; 0xff outside the alphabet)
     bounds: np.ndarray  # int64 [n + 1]
     tails: list
     metas: dict
@@ -54,6 +55,20 @@ class Chunk:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def lowercase_cum(self) -> np.ndarray | None:
+        """[len(tokens) + 1] int64: lowercase residues before each position of ``tokens`` (soft-masked residues,
+        counted per record as cum[bounds[j + 1]] - cum[bounds[j]]); None when there is none (one SIMD max over the
+        text first: no byte >= 'a', no lowercase; a line break is below 'a')."""
+        text = np.frombuffer(self.seq_text, np.uint8)
+        if not len(text) or int(text.max()) < ord("a"):
+            return None
+        lower = LOWERCASE[np.frombuffer(self.seq_text.replace(b"\n", b""), np.uint8)]
+        if not lower.any():
+            return None
+        cum = np.zeros(len(lower) + 1, np.int64)
+        np.cumsum(lower, out=cum[1:])
+        return cum
 
     def line(self, j: int) -> int:
         """1-based line number of record j's header."""
@@ -340,19 +355,21 @@ class Reader:
                          total)
         hs, he, se = header_starts.tolist(), ends.tolist(), nexts.tolist()
         heads = b"\n".join([text[a + 1:b] for a, b in zip(hs, he)]).decode("utf-8", "backslashreplace").split("\n")
-        seq = b"".join([text[b + 1:c] for b, c in zip(he, se)]).replace(b"\n", b"")
+        seq_text = b"".join([text[b + 1:c] for b, c in zip(he, se)])
         # sequence length: its text's bytes less its newlines (those from the header's end to the record's end)
         breaks = np.searchsorted(nl, nexts) - at - (ends < size)
         lengths = np.maximum(nexts - ends - 1, 0) - breaks
-        tokens = seq.translate(self._tokens)  # one pass: validation and tokenization
+        # one pass: line breaks dropped, validation and tokenization (half the time of a replace, then translate)
+        tokens = seq_text.translate(self._tokens, b"\n")
         bounds = np.zeros(n + 1, np.int64)
         np.cumsum(lengths, out=bounds[1:])
-        if bounds[-1] != len(seq):  # cannot happen: the lengths add up to the joined sequences
-            raise FastaError(f"{self.path}:{first_line}: batch parse found {bounds[-1]} residues, joined {len(seq)}")
+        if bounds[-1] != len(tokens):  # cannot happen: the lengths add up to the joined sequences
+            raise FastaError(f"{self.path}:{first_line}: batch parse found {bounds[-1]} residues, joined "
+                             f"{len(tokens)}")
         slow: dict[int, Record] = {}
         bad_seq = None
         if b"\xff" in tokens:  # some record holds a byte outside the alphabet (or a blank)
-            cum = np.zeros(len(seq) + 1, np.int64)
+            cum = np.zeros(len(tokens) + 1, np.int64)
             np.cumsum(np.frombuffer(tokens, np.uint8) == 255, out=cum[1:])
             bad_seq = np.flatnonzero(cum[bounds[1:]] != cum[bounds[:-1]]).tolist()
         split = [h.split(None, 1) for h in heads]
@@ -374,7 +391,7 @@ class Reader:
                 slow[j] = None
         for j in bad_seq or ():
             slow[j] = None
-        chunk = Chunk(ids, seq, tokens, bounds, tails, metas, slow, text, first_line, header_starts, index, total)
+        chunk = Chunk(ids, seq_text, tokens, bounds, tails, metas, slow, text, first_line, header_starts, index, total)
         for j in sorted(slow):
             end = text.find(b"\n>", int(header_starts[j])) + 1 or len(text)  # the next record's '>'
 

@@ -378,12 +378,7 @@ class SequenceBuild:
         ``record``)."""
         n = len(chunk)
         tokens_all = np.frombuffer(chunk.tokens, np.uint8)
-        lower_cum = None
-        # soft-masked residues, counted per kept record (no byte >= 'a': no lowercase; one SIMD pass, unlike isupper)
-        seq_bytes = np.frombuffer(chunk.seq, np.uint8)
-        if len(seq_bytes) and int(seq_bytes.max()) >= ord("a") and LOWERCASE[seq_bytes].any():
-            lower_cum = np.zeros(len(chunk.seq) + 1, np.int64)
-            np.cumsum(LOWERCASE[np.frombuffer(chunk.seq, np.uint8)], out=lower_cum[1:])
+        lower_cum = chunk.lowercase_cum()  # soft-masked residues, counted per kept record
         read = 0
         prev = 0
         for j in list(chunk.slow) + [n]:

@@ -234,10 +234,8 @@ class Outcomes:
         rows["ntok"] = ntok
         newlines = np.flatnonzero(np.frombuffer(chunk.text, np.uint8) == 10)
         rows["line"] = chunk.first_line + np.searchsorted(newlines, chunk.header_starts)
-        seq = np.frombuffer(chunk.seq, np.uint8)
-        if len(seq) and int(seq.max()) >= ord("a"):  # soft-masked residues, counted per record
-            cum = np.zeros(len(seq) + 1, np.int64)
-            np.cumsum(LOWERCASE[seq], out=cum[1:])
+        cum = chunk.lowercase_cum()
+        if cum is not None:  # soft-masked residues, counted per record
             rows["lower"] = cum[bounds[1:]] - cum[bounds[:-1]]
         starts = bounds[:-1].copy()  # of each record's payload in tokens + aux
         aux, at = [], len(chunk.tokens)
