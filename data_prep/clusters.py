@@ -278,9 +278,11 @@ def _member(cmap: ClusterMap, slot: int) -> str:
 
 
 def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict, source=None,
-          progress: tuple = ("auto", 60.0)) -> tuple[dict, int]:
+          progress: tuple = ("auto", 60.0), feed=None) -> tuple[dict, int]:
     """Read the member FASTA files, then write this job's clusters in TSV order; returns ({"": manifest}, FASTA
     records). ``splits``: data_prep.workdir.open_splits (one, ""; --val-fraction is refused with --clusters).
+    ``feed``: a fed --workers job (data_prep/workers.py) reads only the chunks its parent deals it into the shared
+    spill, then waits until every worker has (``Feed.wait_for_peers``) and joins them all.
 
     Filtered and counted (nothing is dropped silently), each member and cluster not written also listed in
     ``filtered.tsv`` (id, reason, input, line, detail naming the cluster):
@@ -310,8 +312,10 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
     invalid_chars: Counter = Counter()
     try:
         outcomes = Outcomes(encoder, s, cmap.spill)
-        counts = read_fasta(outcomes, encoder, inputs, source, progress)
-        records = outcomes.records
+        counts = read_fasta(outcomes, encoder, inputs, source, progress, feed)
+        if feed is not None:
+            feed.wait_for_peers()
+        records = sum(c["records"] for c in counts)
         got = join(cmap, counts, damage, invalid_chars, replaced_stats)
         # the error a reader in FASTA order meets first: a member --strict refuses, or a member's second record
         if got.strict and not (got.repeat and got.repeat[0] < got.strict[0]):

@@ -19,10 +19,25 @@ class Feed:
     first record within the input, compressed bytes read so far), then ("end", path, records of the input, chunks
     cut so far) to every worker; ("abort",) stops it. ``rank``: where an error of this worker falls in the input
     order (the chunk being handled; between chunks after an input's end), so that the parent reports the error a
-    single process would have met first."""
+    single process would have met first.
 
-    def __init__(self, queue, failed):
+    --clusters: ``spill``, the folder of bucket files that the parent made for all its workers
+    (data_prep/join.py ``Spill``); ``scanned``, an Event this worker sets once its chunks are in it
+    (``wait_for_peers``), after which the parent sends ("go",) to every worker, when all have set theirs."""
+
+    def __init__(self, queue, failed, scanned=None, spill: str | None = None):
         self.queue, self.failed, self.rank = queue, failed, -1.0  # failed: an Event every worker sets on an error
+        self.scanned, self.spill = scanned, spill
+
+    def wait_for_peers(self) -> None:
+        """Tell the parent that this worker's records are in the spill and wait until every worker's are: each
+        worker's join needs all of them. Raises Aborted when the parent stops the run instead."""
+        self.scanned.set()
+        msg = self.queue.get()
+        if msg[0] == "abort":
+            raise Aborted()
+        if msg[0] != "go":  # cannot happen: the parent sends chunks only before the inputs' ends
+            raise RuntimeError(f"--workers: expected the parent's go, got {msg[0]!r}")
 
     def texts(self, path: Path) -> FedInput:
         return FedInput(self, str(path))

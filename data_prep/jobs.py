@@ -104,7 +104,8 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
             raise PrepError(f"{clusters} is given both as --input and as --clusters")
         # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind. The spill (the
         # bucket files of join.py, under $TMPDIR) is removed however the job ends.
-        spill = Spill(bucket_count(inputs))
+        spill = Spill(bucket_count(inputs)) if feed is None else \
+            Spill(bucket_count(inputs), feed.spill, settings.job_index, settings.num_jobs)
         try:
             cmap = load_clusters(clusters, spill, settings.num_jobs, settings.job_index, progress)
         except BaseException:
@@ -113,7 +114,7 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
 
         def build(work: WorkDir):
             return build_clusters(encoder, inputs, cmap, settings, open_splits(work, settings, encoder, "clusters"),
-                                  source, progress)
+                                  source, progress, feed)
         work_fingerprint = fingerprint(source, encoder, inputs, settings, None, clusters)
     else:
         member_map = None

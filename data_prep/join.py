@@ -60,7 +60,8 @@ KEPT, FILTERED, REPLACED, STRICT = 0, 1, 2, 3
 
 
 def keys(ids: list[str], prefix: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """(k1, k2) uint64 of each id: two hashes of this process (the spill never outlives it)."""
+    """(k1, k2) uint64 of each id: two hashes of this process (the spill never outlives it; the workers of a fed
+    --workers run are forked from one process, so they share its hash seed and each other's keys)."""
     if prefix:
         ids = [prefix + i for i in ids]
     k1 = np.fromiter(map(hash, ids), np.int64, len(ids)).view(np.uint64)
@@ -74,11 +75,15 @@ def bucket_count(paths: list[Path]) -> int:
 
 
 class Spill:
-    """The job's temporary folder of bucket files (under $TMPDIR), removed by ``remove``."""
+    """The job's temporary folder of bucket files (under $TMPDIR), removed by ``remove``. ``shared``: in a fed
+    --workers run (data_prep/workers.py), the folder its parent made for all ``jobs`` workers and removes at the
+    end: each job's files are named by its ``job`` index, and every job joins the FASTA buckets of all of them
+    (each worker read only the chunks its parent dealt it)."""
 
-    def __init__(self, buckets: int):
-        self.path = Path(tempfile.mkdtemp(prefix="data_prep-clusters-"))
-        self.buckets = buckets
+    def __init__(self, buckets: int, shared: Path | None = None, job: int = 0, jobs: int = 1):
+        self.shared = shared is not None
+        self.path = Path(shared) if self.shared else Path(tempfile.mkdtemp(prefix="data_prep-clusters-"))
+        self.buckets, self.job, self.jobs = buckets, job, jobs
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         need = buckets + 256  # one bucket set open at a time, and the job's own files
         if soft != resource.RLIM_INFINITY and soft < need:
@@ -87,11 +92,23 @@ class Spill:
                                 f"{hard} (ulimit -n); raise it")
             resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
-    def files(self, name: str) -> list[Path]:
-        return [self.path / f"{name}-{b:05d}.bin" for b in range(self.buckets)]
+    def files(self, name: str, job: int | None = None) -> list[Path]:
+        """This job's (or ``job``'s) bucket files of kind ``name``, one per bucket."""
+        tag = f"-j{self.job if job is None else job:04d}" if self.shared else ""
+        return [self.path / f"{name}{tag}-{b:05d}.bin" for b in range(self.buckets)]
+
+    def fasta_buckets(self) -> list[list[Path]]:
+        """Per bucket, the FASTA bucket files the join reads: this job's, or in a shared folder every job's."""
+        jobs = range(self.jobs) if self.shared else [None]
+        return [list(paths) for paths in zip(*(self.files("fasta", k) for k in jobs))]
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        if not self.shared:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        for name in ("tsv", "slot"):  # the FASTA buckets stay: the other workers may still be joining them
+            for p in self.files(name):
+                p.unlink(missing_ok=True)
 
 
 class BlockWriter:
@@ -146,6 +163,16 @@ def gather(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray, group: int =
     return out
 
 
+def read_bucket(paths: list[Path], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """read_blocks of several files, one after the other (the data of each row found by its start as before)."""
+    if len(paths) == 1:
+        return read_blocks(paths[0], dtype)
+    parts = [read_blocks(p, dtype) for p in paths]
+    offsets = np.cumsum([0] + [len(data) for _, data, _ in parts[:-1]])
+    return (np.concatenate([rows for rows, _, _ in parts]), np.concatenate([data for _, data, _ in parts]),
+            np.concatenate([starts + o for (_, _, starts), o in zip(parts, offsets.tolist())]))
+
+
 def read_blocks(path: Path, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rows, data, start of each row's data) of one bucket file."""
     raw = np.fromfile(path, np.uint8)
@@ -176,8 +203,8 @@ class Outcomes:
         self.encoder, self.s, self.spill = encoder, settings, spill
         self.short, self.long = f"shorter_than_{settings.min_length}", f"longer_than_{settings.max_length}"
         self.out = BlockWriter(spill.files("fasta"))
-        self.records = 0  # global record number
-        self.first_record: str | None = None
+        self.records = 0  # records read by this process
+        self.first_record: str | None = None  # the first of them (a fed worker's: its first chunk's)
 
     def record(self, rec: Record, path: Path, n_input: int) -> tuple[int, bytes, bytes, int]:
         """(status, tokens, extra JSON, lowercase residues) of one record read on the per-record path."""
@@ -212,8 +239,9 @@ class Outcomes:
             return json.dumps([self.long, f"{n} residues", None, None]).encode()
         return None
 
-    def records_of(self, recs: list[Record], path: Path, n_input: int) -> None:
-        """Records read one by one (an input the batch reader does not take, or a chunk it hands over whole)."""
+    def records_of(self, recs: list[Record], path: Path, n_input: int, first: int) -> None:
+        """Records read one by one (an input the batch reader does not take, or a chunk it hands over whole), the
+        first of them global record ``first``."""
         rows = np.zeros(len(recs), FASTA_ROW)
         parts = []
         for k, rec in enumerate(recs):
@@ -222,7 +250,8 @@ class Outcomes:
                 status, len(tokens), len(extra), lower
             rows[k]["line"] = rec.line
             parts += [tokens, extra]
-        self._write(rows, [r.id for r in recs], np.frombuffer(b"".join(parts), np.uint8), n_input)
+        self._write(rows, [r.id for r in recs], np.frombuffer(b"".join(parts), np.uint8), n_input,
+                    np.arange(first, first + len(recs)))
 
     def chunk(self, chunk: Chunk, path: Path, n_input: int) -> None:
         """A batch-reader chunk: its records' outcomes with a few numpy operations; the records it hands over
@@ -260,44 +289,51 @@ class Outcomes:
         data = np.frombuffer(chunk.tokens + b"".join(aux), np.uint8)
         if special:  # payloads in record order (the records' tokens in place, the others' from aux)
             data = gather(data, starts, (rows["ntok"] + rows["nextra"]).astype(np.int64))
-        self._write(rows, chunk.ids, data, n_input)
+        self._write(rows, chunk.ids, data, n_input, chunk.index)
 
-    def _write(self, rows: np.ndarray, ids: list[str], data: np.ndarray, n_input: int) -> None:
+    def _write(self, rows: np.ndarray, ids: list[str], data: np.ndarray, n_input: int, rec: np.ndarray) -> None:
         if not len(rows):
             return
         if self.first_record is None:
             self.first_record = ids[0]
         rows["k1"], rows["k2"] = keys(ids)
-        rows["rec"] = np.arange(self.records, self.records + len(rows))
+        rows["rec"] = rec
         rows["input"] = n_input
         self.records += len(rows)
         self.out.write(rows, data, rows["k2"] % self.spill.buckets, (rows["ntok"] + rows["nextra"]).astype(np.int64))
 
 
-def read_fasta(outcomes: Outcomes, encoder, inputs: list[Path], source, progress: tuple) -> list[dict]:
-    """Pass 2: every record of the member FASTA files into the spill; returns each input's counts."""
+def read_fasta(outcomes: Outcomes, encoder, inputs: list[Path], source, progress: tuple, feed=None) -> list[dict]:
+    """Pass 2: every record of the member FASTA files into the spill (``feed``, a fed --workers job: the chunks
+    its parent dealt it, each input starting with a header); returns each input's counts."""
 
     batch = BatchReader(source, encoder, Context(encoder.invalid_positions))
     sizes = [p.stat().st_size for p in inputs]
     counts = []
+    first = 0  # global record number of the input's first record
     try:
         with Progress(f"{source.name} members", sum(sizes), *progress) as bar:
             for n_input, path in enumerate(inputs):
-                first = outcomes.records
-                if starts_with_header(path):
-                    texts = Reader(path, batch.tokens, batch.check, None, first_index=first)  # ids, no meta
+                if feed is not None or starts_with_header(path):  # ids, no meta
+                    texts = Reader(path, batch.tokens, batch.check, None, first_index=first,
+                                   texts=None if feed is None else feed.texts(path))
                 else:  # a BOM, blank lines first: record by record, in batches
                     texts = _batches(iter_fasta(path, batch.check, on_invalid="yield"))
+                end = first
                 for part in texts:
                     if isinstance(part, Chunk):
                         outcomes.chunk(part, path, n_input)
-                    else:
-                        outcomes.records_of(part, path, n_input)
+                    else:  # a batch, or a chunk the Reader read record by record (starting at its ``start``)
+                        outcomes.records_of(part, path, n_input, texts.start if isinstance(texts, Reader) else end)
+                        end += len(part)
                     bar.update(sum(sizes[:n_input]) + input_position(path), records=outcomes.records)
-                if outcomes.records == first:
+                if isinstance(texts, Reader):
+                    end = texts.index  # after the input's last record (fed: as the parent counted them)
+                if end == first:
                     raise PrepError(f"{path}: no records in this input (empty after decompression?)")
-                counts.append({"path": str(path), **input_fingerprint(path), "records": outcomes.records - first,
+                counts.append({"path": str(path), **input_fingerprint(path), "records": end - first,
                                "members": 0, "kept": 0, "residues": 0})
+                first = end
             bar.update(sum(sizes), records=outcomes.records)
     finally:
         outcomes.out.close()
@@ -334,10 +370,10 @@ def join(cmap, counts: list[dict], damage: DamageCheck, invalid_chars: Counter,
     examples: list[tuple[int, str]] = []  # the damaged members first in FASTA order (a heap of -record, error)
     per_input = np.zeros((3, len(counts)), np.int64)  # members, kept, residues
     try:
-        for tsv_file, fasta_file in zip(spill.files("tsv"), spill.files("fasta")):
+        for tsv_file, fasta_files in zip(spill.files("tsv"), spill.fasta_buckets()):
             t = read_blocks(tsv_file, TSV_ROW)[0]
             t = t[t["slot"] >= 0]
-            rows, data, starts = read_blocks(fasta_file, FASTA_ROW)
+            rows, data, starts = read_bucket(fasta_files, FASTA_ROW)
             if not len(t) or not len(rows):
                 continue
             order = np.lexsort((rows["rec"], rows["k1"]))

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -33,9 +34,27 @@ from .settings import Result, Settings
 
 def _fed(source: Source, settings: Settings, kwargs: dict, inputs: list[Path]) -> bool:
     """Whether a --workers run is fed by the parent: the jobs would take the batch reader (build.batch_reader) and
-    some input is gzip (plain inputs are split into byte ranges that each job reads itself, batch.byte_ranges)."""
-    return (batch_source(source, settings, kwargs.get("members")) and kwargs.get("clusters") is None
-            and any(p.is_file() and batch.is_gzip(p) for p in inputs))
+    some input is gzip (plain inputs are split into byte ranges that each job reads itself, batch.byte_ranges);
+    with --clusters, whenever every input starts with a header (the member FASTA read once, whatever its
+    compression; its records then meet in the workers' shared spill)."""
+    if not batch_source(source, settings, kwargs.get("members")) or not all(p.is_file() for p in inputs):
+        return False
+    if kwargs.get("clusters") is not None:
+        try:
+            return all(batch.starts_with_header(p) for p in inputs)
+        except (OSError, *batch.GZIP_ERRORS):  # a damaged input: the workers report it as one job would
+            return False
+    return any(batch.is_gzip(p) for p in inputs)
+
+
+def _release_peers(feeds: list, procs: list, failed) -> None:
+    """--clusters, after the last chunk: wait until every worker has read its chunks into the shared spill, then
+    let each join them all. Raises Aborted when a worker has failed or ended meanwhile (none ends before "go")."""
+    while not all(f.scanned.is_set() for f in feeds):
+        if failed.wait(0.01) or any(p.exitcode is not None for p in procs):
+            raise Aborted()
+    for f in feeds:
+        f.queue.put(("go",))
 
 
 def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
@@ -143,9 +162,11 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
     into ``DIR.workers-partial``, merged (``merge``) and renamed to ``DIR``: the output is the merged shard directory
     of the N jobs (their shards ``SOURCE-jKKKK-*.tar`` and job manifests beside the merged manifest.json).
 
-    Fed (FASTA sources on the batch reader: no --dedup, --window, --uniref90-members, --clusters): this process
+    Fed (FASTA sources on the batch reader: no --dedup, --window, --uniref90-members; see ``_fed``): this process
     decompresses each input once and deals its chunks of whole records (batch.CHUNK bytes) round-robin to the
-    workers (bounded queues, ``Feed``), which parse, filter, tokenize and write them. The records (keys = global
+    workers (bounded queues, ``Feed``), which parse, filter, tokenize and write them. With --clusters the workers
+    parse their chunks into one spill folder made here, wait until all have (``_release_peers``), and each joins
+    its clusters' members against all of it (data_prep/join.py). The records (keys = global
     record indices, tokens, meta), filter counts and statistics are those of a 1-process run; the merged manifest
     lists job 0's shards (chunks 0, N, 2N, ...) then job 1's, and so on, so the sample order is fixed by N and
     batch.CHUNK; filtered.tsv holds the same rows, grouped the same way. A bad input is reported as the error a
@@ -187,7 +208,9 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
     paths = source.expand(paths) if source.expand is not None else paths
     fed = _fed(source, settings, kwargs, paths)
     stop = ctx.Event()
-    feeds = [Feed(ctx.Queue(FEED_DEPTH), stop) for _ in range(workers)] if fed else [None] * workers
+    spill = tempfile.mkdtemp(prefix="data_prep-clusters-") if fed and kwargs.get("clusters") is not None else None
+    feeds = [Feed(ctx.Queue(FEED_DEPTH), stop, ctx.Event(), spill) for _ in range(workers)] if fed else \
+        [None] * workers
     procs = []
     for k in range(workers):
         job = dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging,
@@ -201,8 +224,9 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
             p.start()
         if fed:
             try:
-                if all(p.is_file() for p in paths):  # else the workers report it, before they read
-                    _feed_inputs(paths, [f.queue for f in feeds], procs, stop)
+                _feed_inputs(paths, [f.queue for f in feeds], procs, stop)
+                if spill is not None:
+                    _release_peers(feeds, procs, stop)
             except (Aborted, FastaError, OSError) as e:
                 if not isinstance(e, Aborted):
                     reader_error = str(e)
@@ -228,6 +252,8 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
         raise
     finally:
         gc.unfreeze()
+        if spill is not None:
+            shutil.rmtree(spill, ignore_errors=True)
     reports = []
     while not queue.empty():
         reports.append(queue.get())

@@ -4,12 +4,15 @@ hash buckets, data_prep/join.py). The reference is the one-job run of the same c
 must hold the same records (keys, tokens, meta), the same manifest counts and the same filtered.tsv rows."""
 import gzip
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from data_prep import batch, join
+from data_prep import feed as feed_module
 from data_prep.__main__ import main
 from pipeline.data.shard_reader import read_clusters, read_shard
 
@@ -255,3 +258,117 @@ def test_cluster_join_tells_ids_apart_by_the_second_key(cluster_inputs, tmp_path
     monkeypatch.setattr(clusters_module, "keys", colliding)
     assert run(*args, "--output", tmp_path / "collide") == 0
     assert content(tmp_path / "collide", "clusters") == content(tmp_path / "one", "clusters")
+
+
+def cluster_workers_run(args: list, out: Path, workers: int, monkeypatch, log: Path) -> int:
+    """``args --workers N`` with chunks of 2 KB (the members' FASTA spread over every worker), each worker logging
+    (pid, records) of every chunk it parsed into ``log``."""
+    real = join.Outcomes.chunk
+
+    def logged(self, chunk, path, n_input):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {len(chunk)}\n")
+        return real(self, chunk, path, n_input)
+    with monkeypatch.context() as mp:
+        mp.setattr(batch, "CHUNK", 2048)
+        mp.setattr(join.Outcomes, "chunk", logged)
+        return run(*args, "--output", out, "--workers", workers)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_cluster_workers_read_the_members_once_and_join_them_all(cluster_inputs, tmp_path, monkeypatch, workers):
+    """--workers N with --clusters: the parent deals the member FASTA's chunks out, each worker parses only its
+    own into the spill they share, and every worker joins all of them: each record is read by one worker, and the
+    clusters, counts and rows are the one job's. The shared spill is gone afterwards."""
+    fasta, tsv = cluster_inputs
+    args = ["uniref", "--input", fasta, "--clusters", tsv, "--min-length", 30, "--max-filtered-fraction", 1,
+            "--shard-size", 60]
+    assert run(*args, "--output", tmp_path / "one") == 0
+    one = content(tmp_path / "one", "clusters", ordered=False)
+    spills = tmp_path / "tmp"
+    spills.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spills))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    log = tmp_path / "chunks.log"
+    assert cluster_workers_run(args, tmp_path / "workers", workers, monkeypatch, log) == 0
+    assert content(tmp_path / "workers", "clusters", ordered=False) == one
+    per_worker: dict = {}
+    for line in log.read_text().splitlines():
+        pid, n = map(int, line.split())
+        per_worker[pid] = per_worker.get(pid, 0) + n
+    assert len(per_worker) == workers and sum(per_worker.values()) == one[1]["stats"]["fasta_records"]
+    assert list(spills.iterdir()) == []
+
+
+def test_a_bad_member_record_stops_every_cluster_worker(cluster_inputs, tmp_path, monkeypatch, capsys):
+    """A header without a record id in the middle of the members' FASTA: the worker that parses it fails, the
+    others (still reading, or waiting for their peers) are stopped, and the run ends with the one error line of a
+    single process, nothing written and no spill left."""
+    fasta, tsv = cluster_inputs
+    text = fasta.read_text()
+    cut = text.index("\n>", len(text) // 2) + 1
+    bad = tmp_path / "bad.fa"
+    bad.write_text(text[:cut] + ">\nMKV\n" + text[cut:])
+    args = ["uniref", "--input", bad, "--clusters", tsv, "--max-filtered-fraction", 1]
+    assert run(*args, "--output", tmp_path / "one") == 1
+    want = capsys.readouterr().err
+    assert f"{bad}:" in want and "header has no record id" in want, want
+    spills = tmp_path / "tmp"
+    spills.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spills))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    assert cluster_workers_run(args, tmp_path / "workers", 3, monkeypatch, tmp_path / "chunks.log") == 1
+    assert capsys.readouterr().err == want
+    assert not (tmp_path / "workers").exists() and not (tmp_path / "workers.workers-partial").exists()
+    assert list(spills.iterdir()) == []
+
+
+def test_a_cluster_worker_killed_while_waiting_for_its_peers_stops_the_run(cluster_inputs, tmp_path,
+                                                                              monkeypatch, capsys):
+    """The first worker to finish reading dies (SIGKILL) before the others have: the parent stops them instead of
+    leaving them waiting for a peer that never comes, and names the dead worker."""
+    fasta, tsv = cluster_inputs
+    marker = tmp_path / "killed"
+    real = feed_module.Feed.wait_for_peers
+
+    def die_first(self):
+        try:
+            marker.touch(exist_ok=False)
+        except FileExistsError:
+            return real(self)
+        os.kill(os.getpid(), signal.SIGKILL)
+    monkeypatch.setattr(feed_module.Feed, "wait_for_peers", die_first)
+    args = ["uniref", "--input", fasta, "--clusters", tsv, "--max-filtered-fraction", 1]
+    assert cluster_workers_run(args, tmp_path / "workers", 2, monkeypatch, tmp_path / "chunks.log") == 1
+    err = capsys.readouterr().err
+    assert marker.exists() and "exited with status -9" in err, err
+    assert not (tmp_path / "workers").exists()
+
+
+def test_cluster_workers_number_the_records_as_one_reader(cluster_inputs, tmp_path, monkeypatch, capsys):
+    """A member's record twice in the FASTA, the first copy closing worker 0's first chunk and the second opening
+    worker 1's: the error names the second copy's line, as a single process does. Each worker numbers its records
+    by their place in the whole input (the parent's count), not by its own count, under which worker 1's copy
+    would come first."""
+    fasta, tsv = cluster_inputs
+    recs = [">" + r for r in fasta.read_text().split("\n>")]
+    recs[0] = recs[0][1:]
+    recs = [r if r.endswith("\n") else r + "\n" for r in recs]
+    monkeypatch.setattr(batch, "CHUNK", 2048)
+
+    def layout(records: list) -> list:  # records per chunk of batch.chunks
+        path = tmp_path / "dup.fa"
+        path.write_text("".join(records))
+        return [t.count(b"\n>") + 1 for t, _ in batch.chunks(path, batch.CHUNK)]
+    first = layout(recs)[0]
+    dup = recs[:first - 1] + [recs[first]] + recs[first:]  # chunk 0's last record: a copy of chunk 1's first
+    assert layout(dup)[0] == first  # the copy is still the last record of chunk 0
+    rid = recs[first][1:].split()[0]
+    assert rid in tsv.read_text()
+    args = ["uniref", "--input", tmp_path / "dup.fa", "--clusters", tsv, "--max-filtered-fraction", 1]
+    assert run(*args, "--output", tmp_path / "one") == 1
+    want = capsys.readouterr().err
+    line = 1 + "".join(dup[:first]).count("\n")  # the second copy's header line
+    assert f"dup.fa:{line}: record {rid} appears a second time" in want, want
+    assert cluster_workers_run(args, tmp_path / "workers", 2, monkeypatch, tmp_path / "chunks.log") == 1
+    assert capsys.readouterr().err == want
