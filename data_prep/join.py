@@ -324,8 +324,9 @@ def read_fasta(outcomes: Outcomes, encoder, inputs: list[Path], source, progress
                     if isinstance(part, Chunk):
                         outcomes.chunk(part, path, n_input)
                     else:  # a batch, or a chunk the Reader read record by record (starting at its ``start``)
-                        outcomes.records_of(part, path, n_input, texts.start if isinstance(texts, Reader) else end)
-                        end += len(part)
+                        at = texts.start if isinstance(texts, Reader) else end
+                        outcomes.records_of(part, path, n_input, at)
+                        end = at + len(part)
                     bar.update(sum(sizes[:n_input]) + input_position(path), records=outcomes.records)
                 if isinstance(texts, Reader):
                     end = texts.index  # after the input's last record (fed: as the parent counted them)

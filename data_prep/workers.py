@@ -209,8 +209,8 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
     fed = _fed(source, settings, kwargs, paths)
     stop = ctx.Event()
     spill = tempfile.mkdtemp(prefix="data_prep-clusters-") if fed and kwargs.get("clusters") is not None else None
-    feeds = [Feed(ctx.Queue(FEED_DEPTH), stop, ctx.Event(), spill) for _ in range(workers)] if fed else \
-        [None] * workers
+    feeds = [Feed(ctx.Queue(FEED_DEPTH), stop, ctx.Event() if spill else None, spill) for _ in range(workers)] \
+        if fed else [None] * workers
     procs = []
     for k in range(workers):
         job = dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging,

@@ -372,3 +372,52 @@ def test_cluster_workers_number_the_records_as_one_reader(cluster_inputs, tmp_pa
     assert f"dup.fa:{line}: record {rid} appears a second time" in want, want
     assert cluster_workers_run(args, tmp_path / "workers", 2, monkeypatch, tmp_path / "chunks.log") == 1
     assert capsys.readouterr().err == want
+
+
+def test_records_read_one_by_one_keep_their_place_after_an_earlier_input(cluster_inputs, tmp_path, capsys):
+    """The second input starts with a byte-order mark, so it is read record by record; its first record repeats a
+    member of the first input. The error names the copy in the second input: its records are numbered after the
+    first input's, not from 0."""
+    fasta, tsv = cluster_inputs
+    recs = [">" + r for r in fasta.read_text().split("\n>")]
+    recs[0] = recs[0][1:]
+    recs = [r if r.endswith("\n") else r + "\n" for r in recs]
+    last = recs[-1]
+    rid = last[1:].split()[0]
+    assert rid in tsv.read_text()
+    second = tmp_path / "bom.fa"
+    second.write_bytes(b"\xef\xbb\xbf" + (last + recs[0]).encode())
+    assert run("uniref", "--input", fasta, second, "--clusters", tsv, "--max-filtered-fraction", 1,
+               "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert f"bom.fa:1: record {rid} appears a second time" in err, err
+
+
+def test_a_chunk_read_record_by_record_keeps_its_place(cluster_inputs, tmp_path, monkeypatch, capsys):
+    """A CR that is not part of a CRLF sends its whole chunk to the per-record path. That chunk (the second) opens
+    with a copy of the first chunk's last record, a member: the error names the copy, because the chunk's records
+    are numbered from the chunk's own place in the input, not from the input's start (under which the copy would
+    come first)."""
+    fasta, tsv = cluster_inputs
+    monkeypatch.setattr(batch, "CHUNK", 2048)
+    recs = [">" + r for r in fasta.read_text().split("\n>")]
+    recs[0] = recs[0][1:]
+    recs = [r if r.endswith("\n") else r + "\n" for r in recs]
+    path = tmp_path / "cr.fa"
+
+    def chunk_starts(records: list) -> list:  # index of each chunk's first record
+        path.write_text("".join(records), newline="")
+        counts = [t.count(b"\n>") + 1 for t, _ in batch.chunks(path, batch.CHUNK)]
+        return [sum(counts[:k]) for k in range(len(counts))]
+    n0 = chunk_starts(recs)[1]
+    head, rest = recs[n0 - 1].split("\n", 1)
+    copy = head + "\r\r\n" + rest  # the first chunk's last record again, with a CR that ends no CRLF
+    records = recs[:n0] + [copy] + recs[n0:]
+    assert chunk_starts(records)[1] == n0  # the copy opens the second chunk
+    rid = head[1:].split()[0]
+    assert rid in tsv.read_text()
+    assert run("uniref", "--input", path, "--clusters", tsv, "--max-filtered-fraction", 1,
+               "--output", tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    line = 1 + "".join(recs[:n0]).count("\n")
+    assert f"cr.fa:{line}: record {rid} appears a second time" in err, err
