@@ -25,7 +25,7 @@ MAY_CHANGE_ON_RESUME = (
     "train.max_steps", "train.max_words", "train.max_epochs", "train.max_hours", "train.log_every", "train.log_samples",
     "train.peak_flops_per_device", "train.init_from", "train.init_from_optimizer", "train.expert_parallel_size",
     "train.max_nonfinite_steps", "train.heartbeat_seconds", "train.collective_timeout",
-    "train.activation_checkpointing", "train.profile", "train.fused_norm", "train.compile",
+    "train.activation_checkpointing", "train.profile", "train.fused_norm", "train.compile", "train.cuda_graphs",
 )
 
 
@@ -93,7 +93,8 @@ def check_resume_config(saved: dict, cfg: RunConfig, source: Path, saved_world: 
     size the global batch (micro x accumulation x ranks) must stay, so grad_accum_steps scales inversely with the
     ranks (and is no change)."""
     ours = cfg.to_dict()
-    free = MAY_CHANGE_ON_RESUME + tuple(f"model.{k}" for k in getattr(type(cfg.model), "RESUME_FREE", ()))
+    free = MAY_CHANGE_ON_RESUME + tuple(f"{part}.{k}" for part in ("model", "objective")
+                                        for k in getattr(type(getattr(cfg, part)), "RESUME_FREE", ()))
     changes = [(k, a, b) for k, a, b in config_diff(saved, ours) if not k.startswith(tuple(p + "." for p in free))
                and k not in free]
     if saved_world and saved_world != world_size:

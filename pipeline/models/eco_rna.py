@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pipeline.models.layers import (ATTN_BACKENDS, RMSNorm, SandwichBlock, Varlen, flash_available, host_tensor,
-                                    init_linear_, residual_std, rope_cache, torch_varlen_available)
+                                    init_linear_, residual_std, rope_cache, torch_varlen_available, varlen_kernel)
 
 
 @dataclass
@@ -393,7 +393,8 @@ class EcoRNA(nn.Module):
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths, init_state: torch.Tensor, *,
                 k_max: int | None = None, backward_window: int | None = None,
-                anchor_depth: int | None = None, host_mask: torch.Tensor | None = None) -> "EcoRNAOutput":
+                anchor_depth: int | None = None, host_mask: torch.Tensor | None = None,
+                token_quantum: int | None = None) -> "EcoRNAOutput":
         """Right-aligned depth wavefront (paper A.2).
 
         tokens, attention_mask: [B, L] (mask True at real tokens); depths: int or [B] long, K_i >= 1;
@@ -402,7 +403,9 @@ class EcoRNA(nn.Module):
         the last W wavefront steps; ``anchor_depth`` K_a also returns a no-grad readout of s^(K_a) for rows with
         K_i > K_a. ``host_mask``: attention_mask's copy on the host (the loader's), from which the packed layout
         computes its token indices; without it the packed layout copies attention_mask back (one device read).
-        Given depths and host_mask on the host, forward reads nothing back from the device.
+        Given depths and host_mask on the host, forward reads nothing back from the device. ``token_quantum``: on the
+        packed layout, every block call runs on a multiple of this many tokens (the objective's token_buckets), so
+        that a run meets a bounded set of shapes; outputs unchanged.
 
         Row i is active at step t iff t > k_max - K_i, so every row ends at step k_max after exactly K_i core
         applications. Rows are sorted by depth (descending) so the active rows are always a prefix: the core runs on
@@ -432,7 +435,7 @@ class EcoRNA(nn.Module):
         if self.unpadded(tokens):
             host_mask = attention_mask.cpu() if host_mask is None else host_mask
             return self._forward_packed(tokens, host_mask.bool()[order_host], anchor_rows, init_state, order,
-                                        schedule)
+                                        schedule, token_quantum)
         e, rope, key_mask = self._prelude(tokens, attention_mask)
         mask_s = key_mask[order]
         extent = list(range(B + 1))  # a unit is a row
@@ -459,77 +462,124 @@ class EcoRNA(nn.Module):
         probe = self.embed.weight  # the compute dtype: varlen kernels take fp16/bf16 only
         return backend == "auto" and tokens.is_cuda and (flash_available() or torch_varlen_available(probe))
 
-    def _forward_packed(self, tokens, mask_s, anchor_rows, init_state, order, schedule) -> "EcoRNAOutput":
+    def _forward_packed(self, tokens, mask_s, anchor_rows, init_state, order, schedule,
+                        quantum: int | None = None) -> "EcoRNAOutput":
         """forward on the packed layout: the real tokens of the depth-sorted rows end to end, [T, d]. ``mask_s``:
         [B, L] bool on the host, the sorted rows' attention mask (the token indices are host arithmetic, copied to
-        the device and never read back)."""
+        the device and never read back).
+
+        With a ``quantum`` q every block call runs on a multiple of q tokens: the microbatch is padded to T_b =
+        bucket(T) tokens (padding tokens: zero state, position 0, in sequences of their own), and a core call on the
+        first n rows runs on the first min(bucket(extent[n]), T_b) tokens. The tokens past the active rows' are the
+        next rows' (at their s_0) and padding, attended within their own (truncated) sequences, and their outputs
+        are dropped: the active rows compute what they compute unbucketed."""
         B, L = tokens.shape
-        seqs = Varlen(tuple(mask_s.sum(1).tolist()), tokens.device)  # cu_seqlens made on the compute device
-        extent = [0, *itertools.accumulate(seqs.lengths)]  # tokens of the first n sorted rows
+        dev = tokens.device
+        lengths = mask_s.sum(1).tolist()
+        extent = [0, *itertools.accumulate(lengths)]  # tokens of the first n sorted rows
+        T = extent[B]
+        T_b = token_bucket(T, quantum) if quantum else T
+        # padding tokens in sequences no longer than the longest real one (the kernels' max_len stays the rows')
+        chunk = max(lengths, default=1) or 1
+        padded = (*lengths, *([chunk] * ((T_b - T) // chunk)), *([(T_b - T) % chunk] if (T_b - T) % chunk else []))
         flat = mask_s.reshape(-1).nonzero().squeeze(-1)  # [T] real positions of the sorted rows, row-major
-        row = (flat // L).to(tokens.device, non_blocking=True)
-        pos = (flat % L).to(tokens.device, non_blocking=True)
+        row, pos = host_to(flat // L, dev), host_to(flat % L, dev)  # pinned copies: the host never waits
         where = order[row] * L + pos  # [T] each token's index in the caller's [B * L]
-        x = self.embed(tokens.reshape(-1)[where])  # [T, d]
+        pad = lambda t: F.pad(t, (0, 0) * (t.dim() - 1) + (0, T_b - T)) if T_b > T else t  # noqa: E731  [T_b, ...]
+        x = pad(self.embed(tokens.reshape(-1)[where]))  # [T_b, d]
+        kernel = varlen_kernel(self.cfg.attn_backend, x)  # once, outside any compiled block
         cos, sin = self.rope(L, x.device, x.dtype)
-        rope = (cos[pos], sin[pos])  # [T, hd]: each token at its own position
-        e = self.prelude_norm(self.prelude(x, rope, seqs))
+        pos_b = pad(pos)  # padding tokens at position 0
+        rope = (cos[pos_b], sin[pos_b])  # [T_b, hd]: each token at its own position
+        contexts = {}
+
+        def context(n: int):  # rope and sequences of the core's input for the first n sorted rows
+            u = span(n)
+            if u not in contexts:
+                contexts[u] = ((rope[0][:u], rope[1][:u]), Varlen(_cut(padded, u), dev, kernel))
+            return contexts[u]
+
+        def span(n: int) -> int:  # tokens a call on the first n rows runs on
+            return min(token_bucket(extent[n], quantum), T_b) if quantum else extent[n]
+
+        e = self.prelude_norm(self.prelude(x, *context(B)))
         d = e.shape[-1]
-        prefixes = {B: seqs}
-
-        def context(n: int):  # rope and sequences of the first n sorted rows
-            if n not in prefixes:
-                prefixes[n] = seqs.prefix(n)
-            return (rope[0][:extent[n]], rope[1][:extent[n]]), prefixes[n]
-
-        s0 = init_state.to(e.dtype).reshape(B * L, d)[where]
-        s, prev, anchor, row_iterations = self._wavefront(s0, e, schedule, extent, context)
+        s0 = pad(init_state.to(e.dtype).reshape(B * L, d)[where])  # [T_b, d], zero at padding tokens
+        s, prev, anchor, row_iterations = self._wavefront(s0, e, schedule, extent, context, span)
 
         def unpack(t: torch.Tensor, index=where, rows=B):  # [T', ...] -> [rows, L, ...], zero at padding
+            t = t[:index.shape[0]]
             return t.new_zeros(rows * L, *t.shape[1:]).index_copy(0, index, t).view(rows, L, *t.shape[1:])
 
-        logits = unpack(self.embed(self.readout(s, rope, seqs), as_head=True))
+        logits = unpack(self.embed(self.readout(s, *context(B)), as_head=True))  # s: [T_b, d]
         anchor_logits = None
         if anchor is not None:
-            n_a, T_a = len(anchor_rows), anchor.shape[0]  # the anchor rows are the first n_a sorted rows
-            slot = torch.empty(B, dtype=torch.long, device=tokens.device)  # sorted row -> its output row
-            slot[torch.argsort(order)[anchor_rows]] = torch.arange(n_a, device=tokens.device)
+            n_a = len(anchor_rows)  # the anchor rows are the first n_a sorted rows
+            T_a = extent[n_a]
+            slot = torch.empty(B, dtype=torch.long, device=dev)  # sorted row -> its output row
+            slot[torch.argsort(order)[anchor_rows]] = torch.arange(n_a, device=dev)
             with torch.no_grad():  # readout called on every rank, even with no eligible row (ZeRO-3 symmetry)
-                a_logits = self.embed(self.readout(anchor, *context(n_a)), as_head=True)  # [T_a, V]
+                a_logits = self.embed(self.readout(anchor, *context(n_a)), as_head=True)  # [span(n_a), V]
             anchor_logits = unpack(a_logits, slot[row[:T_a]] * L + pos[:T_a], n_a)
         return EcoRNAOutput(logits=logits, state=unpack(s), prev_state=unpack(prev), anchor_logits=anchor_logits,
                             anchor_rows=anchor_rows, row_iterations=row_iterations, core_calls=schedule[1])
 
-    def _wavefront(self, s0, e, schedule, extent, context):
+    def _wavefront(self, s0, e, schedule, extent, context, span=None):
         """The right-aligned schedule over depth-sorted rows, in either layout -> (s, prev, anchor, row_iterations).
 
         s0, e: [U, ...] units of the sorted rows (rows [B, L, d], or tokens [T, d]); ``extent[n]`` is the number of
         units of the first n rows and ``context(n)`` their (rope, key mask or Varlen). The active rows at step t are
-        the first n(t) and n never shrinks (a started row runs to step k_max), so the active state is one tensor of
-        the first extent[n] units that grows, by the starting rows' s_0, only at steps where n grows: no gather or
-        concatenation of the whole batch at every step. ``anchor`` [extent[n_a], ...]: the state after K_a
-        iterations of the rows with K_i > K_a (the first n_a rows), detached; None without an anchor depth.
+        the first n(t) and n never shrinks (a started row runs to step k_max), so the state is one tensor of the first
+        extent[n] units that grows, by the starting rows' s_0, only at steps where n grows: no gather or
+        concatenation of the whole batch at every step. ``span(n)`` >= extent[n] (default extent[n]) is how many
+        units a call on the first n rows runs on (token buckets): the units past extent[n] enter at s_0 when the
+        span grows and are never read, until their row starts and enters at s_0 again. ``s``: the last call's
+        output, [span(B), ...] (its first extent[B] units are the rows' terminal states); ``prev``: s^(K_i - 1) of
+        every row, [U, ...]; ``anchor`` [span(n_a), ...]: the state after K_a iterations of the rows with K_i > K_a
+        (the first n_a rows), detached, zero past them; None without an anchor depth.
         """
         ks, k_max, window, anchor_depth = schedule  # ks: K_i of the sorted rows, descending (host list)
+        span = span or (lambda n: extent[n])
         grad = torch.is_grad_enabled()
-        active, prev, row_iterations = s0[:0], s0, 0
+        state, valid, prev, row_iterations = s0[:0], 0, s0, 0  # state[:valid]: the active rows' states
         anchor = None
         if anchor_depth is not None:
-            anchor = s0.new_zeros((extent[sum(k > anchor_depth for k in ks)], *s0.shape[1:]))
+            anchor = s0.new_zeros((span(sum(k > anchor_depth for k in ks)), *s0.shape[1:]))
         for t in range(1, k_max + 1):
             n = sum(k > k_max - t for k in ks)  # active rows: a prefix of the sorted batch
-            if extent[n] > active.shape[0]:
-                active = torch.cat([active, s0[active.shape[0]:extent[n]]])  # rows starting now begin at s_0
+            u = span(n)
+            if extent[n] > valid or u > state.shape[0]:
+                state = torch.cat([state[:valid], s0[valid:u]])  # rows starting now (and the span's rest) at s_0
+            valid = extent[n]
             if t == k_max - window + 1 and window < k_max:
-                active = active.detach()  # truncated backprop: the suffix of W steps starts from a detached state
+                state = state.detach()  # truncated backprop: the suffix of W steps starts from a detached state
             with torch.set_grad_enabled(grad and t > k_max - window):
-                active = self.core(active, e[:extent[n]], *context(n))  # called even with n = 0 (ZeRO-3 symmetry)
+                state = self.core(state, e[:u], *context(n))  # called even with n = 0 (ZeRO-3 symmetry)
             row_iterations += n
             if t == k_max - 1:
-                prev = torch.cat([active, s0[extent[n]:]])  # s^(K_i - 1); rows with K_i = 1 have none (s_0 stands)
+                prev = torch.cat([state[:valid], s0[valid:]])  # s^(K_i - 1); rows with K_i = 1 have none (s_0)
             k_hit = None if anchor is None else k_max + anchor_depth - t
             if k_hit is not None and k_hit > anchor_depth:
                 # rows whose K_a-th iteration is step t have K_i = k_hit: a run lo..hi-1 of the sorted rows
                 lo, hi = sum(k > k_hit for k in ks), sum(k >= k_hit for k in ks)
-                anchor[extent[lo]:extent[hi]] = active[extent[lo]:extent[hi]].detach()
-        return active, prev, anchor, row_iterations
+                anchor[extent[lo]:extent[hi]] = state[extent[lo]:extent[hi]].detach()
+        return state, prev, anchor, row_iterations
+
+
+def token_bucket(n: int, quantum: int) -> int:
+    """``n`` tokens rounded up to a multiple of ``quantum``. The objective sets quantum = the microbatch's token
+    budget / objective.token_buckets: every call then meets one of token_buckets + 1 sizes (0 included), whatever
+    the rows' lengths and depths, and the padding averages quantum / 2 a call (about 3 % of the core's tokens at
+    32 buckets, docs/performance.md)."""
+    return -(-int(n) // quantum) * quantum
+
+
+def _cut(lengths, total: int) -> tuple:
+    """The sequences of ``lengths`` (laid end to end) that lie in the first ``total`` tokens, the last one cut."""
+    out, at = [], 0
+    for n in lengths:
+        if at >= total:
+            break
+        out.append(min(n, total - at))
+        at += out[-1]
+    return tuple(out)

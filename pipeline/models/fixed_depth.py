@@ -51,9 +51,10 @@ class FixedDepthMLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths=None, init_state=None, *,
                 k_max: int | None = None, backward_window: int | None = None,
-                anchor_depth: int | None = None, host_mask: torch.Tensor | None = None) -> EcoRNAOutput:
-        """Eco-RNA's interface; depth arguments and the host mask are accepted and ignored (there is no recurrence,
-        and the padded layout needs no host indices)."""
+                anchor_depth: int | None = None, host_mask: torch.Tensor | None = None,
+                token_quantum: int | None = None) -> EcoRNAOutput:
+        """Eco-RNA's interface; depth arguments, the host mask and the token quantum are accepted and ignored (there
+        is no recurrence, and the padded layout needs no host indices and is not bucketed)."""
         if anchor_depth is not None:
             raise ValueError("the fixed-depth control has no recurrent trajectory: set objective.lambda_anchor=0")
         key_mask = attention_mask.bool()

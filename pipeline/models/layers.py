@@ -15,14 +15,13 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pipeline.models.attention_ops import CUDA_SDPA_BACKENDS, expand_kv, sdpa, varlen_sdpa  # noqa: F401 (re-exported)
 from pipeline.models.norm_op import rms_norm, rms_norm_reference
 
 try:  # CUDA-only source build; installed on GPU hosts by scripts/install_gpu_kernels.sh
@@ -163,30 +162,15 @@ def use_flash(backend: str, x: torch.Tensor) -> bool:
         torch.float16, torch.bfloat16)
 
 
-# SDPA backends on CUDA: the memory-efficient and flash kernels, never cuDNN's. cuDNN builds an execution plan for
-# every new (rows, length, grad mode) at 45-50 ms each, and the wavefront's core calls change their row count at every
-# step: on one H200 those builds were 55 % of the step time (docs/performance.md). The memory-efficient kernel takes
-# boolean masks and any shape without a build. The list is exclusive, so a call neither kernel takes fails loudly
-# instead of falling back to the math kernel.
-CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-
-
-def expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """k, v [B, Hkv, L, hd] repeated to q's H heads, head j serving query heads j*g .. j*g + g-1 (SDPA's enable_gqa
-    grouping), for kernels that take no grouped-query layout."""
-    g = q.shape[1] // k.shape[1]
-    return (k, v) if g == 1 else (k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1))
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-         is_causal: bool = False) -> torch.Tensor:
-    """F.scaled_dot_product_attention with grouped-query k/v; on CUDA restricted to CUDA_SDPA_BACKENDS (k and v
-    expanded to q's heads, which the memory-efficient kernel needs). q: [B, H, L, hd], k/v: [B, Hkv, L, hd]."""
-    if q.is_cuda:
-        k, v = expand_kv(q, k, v)
-        with sdpa_kernel(CUDA_SDPA_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True)
+def attention_kernel(backend: str, x: torch.Tensor, kernel: str | None = None) -> str:
+    """The attention kernel that runs for ``backend`` and activations like ``x``, by name, for the log: padded rows
+    (:func:`attend`: flash-attn's varlen kernel, or SDPA, on CUDA its flash and memory-efficient kernels only), or
+    with ``kernel`` (:func:`varlen_kernel`'s choice) packed sequences."""
+    if kernel is not None:
+        return {"flash": "flash-attn-varlen", "torch": "torch-varlen", "sdpa": "sdpa-per-sequence"}[kernel]
+    if use_flash(backend, x):
+        return "flash-attn-varlen"
+    return "sdpa-flash-efficient" if x.is_cuda else "sdpa"
 
 
 def empty_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -257,54 +241,60 @@ def flash_varlen(q, k, v, key_mask, causal: bool = False, segments: torch.Tensor
 class Varlen:
     """Packed sequences: sequence i owns tokens ``offsets[i]:offsets[i + 1]`` of a ``[T, ...]`` tensor.
 
-    ``lengths`` is a host tuple (one entry per sequence, zero allowed) because flash-attn takes ``max_seqlen`` as an
-    int and the SDPA path loops over sequences: reading it back from the device at every layer would sync each time.
-    ``cu_seqlens`` [n_nonempty + 1] int32 (on ``device``) skips empty sequences, which flash-attn's kernel does not
-    take. ``prefix(n)`` is the first n sequences, the wavefront's active rows when sequences are sorted by depth.
+    ``lengths`` is a host tuple (one entry per sequence, zero allowed). Everything a kernel needs is made when the
+    Varlen is, on the host and outside any compiled block: ``cu_seqlens`` [n_nonempty + 1] int32 on ``device``
+    (empty sequences skipped, which flash-attn's kernel does not take) and ``max_len``, so that a compiled block
+    reads two attributes and runs no host-only operation (a pinned copy, a ``max`` over host lengths: both break
+    or specialize torch.compile's graph). ``kernel``: the varlen path (:func:`varlen_kernel`: "flash", "torch" or
+    "sdpa"), chosen by the model for the whole forward; None: chosen at each call from the backend and the tensors.
+    ``prefix(n)`` is the first n sequences, the wavefront's active rows when sequences are sorted by depth.
     """
 
     lengths: tuple
     device: torch.device
+    kernel: str | None = None
+    cu_seqlens: torch.Tensor = field(init=False, repr=False, compare=False)
+    max_len: int = field(init=False, compare=False)
+
+    def __post_init__(self):
+        nonempty = [int(n) for n in self.lengths if n]
+        cu = F.pad(torch.tensor(nonempty, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+        object.__setattr__(self, "cu_seqlens", host_tensor(cu, torch.int32, self.device))
+        object.__setattr__(self, "max_len", max(nonempty, default=0))
 
     @property
     def total(self) -> int:
         return sum(self.lengths)
 
-    @cached_property
-    def max_len(self) -> int:
-        return max(self.lengths, default=0)
-
-    @cached_property  # built once per Varlen, not once per layer
-    def cu_seqlens(self) -> torch.Tensor:
-        nonempty = [n for n in self.lengths if n]
-        return host_tensor(F.pad(torch.tensor(nonempty, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)),
-                           torch.int32, self.device)
-
     def prefix(self, n: int) -> "Varlen":
-        return Varlen(self.lengths[:n], self.device)
+        return Varlen(self.lengths[:n], self.device, self.kernel)
+
+
+def varlen_kernel(backend: str, x: torch.Tensor) -> str:
+    """The packed layout's attention for ``backend`` and activations like ``x``: "flash" (flash-attn's varlen kernel,
+    see use_flash), "torch" (torch's own varlen kernel: backend auto on CUDA where it works) or "sdpa" (one SDPA call
+    per sequence, inside the ``varlen_sdpa`` operator)."""
+    if use_flash(backend, x):
+        return "flash"
+    if backend == "auto" and torch_varlen_available(x):
+        return "torch"
+    return "sdpa"
 
 
 def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: Varlen, *, backend: str = "auto",
                   causal: bool = False) -> torch.Tensor:
-    """Attention within each packed sequence. q: [T, H, hd]; k/v: [T, Hkv, hd] -> [T, H, hd].
-
-    flash-attn's varlen kernel where ``backend`` selects it (see use_flash); else, on CUDA, torch's own varlen kernel
-    (torch_varlen) unless ``backend`` is "sdpa"; else one SDPA call per sequence: the same result, the pure-PyTorch
-    path of the packed layout (slower than padded SDPA for many short sequences)."""
+    """Attention within each packed sequence. q: [T, H, hd]; k/v: [T, Hkv, hd] -> [T, H, hd], through
+    ``seqs.kernel`` (else :func:`varlen_kernel` of ``backend``): the same result on every path, the "sdpa" one the
+    pure-PyTorch path of the packed layout (slower than padded SDPA for many short sequences)."""
     if q.shape[0] == 0:  # a zero-token call (the wavefront at a step with no active row)
         return empty_attention(q, k, v)
-    if use_flash(backend, q):
+    kernel = seqs.kernel or varlen_kernel(backend, q)
+    if kernel == "flash":  # varlen_kernel checked flash-attn and the device
         cu = seqs.cu_seqlens
         return flash_attn_varlen_func(q, k, v, cu, cu, seqs.max_len, seqs.max_len, causal=causal)
-    if backend == "auto" and torch_varlen_available(q):
+    if kernel == "torch":
         return torch_varlen(q, k, v, seqs.cu_seqlens, seqs.max_len, causal)
-    out, at = [], 0
-    for n in seqs.lengths:
-        if n:
-            qs, ks, vs = (t[at:at + n].transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, n, hd]
-            out.append(sdpa(qs, ks, vs, is_causal=causal)[0].transpose(0, 1))
-            at += n
-    return torch.cat(out)
+    return varlen_sdpa(q, k, v, seqs.cu_seqlens, causal)
 
 
 class Attention(nn.Module):

@@ -241,8 +241,8 @@ def test_export_loads_without_deepspeed_and_gives_the_same_numbers(trained_run, 
                            "--output", str(export)], cwd=REPO, env=launch_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr  # the run's own checkpoint: no --trust-checkpoint
     assert sorted(p.name for p in export.iterdir()) == [  # weights, configs, the model's code, the tokenizer
-        ".written-by.json", "README.md", "config.json", "config.yaml", "eco_rna.py", "export.json", "hf_base.py",
-        "layers.py", "model.safetensors", "modeling_eco_rna.py", "norm_op.py", "tokenizer.json",
+        ".written-by.json", "README.md", "attention_ops.py", "config.json", "config.yaml", "eco_rna.py", "export.json",
+        "hf_base.py", "layers.py", "model.safetensors", "modeling_eco_rna.py", "norm_op.py", "tokenizer.json",
         "tokenizer_config.json"]
     assert "convert: 100%" in proc.stderr and proc.stdout.startswith("exported ")  # progress on stderr only
     assert json.loads((export / "export.json").read_text())["tokenizer"]["name"] == "nucleotide"

@@ -70,9 +70,9 @@ def test_export_holds_the_tokenizer_and_blimp_runs_without_the_shards(text_run, 
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("parameters, fp32, pipeline names, tokenizer.model)")
     assert sorted(p.name for p in export.iterdir()) == [
-        ".written-by.json", "README.md", "config.json", "config.yaml", "export.json", "hf_base.py", "layers.py",
-        "model.safetensors", "modeling_gpt.py", "norm_op.py", "recursive_gpt.py", "tokenizer.json", "tokenizer.model",
-        "tokenizer_config.json"]
+        ".written-by.json", "README.md", "attention_ops.py", "config.json", "config.yaml", "export.json", "hf_base.py",
+        "layers.py", "model.safetensors", "modeling_gpt.py", "norm_op.py", "recursive_gpt.py", "tokenizer.json",
+        "tokenizer.model", "tokenizer_config.json"]
     manifest = json.loads((shards / "manifest.json").read_text())["tokenizer"]
     meta = json.loads((export / "export.json").read_text())
     assert meta["tokenizer"]["sha256"] == manifest["sha256"] == sha256_file(export / "tokenizer.model")

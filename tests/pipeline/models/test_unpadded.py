@@ -23,10 +23,13 @@ def run(m, tokens, mask, depths, s0, weights, sweights, **kw):
     return out, torch.autograd.grad(loss, list(m.parameters()))
 
 
+@pytest.mark.parametrize("quantum", [None, 64])
 @pytest.mark.parametrize("backend", ["flash", "sdpa"])
 @pytest.mark.parametrize("seed,window,extra_kmax,anchor", [(0, 100, 0, None), (1, 2, 0, 2), (2, 3, 2, 1),
                                                             (3, 1, 1, 4)])
-def test_packed_layout_equals_padded(monkeypatch, backend, seed, window, extra_kmax, anchor):
+def test_packed_layout_equals_padded(monkeypatch, backend, seed, window, extra_kmax, anchor, quantum):
+    """quantum: token buckets, every call on 64 tokens here (48 real tokens): the later rows' tokens and padding
+    ride along in sequences of their own and change nothing at the active rows."""
     kernel_tokens = use_cpu_flash(monkeypatch)
     torch.manual_seed(seed)
     cfg = EcoRNAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_prelude=1, n_core=2, n_coda=1,
@@ -48,8 +51,10 @@ def test_packed_layout_equals_padded(monkeypatch, backend, seed, window, extra_k
     kw = dict(k_max=int(depths.max()) + extra_kmax, backward_window=window, anchor_depth=anchor)
 
     out_p, grads_p = run(padded, tokens, mask, depths, s0, weights, sweights, **kw)
-    out_u, grads_u = run(packed, tokens, mask, depths, s0, weights, sweights, **kw)
+    out_u, grads_u = run(packed, tokens, mask, depths, s0, weights, sweights, token_quantum=quantum, **kw)
     assert bool(kernel_tokens) == (backend == "flash")  # the flash stand-in ran exactly when selected
+    if quantum:
+        assert set(kernel_tokens) <= {0, 64}
     assert out_u.row_iterations == out_p.row_iterations == int(depths.sum())
     assert out_u.core_calls == out_p.core_calls
     for name in ("logits", "state"):
@@ -78,3 +83,23 @@ def test_unpad_auto_follows_the_attention_backend():
     for bad in ("yes", "on", 1):
         with pytest.raises(ValueError, match="model.unpad"):
             EcoRNAConfig(unpad=bad)
+
+
+def test_packed_calls_run_on_bucketed_token_counts():
+    """With a token quantum the core only ever sees multiples of it, across batches of other lengths and depths:
+    at most budget / quantum + 1 sizes."""
+    from pipeline.models.eco_rna import Core
+
+    cfg = EcoRNAConfig(d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, n_prelude=1, n_core=1, n_coda=1,
+                       attn_backend="sdpa", unpad=True)
+    m = EcoRNA(cfg)
+    seen = []
+    m.core.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[0]))
+    g = torch.Generator().manual_seed(0)
+    for B, L in ((9, 40), (5, 70), (12, 33)):
+        mask = torch.arange(L)[None] < torch.randint(L // 2, L + 1, (B, 1), generator=g)
+        tokens = torch.randint(6, 12, (B, L), generator=g)
+        m(tokens, mask, torch.randint(1, 6, (B,), generator=g), initial_state(cfg, mask, generator=g),
+          token_quantum=50)
+    assert seen and all(n % 50 == 0 for n in seen) and len(set(seen)) <= 400 // 50 + 1, seen
+    assert isinstance(m.core, Core)
