@@ -237,8 +237,14 @@ class TrainConfig:
     log_samples: bool = False  # write the sample ids of every step to RUN_DIR/samples-rankN.jsonl
     peak_flops_per_device: float | None = None  # e.g. 989e12 for H100/H200 bf16 dense; enables the MFU metric
     # Dynamic batch size: a microbatch takes sequences until one more would make B x max_len (padded tokens) exceed
-    # this budget; micro_batch_size is then unused by the loader. Must be >= data.context_length.
-    max_tokens_per_microbatch: int | None = None
+    # this budget; micro_batch_size is then unused by the loader. Must be >= data.context_length. auto: the largest
+    # budget the device's memory holds by the family's memory model (pipeline/train/memory.py), with
+    # global_batch_tokens kept: grad_accum_steps is then derived (fewer, larger microbatches; the same update, the
+    # loss being normalized by the step's exact token count). Resolved at a run's first start, kept on resume.
+    max_tokens_per_microbatch: int | str | None = None
+    # The global batch in tokens (every rank's microbatches of a step, rows x padded length): required by, and only
+    # used with, max_tokens_per_microbatch: auto.
+    global_batch_tokens: int | None = None
     # BabyLM-style budget: stop once the objective's running "words" total reaches it (e.g. 10_000_000).
     max_words: int | None = None
     max_epochs: float | None = None  # stop after this many passes over the training data (BabyLM: at most 10)
@@ -279,6 +285,10 @@ class TrainConfig:
     # none | blocks: torch.compile each transformer block (fusing RoPE, QK-norm, SwiGLU and the residual adds;
     # pipeline/parallel/kernels.py). Dynamic shapes, so the wavefront's changing row counts do not recompile.
     compile: str = "none"
+    # With compile: blocks, each compiled block replays CUDA graphs (torch.compile's mode "reduce-overhead": one
+    # launch per graph instead of one per kernel; a graph per distinct shape, which model.token_buckets bounds on
+    # the packed layout). CUDA only (elsewhere torch.compile runs its default mode); checked by bench/gpu.sh.
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         _check(self.max_steps >= 1, "train.max_steps", f"must be >= 1, got {self.max_steps}")
@@ -286,6 +296,8 @@ class TrainConfig:
         _check(self.collective_timeout > 0, "train.collective_timeout", f"must be > 0, got {self.collective_timeout}")
         _check(self.compile in ("none", "blocks"), "train.compile", f"must be none or blocks, got {self.compile!r}")
         _check(isinstance(self.fused_norm, bool), "train.fused_norm", f"must be true or false, got {self.fused_norm!r}")
+        _check(not self.cuda_graphs or self.compile == "blocks", "train.cuda_graphs",
+               "replays compiled blocks: needs train.compile: blocks")
         _check(self.activation_checkpointing in ("none", "blocks"), "train.activation_checkpointing",
                f"must be none or blocks, got {self.activation_checkpointing!r}")
         _check(self.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {self.micro_batch_size}")
@@ -293,8 +305,20 @@ class TrainConfig:
         _check(self.precision in ("auto", "fp32", "bf16"), "train.precision",
                f"must be auto, fp32 or bf16, got {self.precision!r}")
         _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
-        _check(self.max_tokens_per_microbatch is None or self.max_tokens_per_microbatch >= 1,
-               "train.max_tokens_per_microbatch", f"must be >= 1, got {self.max_tokens_per_microbatch}")
+        budget = self.max_tokens_per_microbatch
+        _check(budget is None or budget == "auto" or (isinstance(budget, int) and budget >= 1),
+               "train.max_tokens_per_microbatch", f"must be an integer >= 1, auto or null, got {budget!r}")
+        _check(self.global_batch_tokens is None or self.global_batch_tokens >= 1, "train.global_batch_tokens",
+               f"must be >= 1, got {self.global_batch_tokens}")
+        _check(budget != "auto" or self.global_batch_tokens is not None, "train.global_batch_tokens",
+               "train.max_tokens_per_microbatch: auto needs it: the global batch in tokens that auto keeps")
+        _check(budget is not None or self.global_batch_tokens is None, "train.global_batch_tokens",
+               "needs a token budget: train.max_tokens_per_microbatch auto (or the number auto resolved to)")
+        _check(budget != "auto" or self.grad_accum_steps == 1, "train.grad_accum_steps",
+               f"is derived from train.global_batch_tokens under max_tokens_per_microbatch: auto; remove it (got "
+               f"{self.grad_accum_steps})")
+        _check(budget != "auto" or self.global_batch_size is None, "train.global_batch_size",
+               "counts sequences; with max_tokens_per_microbatch: auto the global batch is train.global_batch_tokens")
         _check(self.init_from is None or bool(self.init_from), "train.init_from", "must be a path or null")
         _check(self.init_from is not None or not self.init_from_optimizer, "train.init_from_optimizer",
                "needs train.init_from")
@@ -404,18 +428,27 @@ class RunConfig:
         _check(bool(self.run_dir), "run_dir", "must be a non-empty path")
         _check(0 <= self.seed < 2**63, "seed", f"must be an integer in [0, 2^63), got {self.seed}")
         budget = self.train.max_tokens_per_microbatch
-        _check(budget is None or budget >= self.data.context_length, "train.max_tokens_per_microbatch",
-               f"{budget} < data.context_length {self.data.context_length}: a cropped sequence would not fit")
-        why = length_window_problem(self.data.length_window, pack=self.data.pack, max_tokens=budget,
-                                    micro_batch_size=self.train.micro_batch_size,
-                                    context_length=self.data.context_length)
-        _check(why is None, "data.length_window", why or "")
+        if budget != "auto":  # auto: checked as a number once resolved at the run's start (pipeline/train/memory.py)
+            _check(budget is None or budget >= self.data.context_length, "train.max_tokens_per_microbatch",
+                   f"{budget} < data.context_length {self.data.context_length}: a cropped sequence would not fit")
+            why = length_window_problem(self.data.length_window, pack=self.data.pack, max_tokens=budget,
+                                        micro_batch_size=self.train.micro_batch_size,
+                                        context_length=self.data.context_length)
+            _check(why is None, "data.length_window", why or "")
         _check(self.checkpoint.keep_best is None or self.eval.every > 0, "checkpoint.keep_best",
                "needs validation: set eval.every")
 
     def check_world_size(self, world_size: int):
-        """Batch arithmetic: global = micro x accumulation x world size."""
+        """Batch arithmetic: global = micro x accumulation x world size; a resolved auto budget M with accumulation A
+        cuts train.global_batch_tokens G into A microbatches of M tokens on each rank: M A world <= G < (M + 1) A
+        world."""
         t = self.train
+        budget, g = t.max_tokens_per_microbatch, t.global_batch_tokens
+        if isinstance(budget, int) and g is not None:
+            per_step = budget * t.grad_accum_steps * world_size
+            _check(per_step <= g < per_step + t.grad_accum_steps * world_size, "train.global_batch_tokens",
+                   f"{g:,} is not max_tokens_per_microbatch {budget:,} x grad_accum_steps {t.grad_accum_steps} x "
+                   f"world size {world_size} = {per_step:,} (set train.max_tokens_per_microbatch: auto to size it)")
         if t.global_batch_size is not None:
             got = t.micro_batch_size * t.grad_accum_steps * world_size
             _check(got == t.global_batch_size, "train.global_batch_size",

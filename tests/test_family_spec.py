@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pipeline.families import Depth, Family, Scaling, register_family  # noqa: E402
-from pipeline.families.base import BlockShape, nucleotide_tokenizer  # noqa: E402
+from pipeline.families.base import Activations, nucleotide_tokenizer  # noqa: E402
+from pipeline.families.eco_rna import sandwich_block_bytes  # noqa: E402
 from pipeline.models.layers import RMSNorm, SandwichBlock, rope_cache  # noqa: E402
 from pipeline.objectives import eco_rna as eco_objective  # noqa: E402
 
@@ -162,8 +163,9 @@ def register_toy() -> Family:
         name=TOY, config_cls=ToyConfig, build_model=ToyMLM, objective_cls=ToyObjectiveConfig,
         make_transform=eco_objective.make_transform, plan=toy_plan, loss=toy_loss, tokenizer="nucleotide",
         make_tokenizer=nucleotide_tokenizer, depth=Depth(trained=lambda cfg: (cfg.model.n_layers, "model.n_layers")),
-        scaling=Scaling(blocks=lambda cfg, k_max: (BlockShape(cfg.model.d_model, cfg.model.d_ff, True, True),
-                                                   cfg.model.n_layers)),
+        scaling=Scaling(activations=lambda cfg, a, k_max: Activations(
+            block=sandwich_block_bytes(cfg.model, a), blocks=cfg.model.n_layers, block_input=cfg.model.d_model * a,
+            other=4 * cfg.model.vocab_size + 2 * cfg.model.d_model * a)),
         blocks=(SandwichBlock,)))
 
 

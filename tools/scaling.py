@@ -33,13 +33,13 @@ all-to-all the bytes that leave the rank. What DeepSpeed 0.19.8 issues, as count
   over the p / e ranks holding the same experts.
 The engine's own per-step collectives (token counts, K_max, metrics; about 1 KB) are left out.
 
-Memory per GPU: weights, gradients, fp32 master weights and the two AdamW moments, partitioned as the ZeRO stage
-does; the gradient bucket (ZeRO-2: reduce_bucket_size elements); and an estimate of the activations autograd keeps
-at the configured microbatch: per token and differentiated block 6d + 2 d_kv + 3 d_ff (gated MLP; 2 d_ff for GELU)
-+ 2d more for sandwich norms, in the activation dtype, plus fp32 logits and their gradient. Eco-RNA differentiates
-its prelude, coda and the last W core iterations only (truncated backprop). With train.activation_checkpointing:
-blocks each differentiated block keeps only its input (d per token) and one block's activations exist at a time.
-Not measured (no GPU here): treat the activation figure as +-30 %.
+Memory per GPU: the training's memory model (pipeline/train/memory.py): weights, gradients, fp32 master weights and
+the two AdamW moments, partitioned as the ZeRO stage does; the gradient bucket (ZeRO-2: reduce_bucket_size
+elements); ZeRO-3's gathered parameters; and the activations autograd keeps at the configured microbatch, counted
+per family from what its code saves (Eco-RNA differentiates its prelude, coda and the last W core iterations only;
+with train.activation_checkpointing: blocks each differentiated block keeps only its input), plus one block's worth
+for the backward's transient. Checked on the CPU against measured peaks within 10 % (tests/pipeline/
+test_memory_model.py); on a GPU the kernels' own saves differ somewhat (bench/gpu.sh prints both).
 
 Step time: compute = training FLOPs of the GPU's batch (the configs' own train-FLOP counts; Eco-RNA over its depth
 law) / (--peak-tflops x --mfu), taken for the slowest rank (Eco-RNA's per-sequence depths make ranks unequal: the
@@ -60,6 +60,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline.train.memory import state_bytes  # noqa: E402
 
 GB = 1e9
 DS_DEFAULT_PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold default
@@ -171,16 +173,12 @@ def _is_expert(name: str) -> bool:
 
 
 def _activation_bytes(cfg, tokens: int, k_max: float, act_bytes: int) -> float:
-    """Activations autograd keeps for one microbatch of ``tokens`` positions (module docstring), bytes."""
-    m = cfg.model
-    d = m.d_model
-    shape, blocks = _scaling(cfg).blocks(cfg, k_max)
-    d_kv, d_ff, gated, sandwich = shape.d_kv, shape.d_ff, shape.gated, shape.sandwich
-    per_token_block = 6 * d + 2 * d_kv + (3 if gated else 2) * d_ff + (2 * d if sandwich else 0)
-    logits = tokens * m.vocab_size * 4 * 2  # fp32 logits and their gradient
-    if cfg.train.activation_checkpointing == "blocks":  # each block keeps its input; one block's are rebuilt at a time
-        return (blocks * d + per_token_block) * tokens * act_bytes + logits
-    return blocks * tokens * per_token_block * act_bytes + logits
+    """Activations autograd keeps for one microbatch of ``tokens`` positions, bytes: the family's memory model
+    (pipeline/train/memory.py, with the backward's transient)."""
+    from pipeline.train.memory import StepMemory
+
+    acts = _scaling(cfg).activations(cfg, act_bytes, k_max)
+    return StepMemory({}, acts, cfg.train.activation_checkpointing == "blocks").per_token * tokens
 
 
 def _train_flops_per_sequence(cfg, pmf: list) -> tuple[float, float]:
@@ -320,25 +318,21 @@ def plan(cfg, ds_config: dict, gpus: int, hw: Hardware = Hardware(), ep: int | N
             traffic.append(Collective(f"MoE all-to-all, {phase} (tokens to experts and back)", phase, sent,
                                       2 * moe_layers * ga, ep, ep > hw.gpus_per_node))
 
-    # Memory per GPU
-    master = 4  # the fp32 partition ZeRO keeps: a copy of the weights under bf16, and under fp32 too
-    n_rank = dense + local_experts  # parameters this rank trains
-    opt_dense, opt_exp = (gpus, expert_dp) if stage >= 1 else (1, 1)
-    optimizer = (master + 8) * (dense / opt_dense + local_experts / opt_exp)
+    # Memory per GPU: the states as the training's memory model counts them (pipeline/train/memory.py), the ZeRO-3
+    # parameters gathered while in use, the activations
+    states = state_bytes(shapes, zero_stage=stage, world=gpus, ep=ep, bf16=bf16, grad_bytes=g_bytes,
+                         reduce_bucket=bucket, persistence=int(z.get("stage3_param_persistence_threshold",
+                                                                    DS_DEFAULT_PERSISTENCE)))
     gathered = 0.0
-    if stage == 3:
-        weights = w_bytes * (n_rank / gpus + persistent)
-        grads = g_bytes * n_rank / gpus
-        # whole copies while in use: every partitioned parameter when kept, else about a prefetch bucket's worth
+    if stage == 3:  # whole copies while in use: every partitioned parameter when kept, else about a prefetch bucket
         gathered = w_bytes * (partitioned if keep else min(partitioned, float(z.get("stage3_prefetch_bucket_size",
                                                                                      5e7))))
-    else:
-        weights = w_bytes * n_rank
-        grads = g_bytes * (n_rank / gpus if stage == 2 else n_rank)
-    bucket_bytes = g_bytes * min(bucket, n_rank) if stage >= 2 else 0.0
     acts = _activation_bytes(cfg, tokens, max(k_list), w_bytes)
-    memory = {"weights": weights, "gathered weights (ZeRO-3, in use)": gathered, "gradients": grads, "optimizer (fp32 master + AdamW moments)": optimizer,
-              "gradient bucket": bucket_bytes, "activations (estimate)": acts}
+    n_rank = dense + local_experts  # parameters this rank trains
+    memory = {"weights": states["weights"], "gathered weights (ZeRO-3, in use)": gathered,
+              "gradients": states["gradients"], "optimizer (fp32 master + AdamW moments)":
+              states["optimizer (fp32 master + AdamW moments)"], "gradient bucket": states["gradient bucket"],
+              "activations (estimate)": acts}
 
     # Time
     # Compute: a synchronous step waits for the slowest rank. With a per-sequence depth (Eco-RNA) a rank's work is

@@ -78,13 +78,31 @@ class MaskedLMInference:
 
 # ---- the scaling model (tools/scaling.py) ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class BlockShape:
-    """One transformer block's activation footprint, per token (tools/scaling.py's activation estimate)."""
+class Activations:
+    """What autograd keeps per token of a microbatch's token budget (rows x padded length), in bytes: a family's
+    ``Scaling.activations``, the activation term of the memory model (pipeline/train/memory.py).
 
-    d_kv: int  # key/value width
-    d_ff: int  # MLP hidden width
-    gated: bool  # a gated MLP (three projections) rather than two
-    sandwich: bool  # two extra norms per block (sandwich norm)
+    block: one differentiated transformer block (the mean over the blocks where they differ); blocks: the
+    differentiated blocks a token passes (Eco-RNA: prelude + coda + core x min(K_max, W)); block_input: a block's
+    input alone (what activation checkpointing keeps per block); other: everything outside the blocks
+    (embeddings, the recurrence's own tensors, heads, losses)."""
+
+    block: float
+    blocks: float
+    block_input: float
+    other: float
+
+    def per_token(self, checkpointed: bool = False) -> float:
+        if checkpointed:  # each block keeps its input; one block's activations are rebuilt at a time
+            return self.blocks * self.block_input + self.block + self.other
+        return self.blocks * self.block + self.other
+
+
+def norm_extra(fused: bool, act_bytes: int) -> int:
+    """Bytes per normalized element an RMSNorm or LayerNorm saves beyond its input when not fused: the plain
+    formula keeps the fp32 input copy and the fp32 normalized output (8 bytes) where the fused operator keeps the
+    input alone (act_bytes; in fp32 the copy is the input itself)."""
+    return 0 if fused else 8 - act_bytes
 
 
 def _one_depth(cfg, rows: int) -> tuple[float, list]:
@@ -107,17 +125,28 @@ class Scaling:
     wavefront_depth: RunConfig -> the fixed number of core steps every microbatch runs (a fixed wavefront), or None.
     module_calls: (RunConfig, k_max) -> {top-level parameter prefix: (forward calls, backward calls)} of one
         microbatch; prefixes not named run (1, 1).
-    blocks: (RunConfig, k_max) -> (BlockShape, blocks whose activations autograd keeps).
+    activations: (RunConfig, activation dtype bytes, k_max or None) -> Activations per token; k_max None: the
+        deepest recurrence a microbatch may run (the bound a memory budget is sized for).
     train_flops: (RunConfig, pmf) -> (mean, variance) of one sequence's training FLOPs.
     """
 
-    blocks: Callable
+    activations: Callable
     depth_law: Callable = _one_depth
     drawn_depth: bool = False
     per_step_depth: Callable = lambda cfg: False  # noqa: E731
     wavefront_depth: Callable = lambda cfg: None  # noqa: E731
     module_calls: Callable = lambda cfg, k_max: {}  # noqa: E731
     train_flops: Callable = _forward_flops
+
+
+# ---- what runs -------------------------------------------------------------------------------------------------------
+def padded_execution(model, cfg, probe) -> dict:
+    """Family.execution of a model whose blocks run on padded rows [B, L, d] (packed documents in rows with
+    ``data.pack``): the layout and the attention kernel for activations like ``probe`` (device, dtype)."""
+    from pipeline.models.layers import attention_kernel
+
+    return {"layout": "packed-rows" if cfg.data.pack else "padded",
+            "attention": attention_kernel(getattr(cfg.model, "attn_backend", "auto"), probe)}
 
 
 # ---- Hugging Face export --------------------------------------------------------------------------------------------
@@ -238,6 +267,9 @@ class Family:
     # RunConfig -> None, ConfigError naming the key of what this family cannot run (pipeline.config.build_config
     # calls it once the config is built).
     check_config: Callable = lambda cfg: None  # noqa: E731
+    # (model, RunConfig, probe tensor on the training device in the compute dtype) -> {"layout": ..., "attention":
+    # ...}: what the blocks run on and which attention kernel, as the training's first lines and MLflow params say.
+    execution: Callable = padded_execution
 
     def hf_export(self) -> HFExport | None:
         """The family's HFExport (imported on first call), or None."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
-from pipeline.families.base import (BlockShape, Depth, Family, MaskedLMInference, Scaling, nucleotide_tokenizer,
-                                    register_family)
+import torch
+
+from pipeline.families.base import (Activations, Depth, Family, MaskedLMInference, Scaling, norm_extra,
+                                    nucleotide_tokenizer, register_family)
 from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig, initial_state
 from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
 from pipeline.models.layers import SandwichBlock
@@ -75,10 +77,30 @@ def _module_calls(cfg, k_max: int) -> dict:
     return {"embed": (2 + anchor, 2), "core": (k_max, window), "readout": (1 + anchor, 1)}
 
 
-def _blocks(cfg, k_max: float):
-    m = cfg.model
-    window = min(k_max, cfg.objective.backward_window or k_max)
-    return BlockShape(m.d_kv, m.d_ff, True, True), m.n_prelude + m.n_coda + window * m.n_core
+def sandwich_block_bytes(m, a: int, fused_norm: bool = True) -> float:
+    """Bytes per token one differentiated SandwichBlock keeps (padded or packed layout alike), at ``a`` bytes an
+    activation element: its input, the attention's normalized input, raw and rotated q and k, v, SDPA's output
+    (o_proj reads it as a view), the two residual sums, the normalized MLP input, and 4 d_ff (gate, up, silu(gate),
+    their product); the mask SDPA makes from the key mask (one element a token); in fp32 the four norms' and the QK
+    norms' rstd and SDPA's log-sum-exp (tests/pipeline/test_memory_model.py holds it to the saved tensors)."""
+    d, H, Hkv = m.d_model, m.n_heads, m.n_kv_heads
+    plain = norm_extra(fused_norm, a) * (4 * d + d + m.d_kv)  # the four norms of d, the QK norms of d and d_kv
+    return (9 * d + 3 * m.d_kv + 4 * m.d_ff + 1) * a + (4 + 2 * H + Hkv) * 4 + plain
+
+
+def _activations(cfg, a: int, k_max: float | None) -> Activations:
+    """Prelude, coda and the last min(K_max, W) core iterations are differentiated (truncated backprop); a core
+    iteration also keeps s (retention), B e (injection) and N_r's input; outside the blocks: the token ids, N_p's
+    input and e, s into W_o, N_o's input and output, the fp32 log-softmax over the vocabulary and the displacement's
+    two fp32 states. ``k_max`` None: the law's cap."""
+    m, obj = cfg.model, cfg.objective
+    d, fused = m.d_model, cfg.train.fused_norm
+    k = k_max if k_max is not None else law_depth(cfg)[0]
+    iters = min(k, obj.backward_window) if obj.backward_window else k
+    iteration = 3 * d * a + 4 + norm_extra(fused, a) * d
+    other = 8 + 5 * d * a + 2 * 4 + 4 * m.vocab_size + 2 * d * 4 + norm_extra(fused, a) * 2 * d
+    return Activations(block=sandwich_block_bytes(m, a, fused), blocks=m.n_prelude + m.n_coda + iters * m.n_core,
+                       block_input=d * a, other=other + iters * iteration)
 
 
 def _train_flops(cfg, pmf: list) -> tuple[float, float]:
@@ -98,9 +120,24 @@ def _wavefront_depth(cfg):
     return float(obj.train_depth if obj.depth_law == "fixed" else obj.k_cap)  # k_cap steps in every microbatch
 
 
-def _control_blocks(cfg, k_max: float):
-    m = cfg.model
-    return BlockShape(m.d_kv, m.d_ff, True, True), m.n_blocks
+def _control_activations(cfg, a: int, k_max: float | None) -> Activations:
+    """The fixed-depth control: its n_blocks SandwichBlocks once; outside them the token ids, the final norm's input
+    and output, the fp32 log-softmax and the displacement's fp32 difference (its state is its own previous one)."""
+    m, fused = cfg.model, cfg.train.fused_norm
+    other = 8 + 2 * m.d_model * a + 4 + 4 * m.vocab_size + 4 * m.d_model + norm_extra(fused, a) * m.d_model
+    return Activations(block=sandwich_block_bytes(m, a, fused), blocks=m.n_blocks, block_input=m.d_model * a,
+                       other=other)
+
+
+def _execution(model, cfg, probe) -> dict:
+    """Padded rows, or the packed tokens (model.unpad) with their varlen kernel and token buckets."""
+    from pipeline.models.layers import attention_kernel, varlen_kernel
+
+    backend = cfg.model.attn_backend
+    if not model.unpadded(probe.new_zeros((1, 1), dtype=torch.long)):
+        return {"layout": "padded", "attention": attention_kernel(backend, probe)}
+    return {"layout": "packed", "token_buckets": cfg.objective.token_buckets,
+            "attention": attention_kernel(backend, probe, varlen_kernel(backend, probe))}
 
 
 # ---- the specs ------------------------------------------------------------------------------------------------------
@@ -111,7 +148,7 @@ _COMMON = dict(make_transform=objective.make_transform, plan=objective.plan, los
 ECO_RNA = register_family(Family(
     name="eco_rna", config_cls=EcoRNAConfig, build_model=EcoRNA, objective_cls=objective.EcoRNAObjectiveConfig,
     depth=Depth(selectable=True, trained=law_depth, default=training_depth),
-    scaling=Scaling(blocks=_blocks, depth_law=_depth_law, module_calls=_module_calls, train_flops=_train_flops,
+    scaling=Scaling(activations=_activations, depth_law=_depth_law, module_calls=_module_calls, train_flops=_train_flops,
                     drawn_depth=True, wavefront_depth=_wavefront_depth,
                     # the core's call count changes per microbatch unless the wavefront or the depth is fixed
                     per_step_depth=lambda cfg: not (cfg.objective.fixed_wavefront
@@ -119,14 +156,14 @@ ECO_RNA = register_family(Family(
     inference=MaskedLMInference(residue_ids=nucleotide_residue_ids, forward=_recurrent_forward, variants="rnagym",
                                 prepare=lambda cfg, seed: objective.state_table(cfg.model, cfg.data.context_length,
                                                                                 seed)),
-    hf="pipeline.families.eco_rna_hf:EXPORT", **_COMMON))
+    hf="pipeline.families.eco_rna_hf:EXPORT", execution=_execution, **_COMMON))
 
 # The matched fixed-depth control (A.6): same data, masking and loss code; depth fixed, auxiliary terms off. No HF
 # classes: its export holds the pipeline's files only.
 ECO_RNA_CONTROL = register_family(Family(
     name="eco_rna_control", config_cls=FixedDepthConfig, build_model=FixedDepthMLM,
     objective_cls=objective.FixedDepthObjectiveConfig, depth=Depth(trained=law_depth),
-    scaling=Scaling(blocks=_control_blocks, module_calls=lambda cfg, k_max: {"embed": (2, 2)},  # tied head
+    scaling=Scaling(activations=_control_activations, module_calls=lambda cfg, k_max: {"embed": (2, 2)},  # tied head
                     train_flops=lambda cfg, pmf: (cfg.model.train_flops([1], cfg.data.context_length, 1), 0.0)),
     inference=MaskedLMInference(residue_ids=nucleotide_residue_ids, forward=_control_forward, variants="rnagym"),
     **_COMMON))

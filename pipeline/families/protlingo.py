@@ -3,8 +3,8 @@ UniRef (the ESM-2 alphabet)."""
 from __future__ import annotations
 
 from pipeline.data.protein_tokenizer import PAD_ID as ESM_PAD_ID
-from pipeline.families.base import (BlockShape, Depth, Family, MaskedLMInference, Scaling, esm_tokenizer,
-                                    layer_count, objective_validation, register_family)
+from pipeline.families.base import (Activations, Depth, Family, MaskedLMInference, Scaling, esm_tokenizer,
+                                    layer_count, norm_extra, objective_validation, register_family)
 from pipeline.models.protlingo import EsmBlock, ProtLingo, ProtLingoConfig, hf_to_protlingo, state_from_esm2
 from pipeline.objectives import protlingo as objective
 
@@ -38,6 +38,28 @@ def _forward(model, cfg, prepared, tokens, mask, depth):
     return logits, captured["h"], None, 0
 
 
+def _activations(cfg, a: int, k_max: float | None) -> Activations:
+    """Bytes per token ProtLingo's forward keeps (tests/pipeline/test_memory_model.py holds them to the saved
+    tensors). An ESM block: its input, the normalized input, rotated q and k, v, SDPA's output, the residual sum,
+    the normalized FFN input and the FFN's two d_ff (fc1's output, GELU's); fp32: two LayerNorms' mean and rstd,
+    SDPA's log-sum-exp, its mask. An MoE block runs the shared expert on every token and one routed expert (hidden
+    d_ff together, as the dense FFN), plus the real tokens' gathered copy, the routed input and output, their
+    weighted sum and the scatter (4 d), the router's fp32 input (bf16 runs) and its E-wide logits. A memory layer:
+    9 d (norms, W_q's input, k, v, the gate's product, the padded and convolved and gated updates), the R x d_m
+    looked-up rows, the latent z, the R int64 row indices, and the fp32 copies the gate multiplies. Outside: token
+    ids, the final LayerNorm, the head's dense, GELU and LayerNorm, the fp32 log-softmax."""
+    m = cfg.model
+    d, H, E, fused = m.d_model, m.n_heads, m.num_experts, cfg.train.fused_norm
+    dense = (8 * d + 2 * m.d_ff) * a + (2 * 2 + H + 1) * 4
+    moe = dense + 4 * d * a + (4 - a) * d + 3 * E * 4
+    n_moe = len(m.moe_layers)
+    block = (dense * (m.n_layers - n_moe) + moe * n_moe) / m.n_layers
+    memory = ((9 * d + m.routes * m.memory_dim + m.memory_latent) * a + (4 - a) * 2 * d + 8 * m.routes + 7 * 4
+              + norm_extra(fused, a) * 3 * d)
+    other = 8 + 5 * d * a + 4 * 4 + 4 * m.vocab_size + 16 + len(m.memory_layers) * memory
+    return Activations(block=block, blocks=m.n_layers, block_input=d * a, other=other)
+
+
 PROTLINGO = register_family(Family(
     name="protlingo", config_cls=ProtLingoConfig, build_model=ProtLingo,
     objective_cls=objective.ProtLingoObjectiveConfig, make_transform=objective.make_transform,
@@ -49,8 +71,6 @@ PROTLINGO = register_family(Family(
     read_export=read_export, depth=Depth(trained=layer_count),
     # ESM2 layers (GELU MLP; an MoE layer runs the shared and one routed expert, together d_ff); the head is tied
     # to the embedding (a second use of its weight)
-    scaling=Scaling(blocks=lambda cfg, k_max: (BlockShape(cfg.model.d_model, cfg.model.d_ff, False, False),
-                                               cfg.model.n_layers),
-                    module_calls=lambda cfg, k_max: {"embed": (2, 2)}),
+    scaling=Scaling(activations=_activations, module_calls=lambda cfg, k_max: {"embed": (2, 2)}),
     inference=MaskedLMInference(residue_ids=residue_ids, forward=_forward, variants="proteingym"),
     hf="pipeline.families.protlingo_hf:EXPORT"))

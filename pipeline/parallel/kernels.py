@@ -6,7 +6,9 @@
   ``torch.compile``, which fuses the elementwise work around the GEMMs (RoPE, QK-norm, SwiGLU, residual adds) into a
   few kernels. Shapes are dynamic: the wavefront's core calls change their row count at every step, and a block
   compiled per shape would recompile at each. Recompiles are bounded (``RECOMPILE_LIMIT`` graphs per block; beyond
-  that torch runs the block eagerly) and counted by :func:`compiled_graphs`.
+  that torch runs the block eagerly) and counted by :func:`compiled_graphs`;
+- ``train.cuda_graphs``: the compiled blocks in torch.compile's "reduce-overhead" mode, which records a CUDA graph
+  per shape and replays it (one launch for a block's kernels).
 """
 from __future__ import annotations
 
@@ -25,19 +27,20 @@ def apply_kernels(model: torch.nn.Module, cfg, block_types: tuple) -> torch.nn.M
     """Apply train.fused_norm and train.compile to ``model`` in place; returns it."""
     set_fused_norms(model, cfg.train.fused_norm)
     if cfg.train.compile == "blocks":
-        compile_blocks(model, block_types)
+        compile_blocks(model, block_types, "reduce-overhead" if cfg.train.cuda_graphs else None)
     return model
 
 
-def compile_blocks(model: torch.nn.Module, block_types: tuple) -> int:
-    """Each module of ``block_types`` runs its forward through torch.compile (dynamic shapes); returns the count."""
+def compile_blocks(model: torch.nn.Module, block_types: tuple, mode: str | None = None) -> int:
+    """Each module of ``block_types`` runs its forward through torch.compile (dynamic shapes, torch.compile's
+    ``mode``); returns the count."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, RECOMPILE_LIMIT)
     n = 0
     for module in model.modules():
         if block_types and isinstance(module, block_types):
-            module.forward = torch.compile(module.forward, dynamic=True)
+            module.forward = torch.compile(module.forward, dynamic=True, mode=mode)
             n += 1
     if not n:
         raise ConfigError("train.compile: blocks, but the model has no transformer block its family declares "

@@ -132,8 +132,8 @@ class Tracker:
     """
 
     def __init__(self, cfg, run_dir: Path, rank: int, resume_run_id: str | None, resume_step: int | None,
-                 tags: dict | None = None, *, flush_timeout_s: float | None = None, retry_s: float = 1.0,
-                 max_retry_s: float = 60.0):
+                 tags: dict | None = None, *, params: dict | None = None, flush_timeout_s: float | None = None,
+                 retry_s: float = 1.0, max_retry_s: float = 60.0):
         self.rank, self.run_dir = rank, Path(run_dir).resolve()
         self.enabled = bool(cfg.tracking.enabled)
         self.uri = tracking_uri(cfg, run_dir) if self.enabled else None
@@ -148,7 +148,7 @@ class Tracker:
         error = None
         if rank == 0 and self.enabled:
             try:
-                error = self._start(cfg, resume_run_id, resume_step, tags)
+                error = self._start(cfg, resume_run_id, resume_step, tags, params or {})
             except Exception as e:  # e.g. a journal that cannot be written: tracking off, training on
                 _warn(f"disabled ({_short(e)}); metrics stay in {self.run_dir / 'metrics.jsonl'}")
                 self._stop_worker()
@@ -178,11 +178,12 @@ class Tracker:
         with self._cv:
             return len(self._queue) + len(self._inflight)
 
-    def _start(self, cfg, resume_run_id, resume_step, tags) -> str | None:
+    def _start(self, cfg, resume_run_id, resume_step, tags, params: dict) -> str | None:
         run_dir = self.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         state = read_state(run_dir)
-        params_now = config_params(cfg.to_dict())
+        # the config, and what it resolved to on this machine (``params``: layout, kernels, microbatch)
+        params_now = {**config_params(cfg.to_dict()), **{k: str(v) for k, v in params.items()}}
         pending_key = resume_run_id[len(PENDING):] if resume_run_id and resume_run_id.startswith(PENDING) else None
         resume_real = resume_run_id if resume_run_id and pending_key is None else None
         if resume_run_id and state is not None:

@@ -143,6 +143,7 @@ class Throughput(Callback):
             rec["mfu"] = rec["tflops_per_device"] * 1e12 / trainer.cfg.train.peak_flops_per_device
         if torch.cuda.is_available():  # this rank's allocator peak since start-up, GiB (bench/gpu_report.py reads it)
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            rec["predicted_mem_gib"] = float(trainer.resolved["memory_model_gib"])  # pipeline/train/memory.py
         if _console_step(trainer):
             self.interval = [0, 0]
 

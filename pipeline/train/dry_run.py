@@ -44,12 +44,14 @@ def dry_run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_con
         dataset = plan.build_dataset(rank=0)  # stream g's shards do not depend on the rank reading it
     except ValueError as e:  # the loader's own input checks (workers, windows, cluster sampling): one line
         raise ConfigError(str(e).splitlines()[0]) from None
+    cfg = plan.cfg  # train.max_tokens_per_microbatch: auto resolved
     run_dir, nodes = plan.run_dir, world_size // local
     lines = ["dry run: resolved without starting anything; nothing was written",
              f"run_dir: {run_dir} ({'exists' if run_dir.exists() else 'not created yet'})",
              f"world: {world_size} ranks = {nodes} node{'s' if nodes > 1 else ''} x {local} ranks per node"
              + (f" ({origin})" if origin else "") + (f"; rank r runs on node r // {local}" if nodes > 1 else ""),
-             *_plan_batch(cfg, world_size), _plan_budget(cfg, plan.dataset_samples), *_plan_resume(plan)]
+             *_plan_batch(cfg, world_size), *([f"  {plan.microbatch.why}"] if plan.microbatch else []),
+             _plan_budget(cfg, plan.dataset_samples), *_plan_resume(plan)]
     if cfg.train.expert_parallel_size > 1:
         lines += _plan_expert_parallel(cfg, world_size, local, plan.moe_backend)
     elif getattr(cfg.model, "moe_layers", None):

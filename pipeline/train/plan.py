@@ -24,6 +24,7 @@ from pipeline.data.streams import (Source, StreamLayout, is_url_pattern, reshard
 from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.families import get_family
 from pipeline.parallel import check_parallelism
+from pipeline.train.memory import resolve_auto, training_device
 from pipeline import validation
 
 
@@ -48,20 +49,30 @@ class RunPlan:
         for p in (self.run_dir, *self.run_dir.parents):  # a file where the run directory (or a parent) belongs
             if p.exists() and not p.is_dir():
                 raise ConfigError(f"run_dir: {p} exists and is not a directory; choose another run_dir")
-        cfg.check_world_size(world_size)
-        self.ds_config = resolve_ds_config(load_ds_config(ds_config_path), cfg, world_size, ds_config_path,
-                                           torch.cuda.is_available())
-        self.ds_config_path = ds_config_path
-        self.zero_stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
-        # Expert parallelism and the MoE backend: EP size against experts, world size and ZeRO stage (ZeRO-3: none).
-        self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
-        self.moe_backend = check_parallelism(cfg, world_size, self.zero_stage, self.dtype)
         # resume_note: set when resume falls back from what 'latest' names
         self.resume_tag, self.resume_note = find_resume_tag(resume, self.ckpt_dir)
         self.trust_checkpoint = trust_checkpoint
         if self.resume_tag and not trust_checkpoint:  # refused here, in one line, before any process loads it
             check_pickles(self.ckpt_dir / self.resume_tag)
         self.saved = read_client_state(self.ckpt_dir / self.resume_tag) if self.resume_tag else None
+        raw_ds = load_ds_config(ds_config_path)
+        # train.max_tokens_per_microbatch: auto sized by the memory model (its ZeRO stage and precision read from
+        # the ds_config first), or kept from the checkpoint resumed; the run uses the resolved config from here on
+        self.microbatch = None
+        if cfg.train.max_tokens_per_microbatch == "auto":
+            probe = resolve_ds_config(raw_ds, dataclasses.replace(
+                cfg, train=dataclasses.replace(cfg.train, max_tokens_per_microbatch=None, global_batch_tokens=None)),
+                world_size, ds_config_path, torch.cuda.is_available())
+            cfg, self.microbatch = resolve_auto(cfg, self.family, world=world_size, ds_config=probe,
+                                                saved=self.saved, device=training_device())
+            self.cfg = cfg
+        cfg.check_world_size(world_size)
+        self.ds_config = resolve_ds_config(raw_ds, cfg, world_size, ds_config_path, torch.cuda.is_available())
+        self.ds_config_path = ds_config_path
+        self.zero_stage = self.ds_config.get("zero_optimization", {}).get("stage", 0)
+        # Expert parallelism and the MoE backend: EP size against experts, world size and ZeRO stage (ZeRO-3: none).
+        self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
+        self.moe_backend = check_parallelism(cfg, world_size, self.zero_stage, self.dtype)
         # resuming on another world size, ZeRO stage or EP size: None, "universal" (DeepSpeed's universal
         # checkpoint) or "consolidated" (expert parallelism: the project's full-tensor path)
         self.reshard = None

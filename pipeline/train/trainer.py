@@ -31,6 +31,7 @@ from pipeline.tracking.tracker import Tracker
 from pipeline.train.callbacks import Callback, default_callbacks
 from pipeline.train.optim import lean_overflow_check, lr_factor, make_optimizer, param_groups, schedule_horizon
 from pipeline.train.plan import RunPlan
+from pipeline.train.resolved import line as resolved_line, resolved_settings
 from pipeline.train.ranks import check_ranks_agree
 from pipeline.train.step import train_step
 from pipeline.train.stop import MidStep, StopMidStep, StopRequest, TrainingStopped, peer_lost
@@ -46,8 +47,9 @@ class Trainer:
         """Resolve and check every input (RunPlan); ``callbacks`` run after the default ones."""
         self.plan = RunPlan(cfg, ds_config_path, resume, allow_config_change, trust_checkpoint=trust_checkpoint,
                             allow_data_change=allow_data_change)
-        self.cfg, self.family, self.run_dir = cfg, self.plan.family, self.plan.run_dir
-        self.callbacks = default_callbacks(cfg) + list(callbacks or [])
+        # the plan's config: train.max_tokens_per_microbatch: auto resolved (pipeline/train/memory.py)
+        self.cfg, self.family, self.run_dir = self.plan.cfg, self.plan.family, self.plan.run_dir
+        self.callbacks = default_callbacks(self.cfg) + list(callbacks or [])
         self.state = TrainState(init_from=str(self.plan.init_source.resolve()) if self.plan.init_source else None)
 
     # -- setup ------------------------------------------------------------------------------------------------------
@@ -99,6 +101,11 @@ class Trainer:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         lean_overflow_check(self.optimizer)  # bf16 ZeRO-1/2: one foreach norm instead of a check per gradient
         set_collective_timeout(self.cfg.train.collective_timeout)  # also on the groups DeepSpeed just made
+        self.resolved = resolved_settings(self.engine.module, self.cfg, plan, self.device)
+        if self.rank == 0:
+            print(resolved_line(self.resolved), flush=True)
+            if plan.microbatch:
+                print(plan.microbatch.why, flush=True)
 
         self.checkpointer = Checkpointer(self.cfg, self.run_dir, self.engine, self.optimizer, plan.ds_config,
                                          self.rank, self.world, trusted=plan.trust_checkpoint,
@@ -109,7 +116,8 @@ class Trainer:
             self.checkpointer.prepare_run_dir(plan.resume_tag, self.state)
         dist.barrier()
         self.tracker = Tracker(self.cfg, self.run_dir, self.rank, run_id,
-                               self.state.step if plan.resume_tag else None, tags=parent)
+                               self.state.step if plan.resume_tag else None, tags=parent,
+                               params={f"resolved.{k}": v for k, v in self.resolved.items()})
         if not plan.resume_tag:
             self._log_inputs()
         self.dataset = plan.build_dataset(self.rank)
