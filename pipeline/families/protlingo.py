@@ -69,7 +69,10 @@ PROTLINGO = register_family(Family(
     # to the embedding (a second use of its weight)
     scaling=Scaling(blocks=lambda cfg, k_max: (BlockShape(cfg.model.d_model, cfg.model.d_ff, False, False),
                                                cfg.model.n_layers),
-                    module_calls=lambda cfg, k_max: {"embed": (2, 2)}),
+                    module_calls=lambda cfg, k_max: {"embed": (2, 2)},
+                    # one unpadded sequence: W_q has no backward, so not 3 x forward_flops
+                    train_flops=lambda cfg, pmf: (cfg.model.train_flops(1, cfg.data.context_length,
+                                                                        cfg.data.context_length), 0.0)),
     proxies=Proxies(narrow=narrow_twin, shapes=shapes_model),
     inference=MaskedLMInference(residue_ids=residue_ids, forward=_forward, variants="proteingym"),
     hf="pipeline.families.protlingo_hf:EXPORT"))
