@@ -41,6 +41,9 @@ BENCHES = [
     ("validation", "bench/validation.py", ("VAL.overhead", "VAL.per_eval")),
     ("step proxies", "bench/step_proxies.py",
      ("OPS.step", "OPS.forward", "OPS.backward", "OPS.optimizer", "SYNC.micro", "SYNC.step", "SHAPES.core")),
+    ("flops check", "bench/flops_check.py",
+     ("FLOPS.eco_rna_80m", "FLOPS.eco_rna_control_stage_a", "FLOPS.protlingo_150m", "FLOPS.recursive_gpt_100m",
+      "FLOPS.standard_h384")),
 ]
 
 # Every other bench/*.py, and why it is not in BENCHES (tests/bench/test_bench_quick.py checks that each script is
@@ -78,6 +81,10 @@ TARGETS = {
     # a quarter of the 20,895 operators one step dispatched at commit 354b0c0.
     "SYNC.micro": ("==", 0.0),
     "OPS.step": ("<=", 5224),
+    # FLOPs one training microbatch executes / the FLOPs its MFU counts, per family (issue 47; exact today,
+    # tests/bench/test_flops_check.py)
+    **{f"FLOPS.{c}": ("<=", 1.10) for c in ("eco_rna_80m", "eco_rna_control_stage_a", "protlingo_150m",
+                                             "recursive_gpt_100m", "standard_h384")},
 }
 _OPS = {"<=": operator.le, ">=": operator.ge, "==": operator.eq}
 

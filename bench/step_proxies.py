@@ -38,6 +38,13 @@ counts stand in for them (docs/performance.md has the measured values and what e
   depend on width or block count) and no backward or optimizer (a forward's core calls fix the backward's). Also
   the distinct (rows, length) of attention calls (prelude, core, coda, anchor readout). On the padded layout (CPU,
   and GPU without flash-attn) the shapes are [rows, L, d]; on the packed layout they are [tokens, d].
+- Any family (``--config``; nothing here names one): the counted microbatch is step_batch's (records of the family's
+  tokenizer kind through its own sample transform and the loader's collate, or pack_rows with data.pack), the narrow
+  twin the family's ``Proxies.narrow``; SHAPES reads shards of its tokenizer kind made from data/samples
+  (family_shards: Rfam, UniRef50 clusters, BabyLM text with a small sentencepiece model), runs them through its
+  ``Proxies.shapes`` model and counts the inputs of ``Proxies.core`` (else its blocks) as SHAPES.core and of its
+  blocks (Family.blocks: one attention each) as SHAPES.attention. ``--by-module``: one microbatch's forward
+  operators by module (module_census).
 
 Prints ``RESULT <ID> <value> <description>`` lines (bench/run_all.py's format) and the top operators per phase.
 --quick: 5 shape steps instead of 100 and one counted step instead of two (the repeat check left to the test):
@@ -45,7 +52,7 @@ Prints ``RESULT <ID> <value> <description>`` lines (bench/run_all.py's format) a
 
 Importable (tests, thresholds): ``count_step(overrides, ...) -> dict`` and ``core_shapes(steps, overrides, ...) ->
 set`` / ``shape_census(...) -> dict``; overrides are ``--set`` style strings applied after the config and the
-bench's own (OPS_RUN, SHAPES_MODEL), so a test can shrink the model.
+bench's own (OPS_RUN and the narrow twin, the family's SHAPES model), so a test can shrink the model.
 """
 from __future__ import annotations
 
@@ -72,15 +79,20 @@ SAMPLE_FASTA = REPO / "data" / "samples" / "rfam_nrc_train_sample.fasta.gz"
 # OPS / SYNC: a fixed step of 2 microbatches of 4 rows x 128 tokens, no token-budget batching (the batch is built
 # here, not by the loader), the config's model, objective and depth law (seeded per microbatch).
 OPS_RUN = ["train.micro_batch_size=4", "train.grad_accum_steps=2", "train.max_tokens_per_microbatch=null",
-           "data.length_window=0", "data.num_workers=0", "data.context_length=128"]
+           "data.length_window=0", "data.num_workers=0", "data.context_length=128",
+           # any family's config: no global batch to match, no word budget (its counting needs the sentencepiece
+           # model beside real shards; the counted step has none), no start from an export
+           "train.global_batch_size=null", "train.max_words=null", "checkpoint.at_words=[]", "train.init_from=null"]
 OPS_BATCH = dict(rows=4, length=128, lengths=(128, 117, 96, 70))  # real tokens per row: padding as in real batches
 OPS_STEP = 7  # the step index the plans are drawn for (fixes the depths)
-# SHAPES: the config's data and batching, a tiny model (width and block counts change no shape).
+# SHAPES: the config's data and batching, a tiny model (width and block counts change no shape): the family's
+# Proxies.shapes (shape_data); Eco-RNA's is this list (pipeline/families/eco_rna.py shapes_model).
 SHAPES_MODEL = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128", "model.n_prelude=1",
                 "model.n_core=1", "model.n_coda=1"]
 
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique", "aten::_unique2",
-            "aten::unique_dim", "aten::unique_consecutive", "aten::unique_dim_consecutive", "aten::equal"}
+            "aten::unique_dim", "aten::unique_consecutive", "aten::unique_dim_consecutive", "aten::equal",
+            "aten::bincount"}  # bincount: CUDA reads max(input) to size its output (ProtLingo's routing counts)
 BOOL_INDEX_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 PY_READS = ("tolist", "item", "numpy")
 # Operators that only make a new view or alias of a tensor's metadata: no kernel launch on CUDA. OPS counts them (the
@@ -126,7 +138,7 @@ def call_site() -> str:
         if fr.filename == here or any(s in fr.filename for s in _SKIP_FRAMES):
             continue
         f = fr.filename
-        for root in (str(REPO) + os.sep, os.sep + "site-packages" + os.sep):
+        for root in (os.sep + "site-packages" + os.sep, str(REPO) + os.sep):  # a venv may sit inside the repo
             if root in f:
                 f = f.split(root, 1)[1]
                 break
@@ -238,16 +250,18 @@ def width_twin(cfg) -> list[str]:
     vocabulary and every other setting kept): the same operators are dispatched, as no op count depends on a width
     (2026-12-04: every OPS and SYNC figure of the 80M config equal at d 768 and at d 96; docs/performance.md), and
     ZeRO-2's one reduce bucket holds either. A width-dependent path (a kernel chosen by size, more buckets than one)
-    would break this: ``count_step(full_width=True)`` / ``--full-width`` counts at the real widths."""
-    m = cfg.model
-    if not hasattr(m, "n_heads") or not hasattr(m, "d_ff"):
-        return []
-    return [f"model.d_model={8 * m.n_heads}", "model.d_ff=128"]
+    would break this: ``count_step(full_width=True)`` / ``--full-width`` counts at the real widths. Asked of the
+    config's family (pipeline/families: Proxies.narrow), which knows its width fields (ProtLingo's shared expert and
+    memory latent, RecursiveGPT's factorized embedding)."""
+    from pipeline.families import get_family
+
+    return list(get_family(cfg.family).proxies.narrow(cfg))
 
 
 def fixed_batch(cfg, index: int, rows: int | None = None, length: int | None = None, lengths=None):
-    """Microbatch ``index`` of the counted step: seeded residues between <cls> and <eos>, right-padded to
-    ``length``, 15% of each row's residues masked and supervised (at least one per row)."""
+    """Eco-RNA's first counted microbatch: seeded residues between <cls> and <eos>, right-padded to ``length``, 15%
+    of each row's residues masked and supervised (at least one per row). count_step now uses step_batch, any
+    family's; for Eco-RNA every OPS and SYNC count is the same with either (checked operator by operator)."""
     import torch
 
     from pipeline.data.batch import Batch
@@ -273,6 +287,68 @@ def fixed_batch(cfg, index: int, rows: int | None = None, length: int | None = N
         labels[r, sup] = ids[r, sup]
         ids[r, sup] = tok.mask_id
     return Batch(ids, labels, mask, [f"fixed/{index}/{r}" for r in range(rows)], origin=(0, index))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# any family: the counted microbatch and the SHAPES data, from the spec (tokenizer kind, sample transform, proxies)
+# --------------------------------------------------------------------------------------------------------------------
+def record_pool(kind: str, cfg):
+    """The ids a shard record of tokenizer ``kind`` (Family.tokenizer, pipeline/data/compat.py KINDS) holds, as
+    data_prep writes them: the molecule's bases, the 20 standard amino acids, any sentencepiece piece but the four
+    specials (pad, <s>, </s>, unk) below the model's vocabulary."""
+    import numpy as np
+
+    from pipeline.data.protein_tokenizer import ProteinTokenizer
+    from pipeline.data.tokenizer import NucleotideTokenizer, SPM_UNK_ID
+
+    pools = {"nucleotide": lambda: NucleotideTokenizer.residue_ids(cfg.data.molecule),
+             "esm": ProteinTokenizer.residue_ids,
+             "sentencepiece": lambda: np.arange(SPM_UNK_ID + 1, cfg.model.vocab_size)}
+    if kind not in pools:
+        raise ValueError(f"tokenizer kind {kind!r}: no record pool (known: {', '.join(pools)})")
+    return pools[kind]()
+
+
+def step_batch(cfg, family, index: int, rows: int | None = None, length: int | None = None, lengths=None):
+    """Microbatch ``index`` of the counted step for any family: seeded records of the family's tokenizer kind
+    (record_pool), through the family's own sample transform (framing, masking or the causal shift:
+    ``family.make_transform``) and the loader's batching (collate, or pack_rows with ``data.pack``: two documents a
+    row), right-padded to ``length``. Row r holds ``lengths[r]`` real tokens, framing included (OPS_BATCH: 128, 117,
+    96, 70); origin (0, index), so the plans (Eco-RNA's depths) are drawn as for the loader's microbatch ``index``."""
+    import numpy as np
+
+    from pipeline.data.batch import collate, pack_rows
+
+    rows = rows or OPS_BATCH["rows"]
+    length = length or OPS_BATCH["length"]
+    lengths = list(lengths or OPS_BATCH["lengths"])[:rows]
+    lengths += [length] * (rows - len(lengths))
+    pool = record_pool(family.tokenizer, cfg)
+    transform = family.make_transform(cfg)
+    # tokens the transform adds to a record (MLM: <cls> and <eos>; causal LM: <s> and </s> less the shift)
+    framing = len(transform(pool[:1].astype(np.uint16), np.random.default_rng(0))["input_ids"]) - 1
+
+    def sample(r: int, d: int, n: int) -> dict:
+        rng = np.random.default_rng([1000 + index, r, d])
+        s = transform(pool[rng.integers(len(pool), size=max(1, min(n, length) - framing))].astype(np.uint16), rng)
+        return {**s, "sample_id": f"fixed/{index}/{r}/{d}"}
+
+    if cfg.data.pack:  # whole documents side by side, as the packing loader makes rows (document and position ids)
+        docs = [[sample(r, 0, n // 2), sample(r, 1, n - n // 2)] for r, n in enumerate(lengths)]
+        b = pack_rows(docs, length, family.pad_id)
+    else:
+        b = collate([sample(r, 0, n) for r, n in enumerate(lengths)], family.pad_id)
+        pad = length - b.input_ids.shape[1]  # every row shorter than ``length``: padded on to it
+        if pad > 0:
+            import torch.nn.functional as F
+
+            from pipeline.data.tokenizer import IGNORE_INDEX
+
+            b.input_ids = F.pad(b.input_ids, (0, pad), value=family.pad_id)
+            b.labels = F.pad(b.labels, (0, pad), value=IGNORE_INDEX)
+            b.attention_mask = F.pad(b.attention_mask, (0, pad), value=False)
+    b.origin = (0, index)
+    return b
 
 
 def build_engine(cfg, ds_config: Path = DS_CONFIG):
@@ -348,7 +424,7 @@ def count_step(overrides=(), *, family=None, config: Path = CONFIG, ds_config: P
     base = get_family(cfg.family) if family is None else family
     engine = build_engine(cfg, ds_config)
     device = torch.device("cpu")
-    micro = [fixed_batch(cfg, i, **(batch or {})) for i in range(cfg.train.grad_accum_steps)]
+    micro = [step_batch(cfg, base, i, **(batch or {})) for i in range(cfg.train.grad_accum_steps)]
     results = []
     for r in range(warmup + repeats):
         counter = StepCounter(sites=sites)
@@ -378,7 +454,7 @@ def count_step(overrides=(), *, family=None, config: Path = CONFIG, ds_config: P
         out["repeat_equal"] = all(all(r[k] == out[k] for k in keys) for r in results[1:])
     out["config"] = {"rows": micro[0].input_ids.shape[0], "length": micro[0].input_ids.shape[1],
                      "grad_accum_steps": cfg.train.grad_accum_steps, "step": OPS_STEP,
-                     "depths": [list(p.depths) for p in
+                     "depths": [list(p.depths) if hasattr(p, "depths") else None for p in  # drawn depths only
                                 (base.plan(b, cfg, step=OPS_STEP, stream=b.origin[0], index=b.origin[1])
                                  for b in micro)],
                      "params": sum(p.numel() for p in engine.module.parameters())}
@@ -396,23 +472,53 @@ def build_shards(out: Path) -> Path:
     return out
 
 
+SAMPLES = REPO / "data" / "samples"
+SPM_VOCAB = 4096  # the SHAPES text model's pieces: the shipped BabyLM sample fills about that many
+
+
+def _data_prep(*args) -> None:
+    subprocess.run([sys.executable, "-m", "data_prep", *map(str, args)], cwd=REPO, check=True, capture_output=True)
+
+
+def family_shards(family, out: Path) -> tuple[Path, list[str]]:
+    """Shards of the family's tokenizer kind from the shipped samples (data/samples), by the real data_prep CLI, as
+    bench/gpu.sh's step 2 makes them; -> (shard directory, the ``--set`` overrides they need). Nucleotide: the Rfam
+    sample (build_shards); esm: the UniRef90 members of the sample's UniRef50 clusters (uniref --clusters);
+    sentencepiece: a SPM_VOCAB-piece model trained on the BabyLM samples, then the babylm job (the model's
+    vocabulary shrunk to the tokenizer's: the head's width changes no shape)."""
+    kind = family.tokenizer
+    if kind == "nucleotide":
+        return build_shards(out), []
+    if kind == "esm":
+        _data_prep("uniref", "--input", SAMPLES / "uniref90_clusters_sample.fasta.gz", "--clusters",
+                   SAMPLES / "uniref50_to_uniref90_sample.tsv", "--output", out, "--shard-size", 100,
+                   "--progress", "off")
+        return out, []
+    if kind == "sentencepiece":
+        texts = sorted(SAMPLES.glob("babylm_*_train_sample.txt.gz"))
+        _data_prep("train-spm", "--input", *texts, "--output", out.parent / "spm", "--vocab-size", SPM_VOCAB)
+        _data_prep("babylm", "--spm", out.parent / "spm.model", "--input", *texts, "--output", out,
+                   "--shard-size", 2000, "--progress", "off")
+        return out, [f"model.vocab_size={SPM_VOCAB}"]
+    raise ValueError(f"tokenizer kind {kind!r}: no shipped sample to shard")
+
+
 def shape_census(steps: int, overrides=(), *, shards: Path | None = None, config: Path = CONFIG) -> dict:
     """{"core": {(rows, length, grad), ...} ({(tokens, grad)} on the packed layout), "attention": {(rows, length)},
     "core_calls", "attention_calls", "steps", "microbatches", "batches": [(rows, length)] per microbatch} over
-    ``steps`` steps of the real loader (module docstring); ``overrides`` after SHAPES_MODEL; ``shards``: a
-    data_prep'd directory (default: the Rfam sample, built into a temp dir)."""
+    ``steps`` steps of the real loader (module docstring); ``overrides`` after the family's SHAPES model (Eco-RNA:
+    SHAPES_MODEL); ``shards``: a data_prep'd directory (default: the shipped sample of the family's tokenizer kind,
+    built into a temp dir: family_shards)."""
     import torch
 
     from pipeline.config import load_config
     from pipeline.data.loader import make_loader
-    from pipeline.models.eco_rna import Core
-    from pipeline.models.layers import Attention
     from pipeline.train.plan import RunPlan
 
     with tempfile.TemporaryDirectory(prefix="step_proxies_shapes_") as tmp:
         tmp = Path(tmp)
-        shards = shards or build_shards(tmp / "shards")
-        cfg = load_config(config, SHAPES_MODEL + [f"data.train_shards={shards}", f"run_dir={tmp / 'run'}"]
+        shards, model_sets = shape_data(config, tmp, shards)
+        cfg = load_config(config, model_sets + [f"data.train_shards={shards}", f"run_dir={tmp / 'run'}"]
                           + list(overrides))
         plan = RunPlan(cfg, str(DS_CONFIG), resume="never", world_size=1)
         family = plan.family
@@ -426,8 +532,9 @@ def shape_census(steps: int, overrides=(), *, shards: Path | None = None, config
         def on_attn(mod, args):
             attn[tuple(args[0].shape[:-1])] += 1
 
-        hooks = [m.register_forward_pre_hook(on_core if isinstance(m, Core) else on_attn)
-                 for m in model.modules() if isinstance(m, (Core, Attention))]
+        core_cls, block_cls = census_modules(family)  # hooked separately: a block may be the core too
+        hooks = [m.register_forward_pre_hook(on_core) for m in model.modules() if isinstance(m, core_cls)]
+        hooks += [m.register_forward_pre_hook(on_attn) for m in model.modules() if isinstance(m, block_cls)]
         dataset = plan.build_dataset(0)
         loader = make_loader(dataset, cfg.data.num_workers)
         n_micro, batches = 0, []
@@ -449,6 +556,82 @@ def shape_census(steps: int, overrides=(), *, shards: Path | None = None, config
             "attention_calls": sum(attn.values()), "steps": steps, "microbatches": n_micro, "batches": batches}
 
 
+def module_census(overrides=(), *, config: Path = CONFIG, full_width: bool = False, index: int = 0) -> dict:
+    """Where a microbatch's forward operators go, by module: ``family.plan`` and ``family.loss`` of step_batch
+    ``index`` on the bare model (no DeepSpeed engine; the config as count_step builds it, narrow twin unless
+    ``full_width``), each dispatched aten op charged to the innermost running module whose class is the project's
+    (pipeline.*: a Linear's ops go to the FFN or attention that holds it; ops outside any, the loss's, to "loss").
+    -> {"forward": {class: ops}, "ops": {class: {aten op: n}}, "backward": {aten op: n} (the autograd backward of
+    the same loss, without ZeRO's gradient hooks), "calls": {class: forward calls}}."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pipeline.families import get_family
+
+    cfg = ops_config(overrides, config)
+    if not full_width:
+        cfg = ops_config(width_twin(cfg) + list(overrides), config)
+    family = get_family(cfg.family)
+    torch.manual_seed(cfg.seed)
+    model = family.build_model(cfg.model)
+    b = step_batch(cfg, family, index)
+    plan = family.plan(b, cfg, step=OPS_STEP, stream=b.origin[0], index=b.origin[1])
+    stack, calls = ["loss"], collections.Counter()
+    ops = collections.defaultdict(collections.Counter)
+    backward = collections.Counter()
+    phase = {"backward": False}
+
+    def pre(mod, args):
+        if type(mod).__module__.startswith("pipeline."):
+            stack.append(type(mod).__name__)
+            calls[type(mod).__name__] += 1
+
+    def post(mod, args, out):
+        if type(mod).__module__.startswith("pipeline."):
+            stack.pop()
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            (backward if phase["backward"] else ops[stack[-1]])[func._schema.name] += 1
+            return func(*args, **(kwargs or {}))
+
+    hooks = [m.register_forward_pre_hook(pre) for m in model.modules()]
+    hooks += [m.register_forward_hook(post) for m in model.modules()]
+    try:
+        with Mode():
+            out = family.loss(model, b, cfg, plan)
+            phase["backward"] = True
+            out.sum_loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"forward": {k: c.total() for k, c in ops.items()}, "ops": {k: dict(c) for k, c in ops.items()},
+            "backward": dict(backward), "calls": dict(calls)}
+
+
+def shape_data(config: Path, tmp: Path, shards: Path | None = None) -> tuple[Path, list[str]]:
+    """SHAPES' shards (given, or family_shards of the config's family into ``tmp``) and the ``--set`` overrides of
+    its model: the family's Proxies.shapes (Eco-RNA: d 64, one block per stack), then what the shards need, and no
+    start from an export (a random model gives the same shapes)."""
+    from pipeline.config import load_config
+    from pipeline.families import get_family
+
+    cfg = load_config(config, ["train.init_from=null"])
+    family = get_family(cfg.family)
+    data_sets = []
+    if shards is None:
+        shards, data_sets = family_shards(family, tmp / "shards")
+    return shards, list(family.proxies.shapes(cfg)) + data_sets + ["train.init_from=null"]
+
+
+def census_modules(family) -> tuple[tuple, tuple]:
+    """(the module classes whose inputs SHAPES.core counts, those SHAPES.attention counts): the family's
+    Proxies.core (or its blocks), and its blocks (Family.blocks): every block runs one attention on its input's
+    rows and length, so the blocks' input shapes are the attention calls' (Eco-RNA: its sandwich blocks, one
+    Attention each)."""
+    return tuple(family.proxies.core or family.blocks), tuple(family.blocks)
+
+
 def core_shapes(steps: int, overrides=(), **kw) -> set:
     """The distinct core input shapes of shape_census."""
     return shape_census(steps, overrides, **kw)["core"]
@@ -462,6 +645,15 @@ def _top(counter: dict, n: int) -> str:
     return ", ".join(f"{k.removeprefix('aten::')} {v}" for k, v in items)
 
 
+def print_module_census(m: dict, top: int) -> None:
+    fwd = sum(m["forward"].values())
+    print(f"one microbatch on the bare model: {fwd} forward operators, {sum(m['backward'].values())} in autograd's "
+          f"backward (without ZeRO's hooks); forward by module (calls; share; top operators):")
+    for k, v in sorted(m["forward"].items(), key=lambda kv: -kv[1]):
+        print(f"  {k} ({m['calls'].get(k, 0)} calls) {v} ({v / fwd:.0%}): {_top(m['ops'][k], top)}")
+    print(f"  backward: {_top(m['backward'], top)}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
@@ -471,12 +663,14 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for OPS/SYNC (after the bench's own), repeatable")
     p.add_argument("--shape-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for SHAPES (after SHAPES_MODEL), repeatable")
+                   help="config override for SHAPES (after the family's SHAPES model), repeatable")
     p.add_argument("--top", type=int, default=15, help="operators listed per phase (default 15)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--skip-shapes", action="store_true")
     p.add_argument("--full-width", action="store_true",
                    help="OPS/SYNC at the config's own widths (80M: ~5 min) instead of its narrow twin (same counts)")
+    p.add_argument("--by-module", action="store_true",
+                   help="also one microbatch's forward operators by module (module_census: bare model, no engine)")
     args = p.parse_args(argv)
     import torch
 
@@ -514,6 +708,8 @@ def main(argv=None) -> int:
     print(f"RESULT SYNC.micro {r['sync_micro']} host syncs inside the microbatch loop (loss, backward, non-final "
           f"engine.step, loop bookkeeping; CUDA-syncing ops + tolist/item/numpy)")
     print(f"RESULT SYNC.step {r['sync_step']} host syncs in the whole train_step")
+    if args.by_module:
+        print_module_census(module_census(args.set, config=args.config, full_width=args.full_width), args.top)
     if not args.skip_shapes:
         t1 = time.perf_counter()
         s = shape_census(shape_steps, args.shape_set, config=args.config)

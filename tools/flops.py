@@ -23,7 +23,13 @@ n_attn(K) the attention layers applied (scores and values over the full L x L, c
   (standard: every K is the same, the model has one depth) and P_blk = 4 H^2 + H n_heads + 2 H d_ff.
   standard_h384 at L = 512: N = 28,535,808 (its 41,139,072 parameters less the input embedding's 12,582,912 and the
   norms' 20,352), so 2 N L = 29.221 G plus attention 12 x 4 L^2 H = 4.832 G: 34.053 GFLOPs.
-* eco_rna_control, protlingo: one depth; ``depth`` does not change the count.
+* eco_rna_control, protlingo: one depth; ``depth`` does not change the count. ProtLingo's adds the memory's
+  depthwise convolution (3 taps: 6 L d per memory layer), which runs as a convolution, not a matrix multiply.
+
+A training step's count is not always 3 x this: the backward repeats no multiply of Eco-RNA's iterations outside
+its backward window nor of ProtLingo's W_q (no gradient reaches it), and ProtLingo's routed experts run on the real
+tokens only, not on padding. Each objective's "flops" total is the training count (what MFU divides), and
+bench/flops_check.py checks it against the FLOPs a step executes.
 """
 from __future__ import annotations
 

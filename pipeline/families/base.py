@@ -149,6 +149,34 @@ def padded_execution(model, cfg, probe) -> dict:
             "attention": attention_kernel(getattr(cfg.model, "attn_backend", "auto"), probe)}
 
 
+# ---- the CPU proxies of a GPU step (bench/step_proxies.py, bench/flops_check.py) ------------------------------------
+def _no_overrides(cfg) -> list:
+    return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class Proxies:
+    """What bench/step_proxies.py (OPS, SYNC, SHAPES) and bench/flops_check.py (FLOPs executed against accounted)
+    ask of a family; everything else there (the counted microbatch, the shards SHAPES reads) follows from the spec's
+    tokenizer kind, ``make_transform`` and the run config (docs/performance.md).
+
+    narrow: RunConfig -> ``--set`` overrides of the config's narrow twin: every width shrunk (head_dim 8, FFN
+        widths about 128), every count kept that the step's operators follow (blocks, heads, KV heads, experts, the
+        MoE and memory layers, the vocabulary), so OPS and SYNC count the same operators as at the real widths, and
+        the FLOP check meets every term of the count, at a fraction of the time. [] : the config's own widths.
+    shapes: RunConfig -> ``--set`` overrides of the small model SHAPES runs its loader steps through: the narrow
+        twin with one block per stack, since the distinct input shapes follow the batches and the depth plan, not
+        the widths or the number of blocks. [] : the config's model.
+    core: the module classes whose input shapes SHAPES.core counts (rows, length, grad mode): the unit a depth
+        step repeats (Eco-RNA's Core: the wavefront changes its rows at every step), or () for Family.blocks (a
+        stack of blocks, each run on the whole microbatch).
+    """
+
+    narrow: Callable = _no_overrides
+    shapes: Callable = _no_overrides
+    core: tuple = ()
+
+
 # ---- Hugging Face export --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class HFExport:
@@ -270,6 +298,9 @@ class Family:
     # (model, RunConfig, probe tensor on the training device in the compute dtype) -> {"layout": ..., "attention":
     # ...}: what the blocks run on and which attention kernel, as the training's first lines and MLflow params say.
     execution: Callable = padded_execution
+    # The CPU proxies' hooks (Proxies: the narrow twin, the SHAPES model, the core module); the default counts the
+    # config's own model at its own widths.
+    proxies: Proxies = Proxies()
 
     def hf_export(self) -> HFExport | None:
         """The family's HFExport (imported on first call), or None."""

@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from pipeline.families.base import (Activations, Depth, Family, MaskedLMInference, Scaling, norm_extra,
+from pipeline.families.base import (Activations, Depth, Family, MaskedLMInference, Proxies, Scaling, norm_extra,
                                     nucleotide_tokenizer, register_family)
-from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig, initial_state
+from pipeline.models.eco_rna import Core, EcoRNA, EcoRNAConfig, initial_state
 from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
 from pipeline.models.layers import SandwichBlock
 from pipeline.objectives import eco_rna as objective
@@ -140,6 +140,19 @@ def _execution(model, cfg, probe) -> dict:
             "attention": attention_kernel(backend, probe, varlen_kernel(backend, probe))}
 
 
+# ---- the CPU proxies (bench/step_proxies.py) --------------------------------------------------------------------------
+def narrow_twin(cfg) -> list[str]:
+    """Proxies.narrow: head_dim 8 and SwiGLU width 128; blocks, heads, KV heads and vocabulary kept (2026-12-04:
+    every OPS and SYNC figure of the 80M config the same at d 768 and at d 96, docs/performance.md)."""
+    return [f"model.d_model={8 * cfg.model.n_heads}", "model.d_ff=128"]
+
+
+def shapes_model(cfg) -> list[str]:
+    """Proxies.shapes: d 64, one block per stack (prelude, core, coda)."""
+    return ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128", "model.n_prelude=1",
+            "model.n_core=1", "model.n_coda=1"]
+
+
 # ---- the specs ------------------------------------------------------------------------------------------------------
 _COMMON = dict(make_transform=objective.make_transform, plan=objective.plan, loss=objective.recurrent_loss,
                tokenizer="nucleotide", make_tokenizer=nucleotide_tokenizer, blocks=(SandwichBlock,),
@@ -156,7 +169,9 @@ ECO_RNA = register_family(Family(
     inference=MaskedLMInference(residue_ids=nucleotide_residue_ids, forward=_recurrent_forward, variants="rnagym",
                                 prepare=lambda cfg, seed: objective.state_table(cfg.model, cfg.data.context_length,
                                                                                 seed)),
-    hf="pipeline.families.eco_rna_hf:EXPORT", execution=_execution, **_COMMON))
+    hf="pipeline.families.eco_rna_hf:EXPORT", execution=_execution,
+    # SHAPES.core: the core's input, whose rows the right-aligned wavefront changes at every step
+    proxies=Proxies(narrow=narrow_twin, shapes=shapes_model, core=(Core,)), **_COMMON))
 
 # The matched fixed-depth control (A.6): same data, masking and loss code; depth fixed, auxiliary terms off. No HF
 # classes: its export holds the pipeline's files only.
@@ -166,4 +181,4 @@ ECO_RNA_CONTROL = register_family(Family(
     scaling=Scaling(activations=_control_activations, module_calls=lambda cfg, k_max: {"embed": (2, 2)},  # tied head
                     train_flops=lambda cfg, pmf: (cfg.model.train_flops([1], cfg.data.context_length, 1), 0.0)),
     inference=MaskedLMInference(residue_ids=nucleotide_residue_ids, forward=_control_forward, variants="rnagym"),
-    **_COMMON))
+    proxies=Proxies(narrow=narrow_twin, shapes=shapes_model), **_COMMON))

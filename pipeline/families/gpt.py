@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipeline.data.tokenizer import SPM_PAD_ID
-from pipeline.families.base import (Activations, Depth, Family, Scaling, layer_count, norm_extra,
+from pipeline.families.base import (Activations, Depth, Family, Proxies, Scaling, layer_count, norm_extra,
                                     objective_validation, register_family, sentencepiece_tokenizer)
 from pipeline.models.recursive_gpt import (DecoderBlock, RecursiveGPT, RecursiveGPTConfig, StandardGPT,
                                            StandardGPTConfig)
@@ -35,6 +35,14 @@ def _decoder_activations(n):
     return activations
 
 
+def narrow_twin(cfg) -> list[str]:
+    """Proxies.narrow: head_dim 8, MLP width 128 (mlp_ratio 16 / n_heads), E = 4 n_heads when factorized (E < H
+    kept); heads, steps or layers, norms and the vocabulary kept."""
+    m = cfg.model
+    return [f"model.d_model={8 * m.n_heads}", f"model.mlp_ratio={16 / m.n_heads!r}",
+            f"model.embed_dim={4 * m.n_heads if m.factorized else 'null'}"]
+
+
 _COMMON = dict(objective_cls=causal_lm.CausalLMObjectiveConfig, make_transform=causal_lm.make_transform,
                plan=causal_lm.plan, loss=causal_lm.loss, tokenizer="sentencepiece",
                make_tokenizer=sentencepiece_tokenizer, text=True, pad_id=SPM_PAD_ID, packable=True,
@@ -49,10 +57,12 @@ RECURSIVE_GPT = register_family(Family(
                     module_calls=lambda cfg, k_max: {"block": (k_max, k_max)},
                     train_flops=lambda cfg, pmf: (3 * cfg.model.forward_flops(length=cfg.data.context_length,
                                                                               depth=pmf[0][0]), 0.0)),
-    hf="pipeline.families.gpt_hf:RECURSIVE_EXPORT", **_COMMON))
+    hf="pipeline.families.gpt_hf:RECURSIVE_EXPORT",
+    proxies=Proxies(narrow=narrow_twin, shapes=lambda cfg: narrow_twin(cfg) + ["model.recurrence=1"]), **_COMMON))
 
 STANDARD_GPT = register_family(Family(
     name="standard_gpt", config_cls=StandardGPTConfig, build_model=StandardGPT,
     depth=Depth(trained=layer_count, sweep=lambda cfg: [cfg.model.n_layers]),  # its only depth
     scaling=Scaling(activations=_decoder_activations(lambda cfg, k_max: cfg.model.n_layers)),
-    hf="pipeline.families.gpt_hf:STANDARD_EXPORT", **_COMMON))
+    hf="pipeline.families.gpt_hf:STANDARD_EXPORT",
+    proxies=Proxies(narrow=narrow_twin, shapes=lambda cfg: narrow_twin(cfg) + ["model.n_layers=1"]), **_COMMON))

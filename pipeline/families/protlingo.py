@@ -2,8 +2,10 @@
 UniRef (the ESM-2 alphabet)."""
 from __future__ import annotations
 
+import math
+
 from pipeline.data.protein_tokenizer import PAD_ID as ESM_PAD_ID
-from pipeline.families.base import (Activations, Depth, Family, MaskedLMInference, Scaling, esm_tokenizer,
+from pipeline.families.base import (Activations, Depth, Family, MaskedLMInference, Proxies, Scaling, esm_tokenizer,
                                     layer_count, norm_extra, objective_validation, register_family)
 from pipeline.models.protlingo import EsmBlock, ProtLingo, ProtLingoConfig, hf_to_protlingo, state_from_esm2
 from pipeline.objectives import protlingo as objective
@@ -60,6 +62,22 @@ def _activations(cfg, a: int, k_max: float | None) -> Activations:
     return Activations(block=block, blocks=m.n_layers, block_input=d * a, other=other)
 
 
+def narrow_twin(cfg) -> list[str]:
+    """Proxies.narrow: head_dim 8 (d rounded up to a multiple of memory_bits: the routes split it), FFN 128 with a
+    shared expert of 64, memory latent 32; blocks, heads, experts, the MoE and memory layers and the memory's bits,
+    window and table kept."""
+    m = cfg.model
+    d = math.lcm(8 * m.n_heads, m.memory_bits)
+    return [f"model.d_model={d}", "model.d_ff=128", "model.moe_shared_hidden=64", "model.memory_latent=32"]
+
+
+def shapes_model(cfg) -> list[str]:
+    """Proxies.shapes: the narrow twin with one block, MoE and memory on it when the config has them."""
+    m = cfg.model
+    return narrow_twin(cfg) + ["model.n_layers=1", f"model.moe_layers={[0] if m.moe_layers else []}",
+                               f"model.memory_layers={[0] if m.memory_layers else []}"]
+
+
 PROTLINGO = register_family(Family(
     name="protlingo", config_cls=ProtLingoConfig, build_model=ProtLingo,
     objective_cls=objective.ProtLingoObjectiveConfig, make_transform=objective.make_transform,
@@ -71,6 +89,10 @@ PROTLINGO = register_family(Family(
     read_export=read_export, depth=Depth(trained=layer_count),
     # ESM2 layers (GELU MLP; an MoE layer runs the shared and one routed expert, together d_ff); the head is tied
     # to the embedding (a second use of its weight)
-    scaling=Scaling(activations=_activations, module_calls=lambda cfg, k_max: {"embed": (2, 2)}),
+    scaling=Scaling(activations=_activations, module_calls=lambda cfg, k_max: {"embed": (2, 2)},
+                    # one unpadded sequence: W_q has no backward, so not 3 x forward_flops
+                    train_flops=lambda cfg, pmf: (cfg.model.train_flops(1, cfg.data.context_length,
+                                                                        cfg.data.context_length), 0.0)),
+    proxies=Proxies(narrow=narrow_twin, shapes=shapes_model),
     inference=MaskedLMInference(residue_ids=residue_ids, forward=_forward, variants="proteingym"),
     hf="pipeline.families.protlingo_hf:EXPORT"))

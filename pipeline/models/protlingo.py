@@ -189,15 +189,37 @@ class ProtLingoConfig:
         return (self.num_params() - len(self.moe_layers) * routed_inactive
                 - len(self.memory_layers) * (table - table_active))
 
-    def forward_flops(self, length: int, depth: int | None = None) -> int:
-        """Matrix-multiply FLOPs of one forward at L tokens (a multiply-add counts two); ``depth`` is unused."""
+    def _flops_per_position(self, length: int) -> tuple[int, int, int]:
+        """FLOPs of one forward per token position of a [rows, L] batch, in three parts by where they run and
+        whether the backward repeats them (a multiply-add counts two):
+
+        (every position, differentiated: attention projections and scores, dense FFNs, the shared experts, the
+         memory's W_m, W_k, W_v and its depthwise convolution (3 taps), the head;
+         every position, forward only: the memory's address projection W_q, read only through the sign of q, so
+         autograd never reaches it;
+         real tokens only, differentiated: the router and the one routed expert of each MoE layer, which run on the
+         real tokens alone (UpcycledMoE.forward))."""
         L, d = length, self.d_model
-        attn = 8 * L * d * d + 4 * L * L * d
-        ffn = 4 * L * d * self.d_ff  # dense, and shared + one routed expert of a MoE layer
-        router = 2 * L * d * self.num_experts * len(self.moe_layers)
-        mem = 2 * L * (d * d + self.routes * self.memory_dim * self.memory_latent + 2 * self.memory_latent * d)
-        head = 2 * L * d * d + 2 * L * d * self.vocab_size
-        return self.n_layers * (attn + ffn) + router + len(self.memory_layers) * mem + head
+        n_moe, n_mem = len(self.moe_layers), len(self.memory_layers)
+        attn = 8 * d * d + 4 * L * d  # q, k, v, o; QK^T and PV over the L keys (padded ones included)
+        ffn = (self.n_layers - n_moe) * 4 * d * self.d_ff + n_moe * 4 * d * self.shared_hidden
+        mem = 2 * (self.routes * self.memory_dim * self.memory_latent + 2 * self.memory_latent * d) + 6 * d
+        head = 2 * d * d + 2 * d * self.vocab_size
+        routed = n_moe * (4 * d * (self.d_ff - self.shared_hidden) + 2 * d * self.num_experts)
+        return self.n_layers * attn + ffn + n_mem * mem + head, n_mem * 2 * d * d, routed
+
+    def forward_flops(self, length: int, depth: int | None = None) -> int:
+        """FLOPs of one forward of one sequence of L tokens, no padding (matrix multiplies and the memory's
+        depthwise convolution; a multiply-add counts two); ``depth`` is unused."""
+        return length * sum(self._flops_per_position(length))
+
+    def train_flops(self, rows: int, length: int, real_tokens: int) -> int:
+        """FLOPs one training microbatch [rows, L] with ``real_tokens`` real tokens executes, forward and backward
+        (the backward twice the forward's multiplies): the padded positions run everything but the routed experts
+        and the router; W_q runs forward only (_flops_per_position). bench/flops_check.py counts the executed
+        FLOPs against this (docs/performance.md)."""
+        every, forward_only, routed = self._flops_per_position(length)
+        return 3 * (rows * length * every + real_tokens * routed) + rows * length * forward_only
 
 
 # ------------------------------------------------------------------------------------------------------------------

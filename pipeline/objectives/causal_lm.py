@@ -45,6 +45,7 @@ class Plan:
     supervised: int | None = None  # supervised targets
     padded: bool = True  # some row has padding (else the model gets no mask: SDPA's causal kernel, no check per layer)
     words: int | None = None  # words among the targets (count_words), when counted
+    tokens: int | None = None  # real tokens (the attention mask's sum), when the loss's FLOP count needs them
 
 
 def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:

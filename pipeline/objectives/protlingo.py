@@ -50,9 +50,9 @@ class ProtLingoObjectiveConfig:
 
 
 def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
-    """Nothing to draw before the forward, nothing to synchronize across ranks: the supervised count, read on the
-    host (the loader's batch) so that the loss reads nothing back from the device."""
-    return Plan(supervised=batch.num_supervised)
+    """Nothing to draw before the forward, nothing to synchronize across ranks: the supervised and the real-token
+    counts, read on the host (the loader's batch) so that the loss reads nothing back from the device."""
+    return Plan(supervised=batch.num_supervised, tokens=int(batch.attention_mask.sum()))
 
 
 def make_transform(cfg):
@@ -71,7 +71,10 @@ def loss(model, batch, cfg, p: Plan) -> LossOutput:
                          reduction="sum")
     m = p.supervised if p.supervised is not None else int((batch.labels != IGNORE_INDEX).sum())
     stats = {"mlm_loss": (ce.detach(), m)}
-    totals = {"flops": 3 * batch.input_ids.shape[0] * cfg.model.forward_flops(batch.input_ids.shape[1])}
+    rows, length = batch.input_ids.shape
+    real = p.tokens if p.tokens is not None else int(batch.attention_mask.sum())
+    # what the step executes: the routed experts on the real tokens only, W_q without a backward
+    totals = {"flops": cfg.model.train_flops(rows, length, real)}
     aux = ce.new_zeros(())
     if out.moe_aux is not None:
         if obj.moe_loss_reduction == "sum":  # per-layer terms added; "mean" is what the model returns

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench import step_proxies as sp
+from conftest import REPO
 from pipeline.families import get_family
 
 # 1 + 1 x K + 1 blocks, depths capped at 3 so that a step is cheap; the config's depth law and anchor kept.
@@ -147,3 +148,128 @@ def test_the_80m_step_keeps_its_lean_figures():
     assert lean["ops_step"] <= 15_000, lean["ops_step"]
     plain = sp.count_step(["train.fused_norm=false"], sites=False)
     assert plain["ops_step"] - lean["ops_step"] >= 4_000, (plain["ops_step"], lean["ops_step"])
+
+
+# ---- any family: the config decides (ProtLingo, RecursiveGPT, ...) -------------------------------------------------
+CONFIGS = REPO / "launchers" / "configs"
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_narrow_twin_is_the_same_model_narrower(config):
+    """The family's narrow twin (Proxies.narrow, what OPS and SYNC count on) keeps every module, in order, and every
+    parameter tensor: only widths shrink. Built on the meta device (no memory, no time)."""
+    from pipeline.config import load_config
+
+    cfg = load_config(CONFIGS / config)
+    family = get_family(cfg.family)
+    twin = load_config(CONFIGS / config, sp.width_twin(cfg))
+    load_config(CONFIGS / config, list(family.proxies.shapes(cfg)))  # the SHAPES model is a valid config too
+    with torch.device("meta"):
+        full, narrow = family.build_model(cfg.model), family.build_model(twin.model)
+    assert [type(m) for m in narrow.modules()] == [type(m) for m in full.modules()]
+    assert [(n, p.dim()) for n, p in narrow.named_parameters()] == [(n, p.dim()) for n, p in full.named_parameters()]
+    assert sum(p.numel() for p in narrow.parameters()) <= sum(p.numel() for p in full.parameters())
+
+
+def _config(name: str):
+    return sp.ops_config([], CONFIGS / f"{name}.yaml")
+
+
+@pytest.mark.parametrize("name", ["eco_rna_80m", "protlingo_150m", "recursive_gpt_100m"])
+def test_step_batch_is_the_family_s_own_microbatch(name):
+    """step_batch frames and masks (or shifts and packs) records of the family's tokenizer kind with the family's own
+    transform: the rows hold OPS_BATCH's lengths, the same seed gives the same batch."""
+    cfg = _config(name)
+    family = get_family(cfg.family)
+    b = sp.step_batch(cfg, family, 1)
+    assert tuple(b.input_ids.shape) == (4, 128) and b.origin == (0, 1)
+    assert b.attention_mask.sum(1).tolist() == list(sp.OPS_BATCH["lengths"])
+    assert bool((b.input_ids[~b.attention_mask] == family.pad_id).all())
+    assert torch.equal(sp.step_batch(cfg, family, 1).input_ids, b.input_ids)
+    assert not torch.equal(sp.step_batch(cfg, family, 0).input_ids, b.input_ids)
+    real = b.attention_mask
+    if cfg.data.pack:  # causal LM, packed: two documents a row, each shifted by one
+        assert b.document_ids[real].max() == 1 and b.document_ids[~real].eq(-1).all()
+        same_doc = (b.document_ids[:, 1:] == b.document_ids[:, :-1]) & real[:, 1:]
+        assert torch.equal(b.labels[:, :-1][same_doc], b.input_ids[:, 1:][same_doc])
+    else:  # masked LM: <cls> first, <eos> last, supervised positions only between them
+        lengths = real.sum(1)
+        cls, eos = b.input_ids[0, 0], b.input_ids[0, lengths[0] - 1]
+        assert all(b.input_ids[r, 0] == cls and b.input_ids[r, n - 1] == eos for r, n in enumerate(lengths.tolist()))
+        sup = b.labels != -100
+        assert sup.any(1).all() and not sup[:, 0].any() and not (sup & ~real).any()
+
+
+def _micro_syncs(r) -> dict:
+    """SYNC.micro by (kind, file), line numbers dropped."""
+    out = collections.Counter()
+    for site, n in r["micro_sites"].items():
+        kind, where = site.split(" @ ")
+        out[(kind, where.split(":")[0])] += n
+    return dict(out)
+
+
+# ProtLingo 150M's block kinds at 3 blocks: dense, MoE, memory + MoE (the narrow twin: d 160, 4 experts)
+PROTLINGO = CONFIGS / "protlingo_150m.yaml"
+THREE = ["model.n_layers=3", "model.memory_layers=[2]"]
+
+
+def test_protlingo_syncs_are_the_moe_dispatch():
+    """SYNC counts ProtLingo's MoE dispatch: each MoE layer adds, per microbatch, one nonzero per expert (the
+    reference compute_experts), two boolean indexes of the routed tokens, the routing counts' bincount (forward) and
+    the two boolean index_puts of their backward; a dense model with the memory has none in the loop."""
+    one = sp.count_step(THREE + ["model.moe_layers=[1]"], config=PROTLINGO, repeats=2)
+    two = sp.count_step(THREE + ["model.moe_layers=[1,2]"], config=PROTLINGO, sites=False)
+    dense = sp.count_step(THREE + ["model.moe_layers=[]"], config=PROTLINGO, sites=False)
+    E, n_micro = 4, one["config"]["grad_accum_steps"]
+    assert one["repeat_equal"] and one["config"]["depths"] == [None, None]
+    assert dense["sync_micro"] == 0
+    assert one["sync_micro"] == n_micro * (E + 5) and two["sync_micro"] == 2 * one["sync_micro"]
+    model, engine = "pipeline/models/protlingo.py", "deepspeed/runtime/engine.py"
+    assert _micro_syncs(one) == {("aten::nonzero", model): n_micro * E, ("aten::index[bool]", model): n_micro * 2,
+                                 ("aten::bincount", model): n_micro, ("aten::index_put[bool]", engine): n_micro * 2}
+    # the MoE layer's operators: forward and backward (its dispatch), optimizer (its 4 + 1 experts' parameters)
+    for key in ("ops_forward", "ops_backward", "ops_optimizer"):
+        assert dense[key] < one[key] < two[key], key
+    assert one["sync_step"] - one["sync_micro"] == dense["sync_step"]  # outside the loop: the same reads
+
+
+def test_recursive_gpt_step_is_counted():
+    """RecursiveGPT (packed rows, causal): no read in the loop; one more step of the shared block adds forward and
+    backward operators and no sync."""
+    gpt = CONFIGS / "recursive_gpt_100m.yaml"
+    r2 = sp.count_step(["model.recurrence=2"], config=gpt, repeats=2, sites=False)
+    r3 = sp.count_step(["model.recurrence=3"], config=gpt, sites=False)
+    assert r2["repeat_equal"] and r2["sync_micro"] == 0 and r3["sync_step"] == r2["sync_step"]
+    assert r3["ops_forward"] > r2["ops_forward"] and r3["ops_backward"] > r2["ops_backward"]
+    assert r2["ops_by_phase"]["forward"].get("aten::_scaled_dot_product_flash_attention_for_cpu") == 2 * 2
+
+
+def test_module_census_charges_the_moe_dispatch_to_the_moe():
+    """module_census: one ProtLingo microbatch's forward by module: the routed experts' nonzero (one per expert) in
+    UpcycledMoE's own operators, every FFN called once per dense layer and 1 + E times per MoE layer."""
+    m = sp.module_census(THREE + ["model.moe_layers=[1,2]"], config=PROTLINGO)
+    assert m["calls"]["UpcycledMoE"] == 2 and m["calls"]["FFN"] == 1 + 2 * (1 + 4)
+    assert m["ops"]["UpcycledMoE"]["aten::nonzero"] == 2 * 4 and "aten::nonzero" not in m["ops"]["FFN"]
+    assert m["calls"]["LatentNgramMemory"] == 1 and m["ops"]["EsmAttention"]["aten::addmm"] == 3 * 4
+    assert sum(m["backward"].values()) > 0 and "aten::mm" in m["backward"]
+
+
+# SHAPES on the family's own shards: small token budgets, no loader workers, two steps
+ANY_SHAPES = ["train.max_tokens_per_microbatch=2048", "data.num_workers=0", "train.grad_accum_steps=1"]
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("protlingo_150m", ["data.length_window=64"]),
+    ("recursive_gpt_100m", ["train.micro_batch_size=16", "train.global_batch_size=null", "data.context_length=64"]),
+])
+def test_shapes_of_any_family_are_its_blocks_inputs(name, extra):
+    """A one-depth stack runs every block on the whole microbatch with grad: SHAPES.core (the blocks, as no core is
+    declared) is {(rows, length, True)} of the loader's batches, SHAPES.attention the batches; ProtLingo's
+    length-aware batching gives each microbatch its own shape, RecursiveGPT's packed rows one shape."""
+    s = sp.shape_census(2, ANY_SHAPES + extra, config=CONFIGS / f"{name}.yaml")
+    batches = set(s["batches"])
+    assert s["microbatches"] == 2 and s["core_calls"] == s["attention_calls"] == 2  # the SHAPES model: one block
+    assert s["core"] == {(rows, length, True) for rows, length in batches}
+    assert s["attention"] == batches
+    assert len(batches) == (2 if name.startswith("protlingo") else 1), s["batches"]
