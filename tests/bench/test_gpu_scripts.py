@@ -18,9 +18,25 @@ def test_eco_rna_gpu_dry_run_runs_every_step(capsys):
     assert eco_rna_gpu.main(["--dry-run", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "(a) parity" in out and "case 'idle steps'" in out and "k_max 6" in out
-    assert out.count(" ok") >= 2 and "FAIL" not in out  # bf16 SDPA against fp32, both cases
-    assert "(b) forward+backward" in out and " bf16 " in out and " autocast " in out
+    assert out.count(" ok") >= 6 and "FAIL" not in out  # three paths against fp32, both cases
+    parity, speed = out.split("(b) forward+backward")
+    for path in ("sdpa padded   SDPA ", "auto packed   SDPA per sequence ", "sdpa packed   SDPA per sequence "):
+        assert parity.count(path) == 2, path  # parity: padded SDPA, the training's packed path, its fallback
+    assert " bf16 " in speed and " autocast " in speed
+    # speed: the two layouts as training runs them (attn_backend auto), each row naming its kernel
+    assert speed.count(" auto padded   SDPA ") == 2 and speed.count(" auto packed   SDPA per sequence ") == 2
+    assert " sdpa packed " not in speed
+    assert "packed / padded (bf16, L 32): " in out and "RESULT P5.packed_over_padded.L32 " in out
     assert "RESULT P5 " in out
+
+
+def test_eco_rna_gpu_packed_path_is_the_trainings_own():
+    """What decides the layout on CUDA is attn_backend auto with unpad true: the kernel names follow layers.py."""
+    cpu = torch.device("cpu")
+    assert eco_rna_gpu.PACKED == ("auto", True) and eco_rna_gpu.PADDED == ("auto", False)
+    assert eco_rna_gpu.speed_paths() == [eco_rna_gpu.PADDED, eco_rna_gpu.PACKED]
+    assert eco_rna_gpu.kernel_of("auto", True, cpu) == "SDPA per sequence"  # no varlen kernel on the CPU
+    assert eco_rna_gpu.kernel_of("auto", False, cpu) == "SDPA"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a host without CUDA")
