@@ -130,6 +130,7 @@ def test_summary_puts_families_against_targets_and_variants_against_their_base(t
     assert "first step 95.0 s (compiling) against 30 s: missed: 3 recompiles, 1 graph breaks logged" in comp
     assert "the uncompiled base's first step took 0.5 s" in comp
     assert "rna_padded: first step" not in text  # not compiled: no such verdict
+    assert "4 run(s) with no step over 2x their median after warm-up" in text
     head = next(i for i, ln in enumerate(lines) if ln.startswith("where the profiled step goes"))
     assert lines[head + 1].split() == ["run", "gemm", "attn", "norm", "tri_red", "tri_poi", "reduce", "elemw",
                                        "optim", "comm", "copy", "other", "idle"]
@@ -277,3 +278,16 @@ def test_cut_trace_fits_the_budget_and_keeps_the_device_events(tmp_path):
     assert [e["ts"] for e in kept] == sorted(e["ts"] for e in events if e.get("cat") == "kernel")[:len(kept)]
     r = gr.main(["cut-trace", str(src), str(tmp_path / "cli.json.gz"), "--max-bytes", str(full // 3)])
     assert r == 0 and (tmp_path / "cli.json.gz").stat().st_size <= full // 3
+
+
+def test_summary_names_a_run_with_a_step_over_twice_its_median(tmp_path):
+    run = tmp_path / "run_gpt"
+    run.mkdir()
+    write_metrics(run / "metrics.jsonl", [0.5] * 5 + [0.1] * 10 + [0.35] + [0.1] * 4)  # step 16: 3.5x the median
+    rep, _ = gr.family_report("gpt", run)
+    (tmp_path / "report_gpt.json").write_text(json.dumps(rep))
+    gr.write_plan(tmp_path / "plan.tsv", [{"name": "gpt", "base": "-", "status": "run", "note": "", "config": RNA,
+                                           "what": "GPT", "sets": []}])
+    text = gr.summary(tmp_path)
+    assert "gpt: a step took 3.50x the median after warm-up (max 350 ms): over 2x" in text
+    assert "with no step over" not in text
