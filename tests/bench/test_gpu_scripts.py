@@ -47,7 +47,11 @@ def test_without_cuda_the_gpu_scripts_exit_with_one_line(tmp_path):
         subprocess.run(["bash", "-n", script], cwd=REPO, check=True)
     env = {**os.environ, "PY": sys.executable, "GPU_WORK": str(tmp_path / "work")}
     r = subprocess.run(["bash", "bench/gpu.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "torch sees no CUDA device" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 1 and r.stdout.strip().splitlines() == [
+        "bench/gpu.sh: torch sees no CUDA device; nothing to check here (--dry-run checks the script)"], r.stdout
+    r = subprocess.run(["bash", "bench/gpu.sh", "--quick", "rna"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and "torch sees no CUDA device" in r.stdout
 
 
 # The scripts that create .venv (and the demo that runs one of them first) may use it; every other script must run
@@ -75,6 +79,8 @@ def test_gpu_sh_bad_argument_is_one_line():
     r = subprocess.run(["bash", "bench/gpu.sh", "--bogus"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stdout.strip().splitlines() == ["bench/gpu.sh: unknown argument '--bogus' (see --help)"]
+    r = subprocess.run(["bash", "bench/gpu.sh", "--quick"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stdout.strip().splitlines()) == 1 and "--quick needs" in r.stdout
     r = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "PY": "/nonexistent/python"})
     assert r.returncode == 1 and r.stdout.strip().splitlines() == [
