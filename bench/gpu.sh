@@ -83,6 +83,40 @@ done
 if [ "$IN_QUICK" = 1 ] && [ "${#QUICK[@]}" = 0 ]; then
   echo "bench/gpu.sh: --quick needs the name of a training (one of the RUNS table in bench/gpu.sh)"; exit 2
 fi
+
+# ---- the trainings: families, then the A/B variants ------------------------------------------------------------------
+# One row a training. A family row (base -) is a family's own run, its figures held against its target; a variant row
+# is its base's run with its own overrides added, one switch changed, trained in the same lease and reported beside
+# its base. Variants run in this order after the families, so GPU_DEADLINE cuts the last first. `bench/gpu_report.py
+# plan` checks each row against the config code before anything trains: a key this tree does not have yet skips the
+# row with the config's own error, an optional override (?key=value) is dropped where refused, and a row whose config
+# equals its base's is skipped. Overrides are space-separated --set items. To add a variant, add a row.
+# name            | base         | overrides                                  | what it attributes
+RUNS='
+rna               | -            | ?train.max_tokens_per_microbatch=auto      | Eco-RNA 80M, eco_rna_80m.yaml
+protlingo         | -            | ?train.max_tokens_per_microbatch=auto      | ProtLingo 150M, protlingo_150m.yaml
+gpt               | -            |                                            | RecursiveGPT 124M, recursive_gpt_100m.yaml
+rna_padded        | rna          | model.unpad=false                          | packed layout off: padded rows
+rna_compiled      | rna          | train.compile=blocks                       | compiled blocks on
+rna_mb16k         | rna          | train.max_tokens_per_microbatch=16384      | auto microbatch off: the config 16,384 tokens
+rna_norm_plain    | rna          | train.fused_norm=false                     | fused RMSNorm off: the plain formula
+rna_graphs        | rna_compiled | train.cuda_graphs=true                     | CUDA graphs on, over compiled blocks
+rna_buckets_off   | rna          | model.token_buckets=0                      | token buckets off
+'
+declare -A BASE_OF WHAT_OF
+ORDER=()
+trim() { local v=$1; v=${v#"${v%%[![:space:]]*}"}; printf '%s' "${v%"${v##*[![:space:]]}"}"; }
+while IFS='|' read -r name base sets what; do
+  name=$(trim "$name")
+  [ -z "$name" ] && continue
+  BASE_OF[$name]=$(trim "$base") WHAT_OF[$name]=$(trim "$what")
+  read -r -a "OWN_$name" <<<"$sets"  # one --set item a word (read: no glob expansion of a ?key=value)
+  ORDER+=("$name")
+done <<<"$RUNS"
+family_of() { local n=$1; while [ "${BASE_OF[$n]}" != - ]; do n=${BASE_OF[$n]}; done; echo "$n"; }
+for q in "${QUICK[@]}"; do
+  [ -n "${BASE_OF[$q]:-}" ] || { echo "bench/gpu.sh: --quick $q: no such training (one of: ${ORDER[*]})"; exit 2; }
+done
 if [ -z "${PY:-}" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
@@ -309,39 +343,6 @@ if [ "$DRY" = 0 ] && [ "${GPU_INSTALL:-1}" != 0 ] && [ "${#QUICK[@]}" = 0 ] && !
   fi
 fi
 
-# ---- the trainings: families, then the A/B variants ------------------------------------------------------------------
-# One row a training. A family row (base -) is a family's own run, its figures held against its target; a variant row
-# is its base's run with its own overrides added, one switch changed, trained in the same lease and reported beside
-# its base. Variants run in this order after the families, so GPU_DEADLINE cuts the last first. `bench/gpu_report.py
-# plan` checks each row against the config code before anything trains: a key this tree does not have yet skips the
-# row with the config's own error, an optional override (?key=value) is dropped where refused, and a row whose config
-# equals its base's is skipped. Overrides are space-separated --set items. To add a variant, add a row.
-# name            | base         | overrides                                  | what it attributes
-RUNS='
-rna               | -            | ?train.max_tokens_per_microbatch=auto      | Eco-RNA 80M, eco_rna_80m.yaml
-protlingo         | -            | ?train.max_tokens_per_microbatch=auto      | ProtLingo 150M, protlingo_150m.yaml
-gpt               | -            |                                            | RecursiveGPT 124M, recursive_gpt_100m.yaml
-rna_padded        | rna          | model.unpad=false                          | packed layout off: padded rows
-rna_compiled      | rna          | train.compile=blocks                       | compiled blocks on
-rna_mb16k         | rna          | train.max_tokens_per_microbatch=16384      | auto microbatch off: the config 16,384 tokens
-rna_norm_plain    | rna          | train.fused_norm=false                     | fused RMSNorm off: the plain formula
-rna_graphs        | rna_compiled | train.cuda_graphs=true                     | CUDA graphs on, over compiled blocks
-rna_buckets_off   | rna          | model.token_buckets=0                      | token buckets off
-'
-declare -A BASE_OF WHAT_OF
-ORDER=()
-trim() { local v=$1; v=${v#"${v%%[![:space:]]*}"}; printf '%s' "${v%"${v##*[![:space:]]}"}"; }
-while IFS='|' read -r name base sets what; do
-  name=$(trim "$name")
-  [ -z "$name" ] && continue
-  BASE_OF[$name]=$(trim "$base") WHAT_OF[$name]=$(trim "$what")
-  read -r -a "OWN_$name" <<<"$sets"  # one --set item a word (read: no glob expansion of a ?key=value)
-  ORDER+=("$name")
-done <<<"$RUNS"
-family_of() { local n=$1; while [ "${BASE_OF[$n]}" != - ]; do n=${BASE_OF[$n]}; done; echo "$n"; }
-for q in "${QUICK[@]}"; do
-  [ -n "${BASE_OF[$q]:-}" ] || die "--quick $q: no such training (one of: ${ORDER[*]})"
-done
 want() {  # NAME: whether this training runs in this invocation
   if [ "${#QUICK[@]}" -gt 0 ]; then case " ${QUICK[*]} " in *" $1 "*) return 0 ;; esac; return 1; fi
   skipped "$1" && return 1

@@ -81,6 +81,10 @@ def test_gpu_sh_bad_argument_is_one_line():
     assert r.stdout.strip().splitlines() == ["bench/gpu.sh: unknown argument '--bogus' (see --help)"]
     r = subprocess.run(["bash", "bench/gpu.sh", "--quick"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stdout.strip().splitlines()) == 1 and "--quick needs" in r.stdout
+    r = subprocess.run(["bash", "bench/gpu.sh", "--quick", "rna", "nosuch"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout.strip().splitlines() == [
+        "bench/gpu.sh: --quick nosuch: no such training (one of: rna protlingo gpt rna_padded rna_compiled rna_mb16k "
+        "rna_norm_plain rna_graphs rna_buckets_off)"]
     r = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "PY": "/nonexistent/python"})
     assert r.returncode == 1 and r.stdout.strip().splitlines() == [
