@@ -6,14 +6,18 @@
 (a) Parity of every attention path against an fp32 SDPA reference of the same weights, on the right-aligned
     wavefront with k_max above every depth, so that the first wavefront steps call the core on zero rows (one of them
     inside the backward window), with the anchor readout and the real objective (pipeline/objectives/eco_rna.py
-    recurrent_loss: terminal MLM + displacement + anchor). Paths: attn_backend sdpa / flash (when flash-attn
-    imports) x unpad false / true (when EcoRNAConfig has ``unpad``), each with the module in bf16 as DeepSpeed's bf16
-    mode trains it. Compared: the loss, the logits at real tokens and every parameter gradient, each as a relative
-    error in norm against fp32. A path passes when its errors are at most twice those of bf16 SDPA (padded), the
-    bf16 rounding every path shares, plus 1e-3; the flash rows also print their distance from bf16 SDPA itself.
+    recurrent_loss: terminal MLM + displacement + anchor). Paths: padded SDPA (attn_backend sdpa, unpad false); the
+    packed layout as training runs it (attn_backend auto, unpad true: flash-attn's varlen kernel when it imports,
+    else on CUDA torch's varlen kernel, else one SDPA call per sequence); the packed layout's pure-PyTorch fallback
+    (attn_backend sdpa, unpad true: one SDPA call per sequence); flash-attn padded and packed when it imports. Each
+    with the module in bf16 as DeepSpeed's bf16 mode trains it. Compared: the loss, the logits at real tokens and
+    every parameter gradient, each as a relative error in norm against fp32. A path passes when its errors are at
+    most twice those of bf16 SDPA (padded), the bf16 rounding every path shares, plus 1e-3; the other rows also
+    print their distance from bf16 SDPA itself.
 (b) Forward+backward of the same objective (no optimizer) on launchers/configs/eco_rna_80m.yaml's model, for
-    L = 512 (32 rows, its micro_batch_size) and L = 1024 (16 rows): every path above, module in bf16 and fp32 weights
-    under bf16 autocast. Row lengths are seeded: one row of L, the others log-uniform in [32, L] (43 % padding at
+    L = 512 (32 rows, its micro_batch_size) and L = 1024 (16 rows): the two layouts training chooses between,
+    padded and packed, each as training runs it (attn_backend auto; ``unpad`` false and true), module in bf16 and
+    fp32 weights under bf16 autocast; each row names the attention kernel it ran. Row lengths are seeded: one row of L, the others log-uniform in [32, L] (43 % padding at
     L = 512); depths from the config's law (mu_K 4, sigma 0.5, cap 32; W_bwd 4, K_a 1), seeded, the same for every
     path. Per setting: ms per step (median of --repeats, CUDA events, after two warm-up steps), real tokens/s,
     executed TFLOP/s and MFU (EcoRNAConfig.train_flops of the executed schedule: the realized K_i, the backward
@@ -22,14 +26,14 @@
     the H200/H100 SXM dense bf16 datasheet figure (matrix products measured here reach about 790).
 
 Prints ``RESULT P5 <MFU>``: the best executed-schedule MFU at the first length (512) with the module in bf16 (the
-training path).
+training path), and ``packed / padded``: the packed layout's step time over the padded one's at each length (bf16),
+the figure that decides model.unpad (below 1: packed is faster).
 Exits with one line where torch sees no CUDA device; ``--dry-run`` runs every step on the CPU with a tiny model
 (the script's own check; its figures mean nothing). Exit status 1 when a bf16 path fails parity or crashes.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import statistics
 import sys
@@ -45,13 +49,12 @@ sys.path.insert(0, str(REPO))
 import yaml  # noqa: E402
 
 from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig, initial_state  # noqa: E402
-from pipeline.models.layers import flash_available  # noqa: E402
+from pipeline.models.layers import flash_available, torch_varlen_available  # noqa: E402
 from pipeline.objectives.eco_rna import EcoRNAObjectiveConfig, Plan, recurrent_loss, sample_depths  # noqa: E402
 from pipeline.objectives.masking import IGNORE_INDEX  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H200 (= H100 SXM) dense bf16, datasheet
 CONFIG = REPO / "launchers" / "configs" / "eco_rna_80m.yaml"
-HAS_UNPAD = "unpad" in {f.name for f in dataclasses.fields(EcoRNAConfig)}
 MASK_ID, RESIDUES = 4, (6, 10)  # <mask>; A C G U
 TINY = dict(d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, n_prelude=1, n_core=1, n_coda=1)  # --dry-run
 
@@ -62,30 +65,42 @@ def load_config(dry_run: bool):
     return model, EcoRNAObjectiveConfig(**raw["objective"])
 
 
-def make_cfg(model: dict, backend: str, unpad: bool | None) -> EcoRNAConfig:
-    kw = dict(model, attn_backend=backend)
-    if unpad is not None:
-        kw["unpad"] = unpad
-    return EcoRNAConfig(**kw)
+def make_cfg(model: dict, backend: str, unpad: bool) -> EcoRNAConfig:
+    return EcoRNAConfig(**dict(model, attn_backend=backend, unpad=unpad))
 
 
-def paths() -> tuple[list, list]:
-    """([(backend, unpad)] that can run here, [notes on those that cannot])."""
-    out, notes = [], []
-    backends = ["sdpa"] + (["flash"] if flash_available() else [])
-    if not flash_available():
-        notes.append("flash: not run (flash-attn does not import or no CUDA; bash scripts/install_gpu_kernels.sh)")
-    for b in backends:
-        out.append((b, False if HAS_UNPAD else None))
-        if HAS_UNPAD:
-            out.append((b, True))
-    if not HAS_UNPAD:
-        notes.append("unpad: not run (this EcoRNAConfig has no 'unpad' field)")
-    return out, notes
+BASE = ("sdpa", False)  # padded SDPA: the parity's reference path (and, in fp32, its reference)
+PADDED, PACKED = ("auto", False), ("auto", True)  # the two layouts as training runs them (attn_backend auto)
+
+
+def parity_paths() -> tuple[list, list]:
+    """([(backend, unpad)] whose parity runs here, [notes on those that cannot])."""
+    out = [BASE, PACKED, ("sdpa", True)]
+    if flash_available():
+        out += [("flash", False), ("flash", True)]
+        return out, []
+    return out, ["flash: not run (flash-attn does not import or no CUDA; bash scripts/install_gpu_kernels.sh)"]
+
+
+def speed_paths() -> list:
+    """The layouts whose speed decides model.unpad: padded and packed, each with training's own kernel choice."""
+    return [PADDED, PACKED]
+
+
+def kernel_of(backend: str, unpad: bool, device: torch.device) -> str:
+    """The attention kernel (backend, unpad) runs on ``device`` with a bf16 module (pipeline/models/layers.py)."""
+    if backend == "flash" or (backend == "auto" and flash_available() and device.type == "cuda"):
+        return "flash-attn varlen" if unpad else "flash-attn"
+    if not unpad:
+        return "SDPA"
+    probe = torch.zeros(1, device=device, dtype=torch.bfloat16)
+    if backend == "auto" and torch_varlen_available(probe):
+        return "torch varlen"
+    return "SDPA per sequence"
 
 
 def name_of(backend, unpad) -> str:
-    return backend + ("" if unpad is None else (" unpad" if unpad else " padded"))
+    return f"{backend} {'packed' if unpad else 'padded'}"
 
 
 def make_batch(rows: int, length: int, lengths: list, gen: torch.Generator, device):
@@ -115,7 +130,7 @@ class Case:
         self.lengths, self.length = lengths, length
         self.depths = torch.as_tensor(depths, dtype=torch.long)
         self.k_max = int(k_max)
-        self.s0 = initial_state(make_cfg(model_cfg, "sdpa", None), self.batch.attention_mask.cpu(), gen).to(device)
+        self.s0 = initial_state(make_cfg(model_cfg, *BASE), self.batch.attention_mask.cpu(), gen).to(device)
         self.obj = obj
 
     def loss(self, model, cfg):
@@ -180,14 +195,14 @@ def parity(model_cfg, obj, state, device, dry_run: bool) -> bool:
         "law depths, k_max + 2": Case(model_cfg, obj, rows, L, seeded_lengths(rows, L, gen), depths.tolist(),
                                       int(depths.max()) + 2, device, 13),
     }
-    runnable, notes = paths()
+    runnable, notes = parity_paths()
     ok = True
     print("(a) parity against fp32 SDPA, module in bf16; relative errors in norm (the loss, logits at real tokens, "
           "the gradient of every parameter together, and the worst single parameter)")
     for cname, case in cases.items():
         print(f"  case '{cname}': rows {len(case.lengths)}, L {case.length}, lengths {case.lengths}, depths "
               f"{case.depths.tolist()}, k_max {case.k_max}, W {obj.backward_window}, K_a {obj.anchor_depth}")
-        ref_model, ref_cfg = build(model_cfg, "sdpa", False if HAS_UNPAD else None, state, device, torch.float32)
+        ref_model, ref_cfg = build(model_cfg, *BASE, state, device, torch.float32)
         ref = run_once(ref_model, ref_cfg, case)
         del ref_model
         results = {}
@@ -199,7 +214,7 @@ def parity(model_cfg, obj, state, device, dry_run: bool) -> bool:
             except Exception as e:  # noqa: BLE001 - a crash is this path's result, the others still run
                 print(f"    {name_of(backend, unpad):<14} FAILED: {type(e).__name__}: {str(e).splitlines()[0]}")
                 ok = False
-        base_key = ("sdpa", False if HAS_UNPAD else None)
+        base_key = BASE
         errs = {}
         for key, (loss, logits, grads) in results.items():
             g_all = torch.cat([g.flatten() for g in grads.values()])
@@ -212,8 +227,8 @@ def parity(model_cfg, obj, state, device, dry_run: bool) -> bool:
             ok = False
             continue
         base = errs[base_key]
-        print(f"    {'path':<14}{'loss':>10}{'logits':>10}{'grads':>10}  {'worst parameter':<56}{'vs bf16 sdpa':<34}"
-              f"  verdict")
+        print(f"    {'path':<14}{'kernel':<19}{'loss':>10}{'logits':>10}{'grads':>10}  {'worst parameter':<56}"
+              f"{'vs bf16 sdpa':<34}  verdict")
         for key, (e_loss, e_logits, e_grads, (wname, werr)) in errs.items():
             passed = all(e <= 2 * b + 1e-3 for e, b in ((e_loss, base[0]), (e_logits, base[1]), (e_grads, base[2])))
             vs = ""
@@ -221,7 +236,7 @@ def parity(model_cfg, obj, state, device, dry_run: bool) -> bool:
                 (_, lg, gr), (_, lg0, gr0) = results[key], results[base_key]
                 flat, flat0 = (torch.cat([g.flatten() for g in x.values()]) for x in (gr, gr0))
                 vs = f"logits {rel(lg, lg0):.2e} grads {rel(flat, flat0):.2e}"
-            print(f"    {name_of(*key):<14}{e_loss:>10.2e}{e_logits:>10.2e}{e_grads:>10.2e}  "
+            print(f"    {name_of(*key):<14}{kernel_of(*key, device):<19}{e_loss:>10.2e}{e_logits:>10.2e}{e_grads:>10.2e}  "
                   f"{wname + f' {werr:.2e}':<56}{vs:<34}{'ok' if passed else 'FAIL'}")
             ok &= passed
     for n in notes:
@@ -256,12 +271,12 @@ class Timer:
 
 
 def throughput(model_cfg, obj, state, device, lengths_list, repeats: int, dry_run: bool) -> tuple[bool, dict]:
-    runnable, notes = paths()
+    runnable = speed_paths()
     timer = Timer(device, warmup=1 if dry_run else 2)
-    ok, best = True, {}
+    ok, best, ms_of = True, {}, {}
     print(f"(b) forward+backward of the training objective, no optimizer; MFU against {PEAK_FLOPS / 1e12:.0f} TFLOP/s")
-    hdr = (f"  {'L':>5} {'rows':>4} {'precision':<9}{'path':<14}{'ms/step':>9}{'real tok/s':>12}{'TFLOP/s':>9}"
-           f"{'MFU':>7}{'MFU real':>9}{'peak GiB':>9}")
+    hdr = (f"  {'L':>5} {'rows':>4} {'precision':<10}{'path':<14}{'kernel':<19}{'ms/step':>9}{'real tok/s':>12}"
+           f"{'TFLOP/s':>9}{'MFU':>7}{'MFU real':>9}{'peak GiB':>9}")
     print(hdr)
     for L in lengths_list:
         rows = (4 if dry_run else 32) if L <= 512 else (2 if dry_run else 16)
@@ -287,11 +302,15 @@ def throughput(model_cfg, obj, state, device, lengths_list, repeats: int, dry_ru
                         loss.backward()
 
                     ms = timer.time_ms(step, repeats)
-                    packed = bool(m.unpadded(case.batch.input_ids)) if hasattr(m, "unpadded") else False
+                    packed = bool(m.unpadded(case.batch.input_ids))
+                    if packed != unpad:  # the layout this row claims is the one that ran
+                        raise RuntimeError(f"the model ran {'packed' if packed else 'padded'} with unpad={unpad}")
                     flops, real = case.flops(cfg, packed), case.flops(cfg, True)
                     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
                     mfu = flops / (ms / 1e3) / PEAK_FLOPS
-                    print(f"  {L:>5} {rows:>4} {precision:<9}{label:<14}{ms:>9.2f}{case.real_tokens / ms * 1e3:>12.0f}"
+                    ms_of[(L, precision, unpad)] = ms
+                    print(f"  {L:>5} {rows:>4} {precision:<10}{label:<14}{kernel_of(backend, unpad, device):<19}"
+                          f"{ms:>9.2f}{case.real_tokens / ms * 1e3:>12.0f}"
                           f"{flops / (ms / 1e3) / 1e12:>9.1f}{mfu:>7.1%}{real / (ms / 1e3) / PEAK_FLOPS:>9.1%}"
                           f"{peak:>9.2f}")
                     if precision == "bf16" and L == lengths_list[0] and mfu > best.get("mfu", -1):
@@ -304,8 +323,15 @@ def throughput(model_cfg, obj, state, device, lengths_list, repeats: int, dry_ru
                     ok &= precision != "bf16"
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    for n in notes:
-        print(f"  {n}")
+    print("  (the packed layout's pure-PyTorch fallback, one SDPA call per sequence, is in (a) only: training on CUDA "
+          "never runs it)")
+    for L in lengths_list:
+        if (L, "bf16", False) in ms_of and (L, "bf16", True) in ms_of:
+            r = ms_of[(L, "bf16", True)] / ms_of[(L, "bf16", False)]
+            print(f"packed / padded (bf16, L {L}): {r:.2f} of the step time, packed on "
+                  f"{kernel_of(*PACKED, device)} ({'packed' if r < 1 else 'padded'} is faster)")
+            print(f"RESULT P5.packed_over_padded.L{L} {r:.3f}")
+            best.setdefault("ratios", {})[L] = r
     return ok, best
 
 
@@ -328,13 +354,13 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if args.dry_run else "cuda")
     model_cfg, obj = load_config(args.dry_run)
     torch.manual_seed(0)
-    state = EcoRNA(make_cfg(model_cfg, "sdpa", None)).state_dict()  # one set of weights for every path
+    state = EcoRNA(make_cfg(model_cfg, *BASE)).state_dict()  # one set of weights for every path
     n_params = sum(t.numel() for t in state.values())
     where = (f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}" if device.type == "cuda"
              else "CPU dry run (tiny model)")
     print(f"{where}, torch {torch.__version__}; Eco-RNA {n_params / 1e6:.2f}M parameters "
           f"(d {model_cfg['d_model']}, {model_cfg['n_prelude']}+{model_cfg['n_core']}xK+{model_cfg['n_coda']} blocks); "
-          f"flash-attn {'yes' if flash_available() else 'no'}; unpad field {'yes' if HAS_UNPAD else 'no'}")
+          f"flash-attn {'yes' if flash_available() else 'no'}; the packed layout runs {kernel_of(*PACKED, device)}")
     ok = True
     if not args.skip_parity:
         t0 = time.perf_counter()
@@ -345,7 +371,7 @@ def main(argv=None) -> int:
         sp_ok, best = throughput(model_cfg, obj, state, device, lengths, max(1, args.repeats), args.dry_run)
         ok &= sp_ok
         print(f"  ({time.perf_counter() - t0:.1f} s)")
-        if best:
+        if "mfu" in best:
             print(f"RESULT P5 {best['mfu']:.4f} Eco-RNA {n_params / 1e6:.0f}M fwd+bwd MFU of the executed schedule "
                   f"(realized depths), L {best['L']}, {best['rows']} rows, module bf16, best path '{best['path']}' "
                   f"({best['ms']:.1f} ms/step), peak {PEAK_FLOPS / 1e12:.0f} TFLOP/s"

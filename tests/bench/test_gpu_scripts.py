@@ -18,9 +18,25 @@ def test_eco_rna_gpu_dry_run_runs_every_step(capsys):
     assert eco_rna_gpu.main(["--dry-run", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "(a) parity" in out and "case 'idle steps'" in out and "k_max 6" in out
-    assert out.count(" ok") >= 2 and "FAIL" not in out  # bf16 SDPA against fp32, both cases
-    assert "(b) forward+backward" in out and " bf16 " in out and " autocast " in out
+    assert out.count(" ok") >= 6 and "FAIL" not in out  # three paths against fp32, both cases
+    parity, speed = out.split("(b) forward+backward")
+    for path in ("sdpa padded   SDPA ", "auto packed   SDPA per sequence ", "sdpa packed   SDPA per sequence "):
+        assert parity.count(path) == 2, path  # parity: padded SDPA, the training's packed path, its fallback
+    assert " bf16 " in speed and " autocast " in speed
+    # speed: the two layouts as training runs them (attn_backend auto), each row naming its kernel
+    assert speed.count(" auto padded   SDPA ") == 2 and speed.count(" auto packed   SDPA per sequence ") == 2
+    assert " sdpa packed " not in speed
+    assert "packed / padded (bf16, L 32): " in out and "RESULT P5.packed_over_padded.L32 " in out
     assert "RESULT P5 " in out
+
+
+def test_eco_rna_gpu_packed_path_is_the_trainings_own():
+    """What decides the layout on CUDA is attn_backend auto with unpad true: the kernel names follow layers.py."""
+    cpu = torch.device("cpu")
+    assert eco_rna_gpu.PACKED == ("auto", True) and eco_rna_gpu.PADDED == ("auto", False)
+    assert eco_rna_gpu.speed_paths() == [eco_rna_gpu.PADDED, eco_rna_gpu.PACKED]
+    assert eco_rna_gpu.kernel_of("auto", True, cpu) == "SDPA per sequence"  # no varlen kernel on the CPU
+    assert eco_rna_gpu.kernel_of("auto", False, cpu) == "SDPA"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a host without CUDA")
@@ -31,7 +47,11 @@ def test_without_cuda_the_gpu_scripts_exit_with_one_line(tmp_path):
         subprocess.run(["bash", "-n", script], cwd=REPO, check=True)
     env = {**os.environ, "PY": sys.executable, "GPU_WORK": str(tmp_path / "work")}
     r = subprocess.run(["bash", "bench/gpu.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "torch sees no CUDA device" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 1 and r.stdout.strip().splitlines() == [
+        "bench/gpu.sh: torch sees no CUDA device; nothing to check here (--dry-run checks the script)"], r.stdout
+    r = subprocess.run(["bash", "bench/gpu.sh", "--quick", "rna"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and "torch sees no CUDA device" in r.stdout
 
 
 # The scripts that create .venv (and the demo that runs one of them first) may use it; every other script must run
@@ -59,6 +79,12 @@ def test_gpu_sh_bad_argument_is_one_line():
     r = subprocess.run(["bash", "bench/gpu.sh", "--bogus"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stdout.strip().splitlines() == ["bench/gpu.sh: unknown argument '--bogus' (see --help)"]
+    r = subprocess.run(["bash", "bench/gpu.sh", "--quick"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stdout.strip().splitlines()) == 1 and "--quick needs" in r.stdout
+    r = subprocess.run(["bash", "bench/gpu.sh", "--quick", "rna", "nosuch"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout.strip().splitlines() == [
+        "bench/gpu.sh: --quick nosuch: no such training (one of: rna protlingo gpt rna_padded rna_compiled rna_mb16k "
+        "rna_norm_plain rna_graphs rna_buckets_off)"]
     r = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], cwd=REPO, capture_output=True, text=True,
                        env={**os.environ, "PY": "/nonexistent/python"})
     assert r.returncode == 1 and r.stdout.strip().splitlines() == [

@@ -1,4 +1,6 @@
 """The fused RMSNorm operator (pipeline/models/norm_op.py) against the plain autograd formula it replaces."""
+import random
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -75,3 +77,58 @@ def test_a_model_with_fused_norms_trains_as_the_plain_one():
 def test_registering_twice_reuses_the_operator():
     """An export's shipped copy of norm_op imported into a process that already has the operator."""
     assert norm_op._register()[0] is torch.ops.bioseq.rms_norm
+
+
+# ---- against the formula itself, in float64 ---------------------------------------------------------------------
+# rms_norm_reference shares the operator's fp32 steps (and, on the CPU, its code path); these tests hold the operator
+# to the definition instead: y = x / sqrt(mean(x^2) + eps) * w computed by hand in float64, its gradients by float64
+# autograd. Tolerances as docs/gpu_check.md gives them: fp32 arithmetic far under 1e-3 relative in norm, bf16 (one
+# rounding of each output) under 1e-2.
+EPS = 1e-6
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def float64_formula(x: torch.Tensor, w: torch.Tensor, up: torch.Tensor, eps: float):
+    """(y, dL/dx, dL/dw) of L = sum(y * up), all in float64, from the formula alone (no code of norm_op)."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    y64 = x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + eps) * w64
+    dx, dw = torch.autograd.grad((y64 * up.detach().double()).sum(), (x64, w64))
+    return y64.detach(), dx, dw
+
+
+def check_against_float64(device: str, dtype: torch.dtype, shape: tuple, seed: int) -> None:
+    """norm_op.rms_norm forward and backward on ``device`` against float64_formula, on random rows whose scales
+    span 1e-4 to 1e2 (at the small end mean(x^2) is below eps, so eps counts)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    scale = 10 ** (torch.rand(*shape[:-1], 1, generator=g, device=device) * 6 - 4)
+    x = ((torch.randn(shape, generator=g, device=device) + 0.3) * scale).to(dtype).requires_grad_()
+    w = (torch.rand(shape[-1], generator=g, device=device) * 1.5 + 0.25).to(dtype).requires_grad_()
+    up = torch.randn(shape, generator=g, device=device).to(dtype)
+    y = norm_op.rms_norm(x, w, EPS)
+    dx, dw = torch.autograd.grad((y.float() * up.float()).sum(), (x, w))
+    want = float64_formula(x, w, up, EPS)
+    for what, got, ref in zip(("y", "dx", "dw"), (y, dx, dw), want):
+        assert got.dtype == dtype and got.shape == ref.shape, (what, got.dtype, got.shape)
+        assert torch.isfinite(got).all(), f"{what}: not finite (seed {seed})"
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < TOL[dtype], f"{what}: relative error {err:.2e} >= {TOL[dtype]:.0e} ({dtype}, {shape}, seed {seed})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_against_the_float64_formula_on_cpu(dtype):
+    """The CPU path (the formula in fp32 inside the operator) against float64."""
+    check_against_float64("cpu", dtype, (3, 37, 96), seed=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(8, 512, 768), (4096, 12, 64)], ids=["hidden", "qk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernels_on_cuda_against_the_float64_formula(dtype, shape):
+    """torch's fused RMSNorm kernels (aten::_fused_rms_norm and its backward), as training runs them on CUDA, against
+    float64 on fresh random inputs: Eco-RNA's hidden norm (d 768) and its QK-norm (head dim 64)."""
+    x = torch.empty(1, 8, device="cuda", dtype=dtype)
+    assert norm_op._use_fused(x, torch.empty(8, device="cuda", dtype=dtype)), \
+        "this torch has no aten::_fused_rms_norm on CUDA: training runs the plain formula in the operator"
+    check_against_float64("cuda", dtype, shape, seed=random.SystemRandom().randrange(2**31))
