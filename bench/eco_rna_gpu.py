@@ -135,7 +135,9 @@ class Case:
 
     def loss(self, model, cfg):
         plan = Plan(self.depths, None, {"k_max": self.k_max}, init_state=self.s0)
-        out = recurrent_loss(model, self.batch, SimpleNamespace(model=cfg, objective=self.obj), plan)
+        # the training's token buckets (objective.token_buckets) on the packed layout: this batch is one microbatch
+        train = SimpleNamespace(max_tokens_per_microbatch=len(self.lengths) * self.length)
+        out = recurrent_loss(model, self.batch, SimpleNamespace(model=cfg, objective=self.obj, train=train), plan)
         return out.sum_loss / max(out.num_tokens, 1)
 
     def flops(self, cfg, packed: bool) -> int:

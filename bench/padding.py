@@ -35,6 +35,7 @@ from pipeline.data.loader import make_loader  # noqa: E402
 from pipeline.data.streams import StreamLayout  # noqa: E402
 from pipeline.train import RunPlan  # noqa: E402
 from pipeline.families import get_family  # noqa: E402
+from pipeline.train.memory import as_on_device  # noqa: E402
 
 RNACENTRAL = REPO.parent / "shared" / "data" / "rna" / "rnacentral_ncrna6_testset.fasta"
 SAMPLE = REPO / "data" / "samples" / "rfam_nrc_train_sample.fasta.gz"
@@ -48,8 +49,10 @@ SETUPS = [
     ("P6.demo", "eco_rna_demo.yaml", [], "demo config as shipped (context 128, 8 rows, draw order)"),
     ("P6.eco_rna_80m_draw_order", "eco_rna_80m.yaml", DRAW_ORDER,
      "eco_rna_80m without length windows (context 512, 32 rows: the config before length-aware batching)"),
-    ("P6.eco_rna_80m", "eco_rna_80m.yaml", [], "eco_rna_80m as shipped (context 512, length_window 8192, "
-     "16384-token budget)"),
+    ("P6.eco_rna_80m", "eco_rna_80m.yaml", [], "eco_rna_80m as shipped on one H200 (context 512, length_window "
+     "8192, auto: a 131,072-token budget)"),
+    ("P6.eco_rna_80m_16k", "eco_rna_80m.yaml", ["train.max_tokens_per_microbatch=16384"],
+     "eco_rna_80m with the 16,384-token budget it fixed before auto (16,384 tokens a rank on 8 GPUs)"),
     ("P6.ctx1024_draw_order", "eco_rna_80m.yaml", DRAW_ORDER + CTX1024, "context 1024, 32 rows, draw order"),
     ("P6.ctx1024_budget_draw_order", "eco_rna_80m.yaml", DRAW_ORDER + CTX1024 + BUDGET1024,
      "context 1024, 32768-token budget, draw order"),
@@ -74,6 +77,7 @@ def build_shards(fasta: Path, out: Path) -> Path:
 def measure(config: str, overrides: list, shards: Path, windows: int) -> tuple[float, int, int, int]:
     """(tokens computed / real tokens, samples, microbatches, length_window) of one setup's loader."""
     cfg = load_config(CONFIGS / config, [*overrides, f"data.train_shards={shards}", "data.num_workers=0"])
+    cfg = as_on_device(cfg, get_family(cfg.family))  # auto: the microbatch of one H200
     # the training's own construction: RunPlan.build_dataset reads cfg, family and the stream layout only
     layout = StreamLayout.fresh(1, 0, cfg.data.num_workers, cfg.data.loader_streams)
     dataset = RunPlan.build_dataset(SimpleNamespace(cfg=cfg, family=get_family(cfg.family), loader_layout=layout),

@@ -60,6 +60,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -82,7 +83,7 @@ OPS_RUN = ["train.micro_batch_size=4", "train.grad_accum_steps=2", "train.max_to
            "data.length_window=0", "data.num_workers=0", "data.context_length=128",
            # any family's config: no global batch to match, no word budget (its counting needs the sentencepiece
            # model beside real shards; the counted step has none), no start from an export
-           "train.global_batch_size=null", "train.max_words=null", "checkpoint.at_words=[]", "train.init_from=null"]
+           "train.global_batch_size=null", "train.global_batch_tokens=null", "train.max_words=null", "checkpoint.at_words=[]", "train.init_from=null"]
 OPS_BATCH = dict(rows=4, length=128, lengths=(128, 117, 96, 70))  # real tokens per row: padding as in real batches
 OPS_STEP = 7  # the step index the plans are drawn for (fixes the depths)
 # SHAPES: the config's data and batching, a tiny model (width and block counts change no shape): the family's
@@ -503,12 +504,15 @@ def family_shards(family, out: Path) -> tuple[Path, list[str]]:
     raise ValueError(f"tokenizer kind {kind!r}: no shipped sample to shard")
 
 
-def shape_census(steps: int, overrides=(), *, shards: Path | None = None, config: Path = CONFIG) -> dict:
+def shape_census(steps: int, overrides=(), *, shards: Path | None = None, config: Path = CONFIG,
+                 device: str | None = None) -> dict:
     """{"core": {(rows, length, grad), ...} ({(tokens, grad)} on the packed layout), "attention": {(rows, length)},
     "core_calls", "attention_calls", "steps", "microbatches", "batches": [(rows, length)] per microbatch} over
     ``steps`` steps of the real loader (module docstring); ``overrides`` after the family's SHAPES model (Eco-RNA:
     SHAPES_MODEL); ``shards``: a data_prep'd directory (default: the shipped sample of the family's tokenizer kind,
-    built into a temp dir: family_shards)."""
+    built into a temp dir: family_shards). ``device``: where the model runs, default the meta device where the
+    family's Proxies.meta allows it (shapes without compute), else the CPU. The packed layout's ``tokens`` (core
+    tokens summed over calls) measures what token buckets add."""
     import torch
 
     from pipeline.config import load_config
@@ -520,10 +524,15 @@ def shape_census(steps: int, overrides=(), *, shards: Path | None = None, config
         shards, model_sets = shape_data(config, tmp, shards)
         cfg = load_config(config, model_sets + [f"data.train_shards={shards}", f"run_dir={tmp / 'run'}"]
                           + list(overrides))
+        cfg = gpu_batching(cfg, config)
         plan = RunPlan(cfg, str(DS_CONFIG), resume="never", world_size=1)
         family = plan.family
+        device = device or ("meta" if family.proxies.meta else "cpu")
+        if device == "meta" and hasattr(cfg.objective, "state_on_device"):  # no generator on the meta device
+            cfg = dataclasses.replace(cfg, objective=dataclasses.replace(cfg.objective, state_on_device=False))
         torch.manual_seed(cfg.seed)
-        model = family.build_model(cfg.model)
+        with torch.device(device):
+            model = family.build_model(cfg.model)
         core, attn = collections.Counter(), collections.Counter()
 
         def on_core(mod, args):
@@ -544,7 +553,7 @@ def shape_census(steps: int, overrides=(), *, shards: Path | None = None, config
                     b = next(loader)
                     batches.append(tuple(b.input_ids.shape))
                     p = family.plan(b, cfg, step=step, stream=b.origin[0], index=b.origin[1])
-                    family.loss(model, b, cfg, p)  # grad enabled as in training; no backward (see docstring)
+                    family.loss(model, b.to(device), cfg, p)  # grad enabled as in training; no backward
                     n_micro += 1
         finally:
             for h in hooks:
@@ -553,7 +562,19 @@ def shape_census(steps: int, overrides=(), *, shards: Path | None = None, config
             if close:
                 close()
     return {"core": set(core), "attention": set(attn), "core_calls": sum(core.values()),
-            "attention_calls": sum(attn.values()), "steps": steps, "microbatches": n_micro, "batches": batches}
+            "attention_calls": sum(attn.values()), "steps": steps, "microbatches": n_micro, "batches": batches,
+            "tokens": sum(n * math.prod(shape[:-1]) for shape, n in core.items()),
+            "microbatch": cfg.train.max_tokens_per_microbatch, "device": device}
+
+
+def gpu_batching(cfg, config: Path):
+    """``cfg`` with train.max_tokens_per_microbatch: auto resolved as on one H200 for the config's real model (the
+    census's model is tiny: auto would size its microbatch to it), so that SHAPES sees a GPU run's microbatches."""
+    from pipeline.config import load_config
+    from pipeline.families import get_family
+    from pipeline.train.memory import as_on_device
+
+    return as_on_device(cfg, get_family(cfg.family), sized=load_config(config, []))
 
 
 def module_census(overrides=(), *, config: Path = CONFIG, full_width: bool = False, index: int = 0) -> dict:
@@ -630,6 +651,17 @@ def census_modules(family) -> tuple[tuple, tuple]:
     rows and length, so the blocks' input shapes are the attention calls' (Eco-RNA: its sandwich blocks, one
     Attention each)."""
     return tuple(family.proxies.core or family.blocks), tuple(family.blocks)
+
+
+def packed_layouts(config: Path) -> list[tuple[str, list[str]]]:
+    """[(name, --set overrides)] of the packed layout as the config runs it on a GPU with a varlen kernel, and
+    without its token buckets, for a config whose objective buckets tokens (Eco-RNA's); [] otherwise."""
+    from pipeline.config import load_config
+
+    cfg = load_config(config, ["train.init_from=null"])
+    if not getattr(cfg.objective, "token_buckets", 0) or not hasattr(cfg.model, "unpad"):
+        return []
+    return [("packed", ["model.unpad=true"]), ("packed_exact", ["model.unpad=true", "objective.token_buckets=0"])]
 
 
 def core_shapes(steps: int, overrides=(), **kw) -> set:
@@ -713,12 +745,22 @@ def main(argv=None) -> int:
     if not args.skip_shapes:
         t1 = time.perf_counter()
         s = shape_census(shape_steps, args.shape_set, config=args.config)
-        print(f"SHAPES: {s['steps']} steps, {s['microbatches']} microbatches, {s['core_calls']} core calls, "
-              f"{s['attention_calls']} attention calls ({time.perf_counter() - t1:.1f} s)")
-        print(f"RESULT SHAPES.core {len(s['core'])} distinct core input shapes (rows, length, grad) over "
-              f"{s['steps']} loader steps ({args.config.name} batching, tiny model); lower is better")
-        print(f"RESULT SHAPES.attention {len(s['attention'])} distinct (rows, length) of attention calls over the "
-              f"same steps")
+        print(f"SHAPES: {s['steps']} steps, {s['microbatches']} microbatches of {s['microbatch']} tokens (the "
+              f"config's batching, auto as on one H200), {s['core_calls']} core calls, {s['attention_calls']} "
+              f"attention calls, model on {s['device']} ({time.perf_counter() - t1:.1f} s)")
+        print(f"RESULT SHAPES.core {len(s['core'])} distinct core input shapes over {s['steps']} loader steps "
+              f"({args.config.name} as configured: its layout on the CPU, tiny model); lower is better")
+        print(f"RESULT SHAPES.attention {len(s['attention'])} distinct input shapes of its blocks (attention calls) "
+              f"over the same steps")
+        for name, sets in packed_layouts(args.config):  # the layout the GPU runs, with and without token buckets
+            p = shape_census(shape_steps, list(args.shape_set) + sets, config=args.config)
+            print(f"RESULT SHAPES.core.{name} {len(p['core'])} distinct core input shapes (tokens, grad), packed "
+                  f"layout ({' '.join(sets)}); {p['tokens']:,} core tokens", flush=True)
+            if name == "packed":
+                bucketed = p
+            else:
+                print(f"RESULT SHAPES.tokens {bucketed['tokens'] / p['tokens']:.4f} core tokens with token buckets / "
+                      f"without (target <= 1.05)")
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
 

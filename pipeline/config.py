@@ -312,8 +312,6 @@ class TrainConfig:
                f"must be >= 1, got {self.global_batch_tokens}")
         _check(budget != "auto" or self.global_batch_tokens is not None, "train.global_batch_tokens",
                "train.max_tokens_per_microbatch: auto needs it: the global batch in tokens that auto keeps")
-        _check(budget is not None or self.global_batch_tokens is None, "train.global_batch_tokens",
-               "needs a token budget: train.max_tokens_per_microbatch auto (or the number auto resolved to)")
         _check(budget != "auto" or self.grad_accum_steps == 1, "train.grad_accum_steps",
                f"is derived from train.global_batch_tokens under max_tokens_per_microbatch: auto; remove it (got "
                f"{self.grad_accum_steps})")
@@ -439,16 +437,8 @@ class RunConfig:
                "needs validation: set eval.every")
 
     def check_world_size(self, world_size: int):
-        """Batch arithmetic: global = micro x accumulation x world size; a resolved auto budget M with accumulation A
-        cuts train.global_batch_tokens G into A microbatches of M tokens on each rank: M A world <= G < (M + 1) A
-        world."""
+        """Batch arithmetic: global = micro x accumulation x world size."""
         t = self.train
-        budget, g = t.max_tokens_per_microbatch, t.global_batch_tokens
-        if isinstance(budget, int) and g is not None:
-            per_step = budget * t.grad_accum_steps * world_size
-            _check(per_step <= g < per_step + t.grad_accum_steps * world_size, "train.global_batch_tokens",
-                   f"{g:,} is not max_tokens_per_microbatch {budget:,} x grad_accum_steps {t.grad_accum_steps} x "
-                   f"world size {world_size} = {per_step:,} (set train.max_tokens_per_microbatch: auto to size it)")
         if t.global_batch_size is not None:
             got = t.micro_batch_size * t.grad_accum_steps * world_size
             _check(got == t.global_batch_size, "train.global_batch_size",

@@ -170,11 +170,14 @@ class Proxies:
     core: the module classes whose input shapes SHAPES.core counts (rows, length, grad mode): the unit a depth
         step repeats (Eco-RNA's Core: the wavefront changes its rows at every step), or () for Family.blocks (a
         stack of blocks, each run on the whole microbatch).
+    meta: the family's loss runs on the meta device (shapes without data or compute: nothing reads a tensor's
+        values into a shape), so SHAPES runs there, at a GPU microbatch in seconds.
     """
 
     narrow: Callable = _no_overrides
     shapes: Callable = _no_overrides
     core: tuple = ()
+    meta: bool = False  # the loss runs on the meta device (no data-dependent shape): SHAPES runs there, no compute
 
 
 # ---- Hugging Face export --------------------------------------------------------------------------------------------
@@ -273,6 +276,10 @@ class Family:
     derive_metrics: Callable | None = None  # reduced step record -> extra metrics (e.g. routing entropy)
     # The model's transformer block classes: what train.activation_checkpointing: blocks recomputes in backward
     blocks: tuple = ()
+    # What train.compile: blocks compiles, module classes whose forward runs as one compiled region: () for
+    # ``blocks``. Larger units give inductor more to fuse and the host fewer calls (Eco-RNA: the core step, the
+    # prelude and the readout, each with its norms and the injection around its blocks).
+    compiled: tuple = ()
     # Validation (pipeline/validation.py): (model, Batch, RunConfig) -> (stats, totals) of one held-out batch, stats
     # name -> (numerator, denominator) and totals name -> number, both summed over batches and ranks; a stat named
     # "loss" also gives val/perplexity, and derive_metrics applies to the totals. None: no validation (eval.every

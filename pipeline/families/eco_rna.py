@@ -8,7 +8,7 @@ import torch
 
 from pipeline.families.base import (Activations, Depth, Family, MaskedLMInference, Proxies, Scaling, norm_extra,
                                     nucleotide_tokenizer, register_family)
-from pipeline.models.eco_rna import Core, EcoRNA, EcoRNAConfig, initial_state
+from pipeline.models.eco_rna import Core, EcoRNA, EcoRNAConfig, Readout, Stack, initial_state
 from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
 from pipeline.models.layers import SandwichBlock
 from pipeline.objectives import eco_rna as objective
@@ -170,8 +170,10 @@ ECO_RNA = register_family(Family(
                                 prepare=lambda cfg, seed: objective.state_table(cfg.model, cfg.data.context_length,
                                                                                 seed)),
     hf="pipeline.families.eco_rna_hf:EXPORT", execution=_execution,
+    # compiled: the core step (injection, 3 blocks, N_r; called K_max times a microbatch), the prelude, the readout
+    compiled=(Core, Stack, Readout),
     # SHAPES.core: the core's input, whose rows the right-aligned wavefront changes at every step
-    proxies=Proxies(narrow=narrow_twin, shapes=shapes_model, core=(Core,)), **_COMMON))
+    proxies=Proxies(narrow=narrow_twin, shapes=shapes_model, core=(Core,), meta=True), **_COMMON))
 
 # The matched fixed-depth control (A.6): same data, masking and loss code; depth fixed, auxiliary terms off. No HF
 # classes: its export holds the pipeline's files only.

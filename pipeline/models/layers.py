@@ -102,7 +102,8 @@ class RMSNorm(nn.Module):
     """x / rms(x) * weight over the last dim, computed in fp32 (norm_op.rms_norm_reference).
 
     ``fused`` (default): one operator each way (pipeline/models/norm_op.py: torch's fused kernels on CUDA, the same
-    formula elsewhere), saving only x and a per-row fp32 rstd for backward; False: the plain autograd formula.
+    formula elsewhere), saving only x and a per-row fp32 rstd for backward; False: the plain autograd formula. In a
+    compiled block the formula is traced either way, and inductor fuses it.
     :func:`set_fused_norms` switches every norm of a model (train.fused_norm)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -112,7 +113,9 @@ class RMSNorm(nn.Module):
         self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        # Inside a compiled block the formula itself: inductor fuses it with the residual add around it into one
+        # kernel each way (fp32 in registers), which the opaque operator would prevent (train.compile: blocks).
+        if self.fused and not torch.compiler.is_compiling():
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_reference(x, self.weight, self.eps)
 

@@ -45,10 +45,11 @@ class EcoRNAObjectiveConfig:
     # seeded by the microbatch's origin: replayable, the same on any world size, but not the CPU's numbers); false:
     # on the CPU in fp32 and copied (identical on every device type). The CPU draws on the CPU either way.
     state_on_device: bool = True
-    # The packed layout's block calls run on a multiple of (microbatch token budget / token_buckets) tokens, so that
-    # a run meets at most token_buckets + 1 token counts per grad mode (compiled graphs, CUDA graphs, kernel plans;
-    # the model's token_quantum); 0: every call on exactly its tokens. About 3 % more core tokens at 32
-    # (docs/performance.md); the padded layout's (rows, length) shapes are not bucketed.
+    # The packed layout's block calls run on bucketed token counts, in steps of (microbatch token budget /
+    # token_buckets) for large calls and finer ones for small (pipeline/models/eco_rna.py token_bucket), so that a
+    # run meets a few dozen shapes (compiled graphs, CUDA graphs, kernel plans); 0: every call on exactly its tokens.
+    # About 5 % more core tokens, 3 % more FLOPs at 32 (docs/performance.md); the padded layout's (rows, length)
+    # shapes are not bucketed.
     token_buckets: int = 0
     RESUME_FREE = ("token_buckets",)  # how the wavefront runs, not what it computes
 

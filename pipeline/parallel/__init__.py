@@ -62,8 +62,9 @@ def parallelize(model: torch.nn.Module, cfg, zero_stage: int, dtype: torch.dtype
     from pipeline.families import get_family
     from pipeline.parallel.kernels import apply_kernels
 
-    blocks = get_family(cfg.family).blocks
-    apply_kernels(model, cfg, blocks)  # fused norms, compiled blocks: before checkpointing wraps the forwards
+    family = get_family(cfg.family)
+    blocks = family.blocks
+    apply_kernels(model, cfg, family.compiled or blocks)  # fused norms, compiled regions: before checkpointing
     if cfg.train.activation_checkpointing == "blocks":
         from pipeline.parallel.checkpointing import apply_activation_checkpointing
 

@@ -2,9 +2,9 @@
 
 - ``train.fused_norm``: every RMSNorm as one fused operator each way (pipeline/models/norm_op.py), or the plain
   autograd formula;
-- ``train.compile: blocks``: each transformer block (the classes its family lists in ``Family.blocks``) runs through
-  ``torch.compile``, which fuses the elementwise work around the GEMMs (RoPE, QK-norm, SwiGLU, residual adds) into a
-  few kernels. Shapes are dynamic: the wavefront's core calls change their row count at every step, and a block
+- ``train.compile: blocks``: each transformer block (the classes its family lists in ``Family.compiled``, else
+  ``Family.blocks``) runs through ``torch.compile``, which fuses the elementwise work around the GEMMs (RoPE,
+  QK-norm, RMSNorm, SwiGLU, residual adds) into a few kernels. Shapes are dynamic: the wavefront's core calls change their row count at every step, and a block
   compiled per shape would recompile at each. Recompiles are bounded (``RECOMPILE_LIMIT`` graphs per block; beyond
   that torch runs the block eagerly) and counted by :func:`compiled_graphs`;
 - ``train.cuda_graphs``: the compiled blocks in torch.compile's "reduce-overhead" mode, which records a CUDA graph
@@ -43,8 +43,8 @@ def compile_blocks(model: torch.nn.Module, block_types: tuple, mode: str | None 
             module.forward = torch.compile(module.forward, dynamic=True, mode=mode)
             n += 1
     if not n:
-        raise ConfigError("train.compile: blocks, but the model has no transformer block its family declares "
-                          "(Family.blocks)")
+        raise ConfigError("train.compile: blocks, but the model has no module its family declares "
+                          "(Family.compiled or Family.blocks)")
     return n
 
 

@@ -169,6 +169,32 @@ def resolve_microbatch(memory: StepMemory, *, global_tokens: int, world: int, co
     return Microbatch(tokens, accum, peak, capacity, why)
 
 
+H200_BYTES = 139 * 2 ** 30  # one H200 as torch reports it (the device the project's GPU configs are sized for)
+
+
+def microbatch_on(cfg, family, device_bytes: float = H200_BYTES, *, world: int = 1, zero_stage: int = 2,
+                  bf16: bool = True) -> Microbatch:
+    """What ``auto`` resolves to for ``cfg`` on ranks of ``device_bytes`` (default one H200): benches and tools
+    that reproduce a GPU run's batching on the CPU."""
+    memory = step_memory(cfg, family, zero_stage=zero_stage, world=world, bf16=bf16)
+    return resolve_microbatch(memory, global_tokens=cfg.train.global_batch_tokens, world=world,
+                              context_length=cfg.data.context_length, capacity=device_bytes * CAPACITY,
+                              where=f"{device_bytes / 2 ** 30:.0f} GiB")
+
+
+def as_on_device(cfg, family, device_bytes: float = H200_BYTES, sized=None):
+    """``cfg`` with train.max_tokens_per_microbatch: auto resolved as :func:`microbatch_on` does (unchanged without
+    auto). ``sized``: the config whose model the memory model sizes for (a bench running a smaller model through
+    a GPU run's batching), default ``cfg``."""
+    import dataclasses
+
+    if cfg.train.max_tokens_per_microbatch != "auto":
+        return cfg
+    mb = microbatch_on(sized or cfg, family, device_bytes)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_tokens_per_microbatch=mb.tokens,
+                                                              grad_accum_steps=mb.grad_accum_steps))
+
+
 def training_device():
     """The device this process trains on, as the Trainer picks it (LOCAL_RANK's GPU, else the CPU)."""
     import torch

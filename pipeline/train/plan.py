@@ -133,6 +133,16 @@ class RunPlan:
     def _warnings(self) -> list[str]:
         """Settings that run but are almost certainly not what was meant."""
         cfg, out = self.cfg, []
+        t, g = cfg.train, cfg.train.global_batch_tokens
+        if g is not None and t.max_tokens_per_microbatch is None:
+            out.append(f"train.global_batch_tokens ({g:,}) is not used: microbatches are train.micro_batch_size "
+                       f"{t.micro_batch_size} rows (it sizes train.max_tokens_per_microbatch: auto)")
+        elif g is not None and not self.microbatch and not (
+                0 <= g - t.max_tokens_per_microbatch * t.grad_accum_steps * self.world_size
+                < t.grad_accum_steps * self.world_size):  # an explicit budget, not one auto resolved
+            out.append(f"train.global_batch_tokens ({g:,}) is not used: the explicit train.max_tokens_per_microbatch "
+                       f"{t.max_tokens_per_microbatch:,} x grad_accum_steps {t.grad_accum_steps} x "
+                       f"{self.world_size} ranks applies (auto sizes it to the global batch)")
         if cfg.optim.warmup_steps > cfg.train.max_steps:
             out.append(f"optim.warmup_steps ({cfg.optim.warmup_steps:,}) exceeds train.max_steps "
                        f"({cfg.train.max_steps:,}): the learning rate never reaches optim.lr")

@@ -22,7 +22,7 @@ def test_compiled_blocks_train_as_eager_with_bounded_recompiles(unpad, quantum):
     eager, compiled = EcoRNA(cfg), EcoRNA(cfg)
     compiled.load_state_dict(eager.state_dict())
     run = SimpleNamespace(train=SimpleNamespace(fused_norm=True, compile="blocks", cuda_graphs=False))
-    apply_kernels(compiled, run, get_family("eco_rna").blocks)
+    apply_kernels(compiled, run, get_family("eco_rna").compiled)
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
     graphs, breaks = compiled_graphs(), sum(counters["graph_break"].values())
     g = torch.Generator().manual_seed(1)

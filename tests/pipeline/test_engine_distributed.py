@@ -37,6 +37,17 @@ def test_zero_stage_trains_tracks_and_checkpoints(sample_shards, tmp_path, stage
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED"
     assert run.data.params["model.d_model"] == "64" and run.data.params["train.max_steps"] == "12"
+    # what ran, resolved on this machine: said once in the first lines and kept as params
+    resolved = [line for line in proc.stdout.splitlines() if line.startswith("resolved: ")]
+    assert len(resolved) == 1, proc.stdout[-3000:]
+    said = dict(kv.split("=", 1) for kv in resolved[0].removeprefix("resolved: ").split())
+    assert {k: v for k, v in said.items() if k in ("layout", "attention", "norm", "moe", "compile", "zero_stage",
+                                                   "grad_accum_steps")} == {
+        "layout": "padded", "attention": "sdpa", "norm": "fused", "moe": "none", "compile": "none",
+        "zero_stage": str(stage), "grad_accum_steps": "2"}
+    assert float(said["memory_model_gib"]) > 0 and said["microbatch"].endswith("-rows")
+    assert {run.data.params[f"resolved.{k}"] for k in said} and all(
+        run.data.params[f"resolved.{k}"] == v for k, v in said.items())
     history = client.get_metric_history(run.info.run_id, "loss")
     assert [h.step for h in history] == list(range(1, 13))
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig, initial_state
+from pipeline.models.eco_rna import EcoRNA, EcoRNAConfig, initial_state, token_bucket
 from test_layers import use_cpu_flash
 from test_wavefront import assert_near
 
@@ -28,8 +28,8 @@ def run(m, tokens, mask, depths, s0, weights, sweights, **kw):
 @pytest.mark.parametrize("seed,window,extra_kmax,anchor", [(0, 100, 0, None), (1, 2, 0, 2), (2, 3, 2, 1),
                                                             (3, 1, 1, 4)])
 def test_packed_layout_equals_padded(monkeypatch, backend, seed, window, extra_kmax, anchor, quantum):
-    """quantum: token buckets, every call on 64 tokens here (48 real tokens): the later rows' tokens and padding
-    ride along in sequences of their own and change nothing at the active rows."""
+    """quantum: token buckets (a half-octave grid below one quantum here): the later rows' tokens and padding ride
+    along in sequences of their own and change nothing at the active rows."""
     kernel_tokens = use_cpu_flash(monkeypatch)
     torch.manual_seed(seed)
     cfg = EcoRNAConfig(d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_prelude=1, n_core=2, n_coda=1,
@@ -53,8 +53,9 @@ def test_packed_layout_equals_padded(monkeypatch, backend, seed, window, extra_k
     out_p, grads_p = run(padded, tokens, mask, depths, s0, weights, sweights, **kw)
     out_u, grads_u = run(packed, tokens, mask, depths, s0, weights, sweights, token_quantum=quantum, **kw)
     assert bool(kernel_tokens) == (backend == "flash")  # the flash stand-in ran exactly when selected
-    if quantum:
-        assert set(kernel_tokens) <= {0, 64}
+    if quantum:  # every call on a bucket; seed 2's 47 real tokens end in a padding token (48)
+        assert all(n == token_bucket(n, quantum) for n in kernel_tokens)
+        assert backend != "flash" or seed != 2 or 48 in kernel_tokens
     assert out_u.row_iterations == out_p.row_iterations == int(depths.sum())
     assert out_u.core_calls == out_p.core_calls
     for name in ("logits", "state"):
@@ -88,7 +89,7 @@ def test_unpad_auto_follows_the_attention_backend():
 def test_packed_calls_run_on_bucketed_token_counts():
     """With a token quantum the core only ever sees multiples of it, across batches of other lengths and depths:
     at most budget / quantum + 1 sizes."""
-    from pipeline.models.eco_rna import Core
+    from pipeline.models.eco_rna import Core, token_bucket
 
     cfg = EcoRNAConfig(d_model=16, n_heads=2, n_kv_heads=1, d_ff=32, n_prelude=1, n_core=1, n_coda=1,
                        attn_backend="sdpa", unpad=True)
@@ -101,5 +102,11 @@ def test_packed_calls_run_on_bucketed_token_counts():
         tokens = torch.randint(6, 12, (B, L), generator=g)
         m(tokens, mask, torch.randint(1, 6, (B,), generator=g), initial_state(cfg, mask, generator=g),
           token_quantum=50)
-    assert seen and all(n % 50 == 0 for n in seen) and len(set(seen)) <= 400 // 50 + 1, seen
+    assert seen and all(n == token_bucket(n, 50) for n in seen), seen  # every call on a bucket
+    # a bucket holds its count, is its own bucket and grows with it: multiples of the quantum above it, a
+    # half-octave grid from quantum / 16 below (3, 4, 6, 8, 12, 16, 24, 32, 48, 50 here)
+    buckets = [token_bucket(n, 50) for n in range(1, 401)]
+    assert all(b >= n and token_bucket(b, 50) == b for n, b in enumerate(buckets, 1))
+    assert buckets == sorted(buckets) and len(set(buckets)) == 10 + 7, sorted(set(buckets))
+    assert token_bucket(0, 50) == 0 and token_bucket(401, 50) == 450 and token_bucket(5, 50) == 6
     assert isinstance(m.core, Core)
