@@ -93,15 +93,15 @@ fi
 # equals its base's is skipped. Overrides are space-separated --set items. To add a variant, add a row.
 # name            | base         | overrides                                  | what it attributes
 RUNS='
-rna               | -            | ?train.max_tokens_per_microbatch=auto      | Eco-RNA 80M, eco_rna_80m.yaml
-protlingo         | -            | ?train.max_tokens_per_microbatch=auto      | ProtLingo 150M, protlingo_150m.yaml
+rna               | -            |                                            | Eco-RNA 80M, eco_rna_80m.yaml (auto microbatch)
+protlingo         | -            |                                            | ProtLingo 150M, protlingo_150m.yaml (auto)
 gpt               | -            |                                            | RecursiveGPT 124M, recursive_gpt_100m.yaml
 rna_padded        | rna          | model.unpad=false                          | packed layout off: padded rows
 rna_compiled      | rna          | train.compile=blocks                       | compiled blocks on
 rna_mb16k         | rna          | train.max_tokens_per_microbatch=16384      | auto microbatch off: the config 16,384 tokens
 rna_norm_plain    | rna          | train.fused_norm=false                     | fused RMSNorm off: the plain formula
 rna_graphs        | rna_compiled | train.cuda_graphs=true                     | CUDA graphs on, over compiled blocks
-rna_buckets_off   | rna          | model.token_buckets=0                      | token buckets off
+rna_buckets_off   | rna          | objective.token_buckets=0                  | token buckets off
 '
 declare -A BASE_OF WHAT_OF
 ORDER=()

@@ -179,6 +179,8 @@ def step_stats(recs: list[dict], profiled: set[int] = frozenset()) -> dict:
             "step_ms": {"p50": p50 * 1e3, "p90": percentile(times, 90) * 1e3, "max": max(times) * 1e3,
                         "max_over_median": max(times) / p50 if p50 > 0 else math.nan},
             "peak_mem_gib": max(peaks) if peaks else None,
+            # the memory model's prediction the trainer records beside it (pipeline/train/memory.py)
+            "predicted_mem_gib": next((r["predicted_mem_gib"] for r in recs if "predicted_mem_gib" in r), None),
             "loss_first": recs[0].get("loss"), "loss_last": recs[-1].get("loss"),
             # the first step whole: start-up work the trainer does inside it (torch.compile's first graphs, the
             # allocator's first blocks, kernel selection) shows here and not in the medians
@@ -359,7 +361,8 @@ def family_report(name: str, run: Path, util: Path | None = None, log: Path | No
                 else ")")]
     mfu = "n/a (no train.peak_flops_per_device)" if st["mfu"] is None else f"{st['mfu']:.1%}"
     mem = ("n/a (no peak_mem_gib in metrics.jsonl: a CPU run)" if st["peak_mem_gib"] is None
-           else f"{st['peak_mem_gib']:.2f} GiB")
+           else f"{st['peak_mem_gib']:.2f} GiB" + (f" (memory model {st['predicted_mem_gib']:.2f} GiB)"
+                                                   if st.get("predicted_mem_gib") else ""))
     lines.append(f"  tokens/s (median) {st['tokens_per_s']:.0f} | MFU (median) {mfu} | peak GPU memory {mem} | "
                  f"loss {st['loss_first']:.3f} -> {st['loss_last']:.3f}")
     s = st["step_ms"]

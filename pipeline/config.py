@@ -286,7 +286,7 @@ class TrainConfig:
     # pipeline/parallel/kernels.py). Dynamic shapes, so the wavefront's changing row counts do not recompile.
     compile: str = "none"
     # With compile: blocks, each compiled block replays CUDA graphs (torch.compile's mode "reduce-overhead": one
-    # launch per graph instead of one per kernel; a graph per distinct shape, which model.token_buckets bounds on
+    # launch per graph instead of one per kernel; a graph per distinct shape, which objective.token_buckets bounds on
     # the packed layout). CUDA only (elsewhere torch.compile runs its default mode); checked by bench/gpu.sh.
     cuda_graphs: bool = False
 

@@ -69,6 +69,9 @@ SMALLER = {
         # 3 steps, one validation at the last (the step-time median leaves the first 2 out)
         Smoke("bench/validation.py", ("--steps", "3", "--every", "3"), ("VAL.overhead", "VAL.per_eval")),
     ],
+    "bench/compiled.py": [  # the host figures, one timed step (COMPILE over 100 steps: tests/pipeline/test_compile_blocks.py)
+        Smoke("bench/compiled.py", ("--skip-compile", "--host-steps", "1"), ("HOST.step", "HOST.token")),
+    ],
     "bench/step_proxies.py": [  # one shape step (the counts themselves: tests/bench/test_step_proxies.py)
         Smoke("bench/step_proxies.py", ("--shape-steps", "1"),
               ("OPS.step", "OPS.forward", "OPS.backward", "OPS.optimizer", "SYNC.micro", "SYNC.step", "SHAPES.core")),
