@@ -46,14 +46,14 @@ def _activations(cfg, a: int, k_max: float | None) -> Activations:
     the normalized FFN input and the FFN's two d_ff (fc1's output, GELU's); fp32: two LayerNorms' mean and rstd,
     SDPA's log-sum-exp, its mask. An MoE block runs the shared expert on every token and one routed expert (hidden
     d_ff together, as the dense FFN), plus the real tokens' gathered copy, the routed input and output, their
-    weighted sum and the scatter (4 d), the router's fp32 input (bf16 runs) and its E-wide logits. A memory layer:
+    weighted sum and the experts' gathers (5 d), the router's fp32 input (bf16 runs) and its E-wide logits. A memory layer:
     9 d (norms, W_q's input, k, v, the gate's product, the padded and convolved and gated updates), the R x d_m
     looked-up rows, the latent z, the R int64 row indices, and the fp32 copies the gate multiplies. Outside: token
     ids, the final LayerNorm, the head's dense, GELU and LayerNorm, the fp32 log-softmax."""
     m = cfg.model
     d, H, E, fused = m.d_model, m.n_heads, m.num_experts, cfg.train.fused_norm
     dense = (8 * d + 2 * m.d_ff) * a + (2 * 2 + H + 1) * 4
-    moe = dense + 4 * d * a + (4 - a) * d + 3 * E * 4
+    moe = dense + 5 * d * a + (4 - a) * d + 3 * E * 4
     n_moe = len(m.moe_layers)
     block = (dense * (m.n_layers - n_moe) + moe * n_moe) / m.n_layers
     memory = ((9 * d + m.routes * m.memory_dim + m.memory_latent) * a + (4 - a) * 2 * d + 8 * m.routes + 7 * 4

@@ -303,7 +303,8 @@ class UpcycledMoE(nn.Module):
         logp_e = logp.gather(1, expert[:, None]).squeeze(1)
         weight = torch.exp(logp_e - logp_e.detach())  # straight-through: exactly 1 forward
         T = x.shape[0]
-        counts = torch.bincount(expert, minlength=self.num_experts).to(logits.dtype)
+        # tokens per expert, added on the device: bincount's output size would need the largest id on the host
+        counts = logits.new_zeros(self.num_experts).index_add_(0, expert, logits.new_ones(T))
         if T:
             aux = self.num_experts * (counts / T * logp.exp().mean(0)).sum()
             z = torch.logsumexp(logits, -1).pow(2).mean()
@@ -319,16 +320,19 @@ class UpcycledMoE(nn.Module):
             out = out.index_add(0, idx, mlp(x.index_select(0, idx)))  # every expert runs, on zero rows too
         return out
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor):
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, real_index: torch.Tensor | None = None):
         """x [B, L, d] (normalized FFN input), token_mask [B, L] bool -> (y [B, L, d], RoutingInfo).
 
-        Only real tokens are routed; padding gets the shared expert alone (its output is never read)."""
-        y = self.shared(x)
-        flat = x[token_mask]  # [T, d]
+        Only real tokens are routed; padding gets the shared expert alone (its output is never read). ``real_index``
+        [T]: the flat positions of the real tokens (the objective copies them from the host batch); without it they
+        are read from the mask, one device read a layer (a boolean index's size is data-dependent)."""
+        B, L, d = x.shape
+        idx = real_index if real_index is not None else token_mask.reshape(-1).nonzero().squeeze(1)  # [T]
+        flat = x.reshape(B * L, d).index_select(0, idx)  # [T, d]
         expert, weight, info = self.route(flat)
         routed = self.compute_experts(flat, expert) * weight[:, None].to(flat.dtype)
-        y = y.masked_scatter(token_mask[..., None], (y[token_mask] + routed))
-        return y, info
+        y = self.shared(x).reshape(B * L, d).index_add(0, idx, routed)  # the shared expert everywhere, + routed
+        return y.view(B, L, d), info
 
 
 @dataclass
@@ -424,11 +428,11 @@ class EsmBlock(nn.Module):
         self.ffn_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.ffn = UpcycledMoE(cfg) if moe else FFN(d, cfg.d_ff)
 
-    def forward(self, h, rope, key_mask):
+    def forward(self, h, rope, key_mask, real_index=None):
         h = h + self.attn(self.attn_norm(h), rope, key_mask)
         u = self.ffn_norm(h)
         if isinstance(self.ffn, UpcycledMoE):
-            y, info = self.ffn(u, key_mask)
+            y, info = self.ffn(u, key_mask, real_index)
             return h + y, info
         return h + self.ffn(u), None
 
@@ -498,6 +502,10 @@ class ProtLingo(nn.Module):
                 nn.init.normal_(layer.ffn.router.weight, 0.0, self.cfg.router_init_std)
         nn.init.normal_(self.embed.weight, 0.0, std)
 
+    @property
+    def routing_layers(self) -> int:
+        return sum(isinstance(layer.ffn, UpcycledMoE) for layer in self.layers)
+
     def no_weight_decay(self) -> set[str]:
         """Memory tables are looked up sparsely: decay would shrink every row at every step, addressed or not."""
         return {f"memory.{i}.tables" for i in self.memory}
@@ -507,18 +515,23 @@ class ProtLingo(nn.Module):
         use its own multiplier, to adapt faster than the pretrained backbone)."""
         return {"memory_tables": {f"memory.{i}.tables" for i in self.memory}}
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> ProtLingoOutput:
-        """tokens, attention_mask: [B, L] (mask True at real tokens, rows right-padded) -> ProtLingoOutput."""
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                real_index: torch.Tensor | None = None) -> ProtLingoOutput:
+        """tokens, attention_mask: [B, L] (mask True at real tokens, rows right-padded) -> ProtLingoOutput.
+        ``real_index`` [T] long on the device: the flat positions of the real tokens, which the MoE layers route
+        (given, nothing in the forward reads the device; else read once from the mask)."""
         cfg = self.cfg
         real = attention_mask.bool()
         residue = real & (tokens != cfg.cls_token_id) & (tokens != cfg.eos_token_id)
         h = self.embed(tokens, real)
         rope = rope_cache(tokens.shape[1], cfg.head_dim, cfg.rope_theta, h.device, torch.float32)
         routing, memory = {}, {}
+        if real_index is None and self.routing_layers:
+            real_index = real.reshape(-1).nonzero().squeeze(1)
         for i, layer in enumerate(self.layers):
             if str(i) in self.memory:
                 h, memory[i] = self.memory[str(i)](h, residue, real)
-            h, info = layer(h, rope, real)
+            h, info = layer(h, rope, real, real_index)
             if info is not None:
                 routing[i] = info
         logits = self.head(self.final_norm(h), self.embed.weight)

@@ -46,6 +46,7 @@ class Plan:
     padded: bool = True  # some row has padding (else the model gets no mask: SDPA's causal kernel, no check per layer)
     words: int | None = None  # words among the targets (count_words), when counted
     tokens: int | None = None  # real tokens (the attention mask's sum), when the loss's FLOP count needs them
+    real_index: torch.Tensor | None = None  # [T] long on the host: flat positions of the real tokens (MoE routing)
 
 
 def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:

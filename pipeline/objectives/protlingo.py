@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from pipeline.errors import ConfigError
 from pipeline.data.protein_tokenizer import ProteinTokenizer
 from pipeline.objectives.causal_lm import Plan
+from pipeline.models.layers import host_tensor
 from pipeline.objectives.eco_rna import LossOutput
 from pipeline.objectives.masking import IGNORE_INDEX, make_mlm_transform
 
@@ -51,8 +52,10 @@ class ProtLingoObjectiveConfig:
 
 def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
     """Nothing to draw before the forward, nothing to synchronize across ranks: the supervised and the real-token
-    counts, read on the host (the loader's batch) so that the loss reads nothing back from the device."""
-    return Plan(supervised=batch.num_supervised, tokens=int(batch.attention_mask.sum()))
+    counts and the real tokens' positions (which the MoE layers route), read on the host (the loader's batch) so
+    that the loss reads nothing back from the device."""
+    real = batch.attention_mask.reshape(-1).nonzero().squeeze(1)  # the host batch: no device read
+    return Plan(supervised=batch.num_supervised, tokens=len(real), real_index=real)
 
 
 def make_transform(cfg):
@@ -66,7 +69,8 @@ def make_transform(cfg):
 def loss(model, batch, cfg, p: Plan) -> LossOutput:
     """batch: pipeline.data.loader.Batch on the model's device; model: the DeepSpeed engine or a bare ProtLingo."""
     obj = cfg.objective
-    out = model(batch.input_ids, batch.attention_mask)
+    real_index = None if p.real_index is None else host_tensor(p.real_index, torch.long, batch.input_ids.device)
+    out = model(batch.input_ids, batch.attention_mask, real_index=real_index)
     ce = F.cross_entropy(out.logits.float().transpose(1, 2), batch.labels, ignore_index=IGNORE_INDEX,
                          reduction="sum")
     m = p.supervised if p.supervised is not None else int((batch.labels != IGNORE_INDEX).sum())

@@ -152,7 +152,8 @@ class _GroupedGemm(torch.autograd.Function):
 
 def segment_gemm(a: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kernel: str) -> torch.Tensor:
     """a [T, n_in] with the rows of expert e at [sum(counts[:e]), sum(counts[:e+1])), w [E, n_out, n_in] (stacked
-    nn.Linear weights) -> [T, n_out], row t of expert e = a_t @ w[e]^T. counts [E] int64 on the CPU."""
+    nn.Linear weights) -> [T, n_out], row t of expert e = a_t @ w[e]^T. counts [E] int64, on the CPU for
+    "grouped_gemm" and "loop", on a's device for "torch"."""
     if kernel == "grouped_gemm":
         return _GroupedGemm.apply(a, w, counts, True)
     if kernel == "torch":
@@ -189,18 +190,20 @@ def grouped_experts(x: torch.Tensor, expert: torch.Tensor, experts: Sequence[nn.
     b1 = torch.stack([m.fc1.bias for m in experts])  # [E, h]
     w2 = torch.stack([m.fc2.weight for m in experts])  # [E, d, h]
     _check_kernel(kernel, x, w1)
-    counts = torch.bincount(expert, minlength=E)  # [E]
-    if counts.numel() != E:
-        raise ValueError(f"grouped_experts: expert ids must lie in [0, {E}), got {int(expert.max())}")
     if x.shape[0] == 0:
         kernel = "loop"  # no rows: the loop's empty products still give every expert a zero gradient, as the reference
-    counts = counts.cpu()  # the host needs the group sizes (one sync, as in MegaBlocks' GroupedMLP)
+    if kernel == "torch":  # tokens per expert on the device (bincount's size would need the largest id on the host)
+        counts = torch.zeros(E, dtype=torch.long, device=x.device).index_add_(0, expert, torch.ones_like(expert))
+    else:  # MegaBlocks' grouped GEMM and the loop take the group sizes on the host (one sync, as MegaBlocks' own)
+        counts = torch.bincount(expert, minlength=E).cpu()
+        if counts.numel() != E:
+            raise ValueError(f"grouped_experts: expert ids must lie in [0, {E}), got {int(expert.max())}")
     order = torch.argsort(expert, stable=True)  # [T]
     xs = x.index_select(0, order)  # [T, d], contiguous
-    # b1 per sorted row [T, h]. expand + cat, not b1[sorted ids]: the backward then sums each expert's rows with fp32
-    # accumulation (as nn.Linear's bias gradient does), where an index_select's index_add would add T bf16 rows one
-    # by one into E rows.
-    bias = torch.cat([b.expand(n, -1) for b, n in zip(b1.unbind(0), counts.tolist())])
+    # b1 per sorted row [T, h], gathered from an fp32 copy: the backward's index_add then sums each expert's rows in
+    # fp32 (as nn.Linear's bias gradient does) and rounds once, where a bf16 index_add would round at every row. No
+    # host-side group sizes: torch's grouped GEMM takes its offsets on the device, so the layer reads nothing back.
+    bias = b1.float().index_select(0, expert.index_select(0, order)).to(xs.dtype)
     hs = segment_gemm(xs, w1, counts, kernel) + bias  # [T, h]
     ys = segment_gemm(F.gelu(hs), w2, counts, kernel)  # [T, d]
     return torch.zeros_like(ys).index_copy(0, order, ys)  # back to token order: out[order[i]] = ys[i]

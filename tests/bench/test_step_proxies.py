@@ -238,18 +238,18 @@ THREE = ["model.n_layers=3", "model.memory_layers=[2]"]
 
 def test_protlingo_syncs_are_the_moe_dispatch():
     """SYNC counts ProtLingo's MoE dispatch: each MoE layer adds, per microbatch, one nonzero per expert (the
-    reference compute_experts), two boolean indexes of the routed tokens, the routing counts' bincount (forward) and
-    the two boolean index_puts of their backward; a dense model with the memory has none in the loop."""
+    reference compute_experts, the CPU's path; the GPU's grouped GEMM reads nothing); the routed tokens' positions
+    come from the plan (the host batch) and the routing counts are added on the device, so nothing else reads
+    back (before: two boolean indexes, a bincount and two boolean index_puts per layer); a dense model with the
+    memory has none in the loop."""
     one = sp.count_step(THREE + ["model.moe_layers=[1]"], config=PROTLINGO, repeats=2)
     two = sp.count_step(THREE + ["model.moe_layers=[1,2]"], config=PROTLINGO, sites=False)
     dense = sp.count_step(THREE + ["model.moe_layers=[]"], config=PROTLINGO, sites=False)
     E, n_micro = 4, one["config"]["grad_accum_steps"]
     assert one["repeat_equal"] and one["config"]["depths"] == [None, None]
     assert dense["sync_micro"] == 0
-    assert one["sync_micro"] == n_micro * (E + 5) and two["sync_micro"] == 2 * one["sync_micro"]
-    model, engine = "pipeline/models/protlingo.py", "deepspeed/runtime/engine.py"
-    assert _micro_syncs(one) == {("aten::nonzero", model): n_micro * E, ("aten::index[bool]", model): n_micro * 2,
-                                 ("aten::bincount", model): n_micro, ("aten::index_put[bool]", engine): n_micro * 2}
+    assert one["sync_micro"] == n_micro * E and two["sync_micro"] == 2 * one["sync_micro"]
+    assert _micro_syncs(one) == {("aten::nonzero", "pipeline/models/protlingo.py"): n_micro * E}
     # the MoE layer's operators: forward and backward (its dispatch), optimizer (its 4 + 1 experts' parameters)
     for key in ("ops_forward", "ops_backward", "ops_optimizer"):
         assert dense[key] < one[key] < two[key], key
