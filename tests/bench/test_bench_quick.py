@@ -74,7 +74,8 @@ SMALLER = {
     ],
     "bench/step_proxies.py": [  # one shape step (the counts themselves: tests/bench/test_step_proxies.py)
         Smoke("bench/step_proxies.py", ("--shape-steps", "1"),
-              ("OPS.step", "OPS.forward", "OPS.backward", "OPS.optimizer", "SYNC.micro", "SYNC.step", "SHAPES.core")),
+              ("OPS.step", "OPS.forward", "OPS.backward", "OPS.optimizer", "SYNC.micro", "SYNC.step", "SHAPES.core",
+               "SHAPES.core.packed", "SHAPES.tokens")),
     ],
 }
 
