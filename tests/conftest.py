@@ -426,9 +426,19 @@ class S3Server:
         return name
 
     def stop(self):
+        """Gone for good: the port refuses connections (not a listening socket nobody accepts from)."""
         if self.running:
             self.running = False
             self.server.stop()
+            self.server._server.server_close()
+
+
+def forget_s3_clients():
+    """fsspec keeps one S3FileSystem per set of arguments, with the endpoint it found in the environment then:
+    after the environment changes (another server), the next one must read it again."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="session")
@@ -449,6 +459,7 @@ def s3(s3_server, monkeypatch, request):
     bucket named after the test; yields (server, bucket)."""
     for k, v in s3_server.env.items():
         monkeypatch.setenv(k, v)
+    forget_s3_clients()
     s3_server.faults.reset()
     name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{os.getpid() % 10000}"
     yield s3_server, s3_server.bucket(name)

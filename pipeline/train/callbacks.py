@@ -348,7 +348,11 @@ def _fetch_note(rec: dict) -> str:
 
 
 def megabytes(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+    """Bytes for a person: 812 B, 45.1 kB, 3.2 MB, 1.25 GB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{n:.0f} B"
 
 
 def duration(seconds: float) -> str:

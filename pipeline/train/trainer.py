@@ -333,6 +333,7 @@ class Trainer:
         """Note why the run failed; the PeerLost to raise instead of ``e`` when a peer rank is gone, else None."""
         lost = not isinstance(e, (CheckpointWriteError, TrainingStopped)) and lost_peer(e)
         self.stopped_by = ("the loss of another rank" if lost else "divergence" if isinstance(e, TrainingStopped)
+                           else "data that could not be fetched" if isinstance(e, FetchError)
                            else f"an error ({type(e).__name__})")
         if not lost:
             return None
