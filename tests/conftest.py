@@ -311,7 +311,8 @@ def mlflow_server(tmp_path):
 class Faults:
     """What the loopback servers do to requests (a WSGI middleware for S3, the handler for HTTP): ``latency_s`` per
     request; ``fail(n, status, match)``: the next n requests whose path contains ``match`` get ``status`` (S3's
-    error XML); ``cut(n, match)``: the next n GETs of such an object send half the body and drop the connection.
+    error XML); ``cut(n, match)``: the next n GETs of such an object send half the body and drop the connection;
+    ``short(n, match)`` (HTTP): they send half of it as a whole answer.
     ``counts`` counts requests by (method, path); ``gets(match)`` the object GETs served whole."""
 
     def __init__(self):
@@ -320,7 +321,7 @@ class Faults:
 
     def reset(self):
         with self.lock:
-            self.latency_s, self._fail, self._cut = 0.0, [], []
+            self.latency_s, self._fail, self._cut, self._short = 0.0, [], [], []
             self.counts, self.served = Counter(), Counter()
 
     def fail(self, n: int, status: int = 503, match: str = ""):
@@ -330,6 +331,11 @@ class Faults:
     def cut(self, n: int, match: str = ""):
         with self.lock:
             self._cut.append([n, match])
+
+    def short(self, n: int, match: str = ""):
+        """HTTP only: the next n GETs answer half the object as if it were all of it (a Content-Length of half)."""
+        with self.lock:
+            self._short.append([n, match])
 
     def _take(self, rules: list, path: str):
         with self.lock:
@@ -498,14 +504,16 @@ def http_server(directory: Path, faults: Faults | None = None):
         def do_GET(self):
             if self._faulted():
                 return
-            if faults._take(faults._cut, self.path) is not None:
+            short = faults._take(faults._short, self.path) is not None
+            if short or faults._take(faults._cut, self.path) is not None:
                 data = (Path(directory) / self.path.lstrip("/")).read_bytes()
                 self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", str(len(data) // 2 if short else len(data)))
                 self.end_headers()
                 self.wfile.write(data[:len(data) // 2])
                 self.wfile.flush()
-                self.connection.shutdown(socket.SHUT_RDWR)
+                if not short:
+                    self.connection.shutdown(socket.SHUT_RDWR)
                 return
             with faults.lock:
                 faults.served[("GET", self.path)] += 1

@@ -122,8 +122,9 @@ def test_s3_set_reads_the_local_samples_once_per_epoch_within_the_cache_limit(s3
 
 
 def test_http_set_and_faults_503_and_a_cut_download(shards20, tmp_path, monkeypatch):
-    """A plain HTTP server: 503 for 3 requests is retried (counted), a download cut half-way is never read (the
-    reader only ever opens whole, checked files) and fetched again; the samples are the local copy's."""
+    """A plain HTTP server: 503 for 3 requests is retried (counted), a download cut half-way and one that ends
+    early without an error are never read (the reader only ever opens whole, checked files) and are fetched again;
+    the samples are the local copy's."""
     served = tmp_path / "www" / "rfam20"
     shutil.copytree(shards20, served)
     local = sample_ids(shards20, 2107 // 8, mix_shards=1)
@@ -139,14 +140,16 @@ def test_http_set_and_faults_503_and_a_cut_download(shards20, tmp_path, monkeypa
         names = sorted(p.name for p in shards20.glob("*.tar"))
         faults.fail(3, 503, match=names[4])
         faults.cut(1, match=names[6])
+        faults.short(1, match=names[8])  # half the object, announced as all of it: fewer bytes than listed
         before = COUNTERS.total()
         cache = CacheSettings(str(tmp_path / "cache"), 10**9, prefetch=2, retry=FAST)
         got = sample_ids(url, 2107 // 8, cache, mix_shards=1)
         after = COUNTERS.total()
         assert got == local
         # fsspec's http info falls back from HEAD to GET on an error: the three 503s make one or more retries
-        assert after["retries"] - before["retries"] >= 2 and not faults._fail[0][0]
-        assert faults.counts[("GET", f"/rfam20/{names[6]}")] == 2 and faults.gets(names[6]) == 1
+        assert after["retries"] - before["retries"] >= 3 and not faults._fail[0][0]
+        for name in names[6], names[8]:  # the torn downloads were fetched again, whole
+            assert faults.counts[("GET", f"/rfam20/{name}")] == 2 and faults.gets(name) == 1
     # only whole, checked objects were ever read: in the cache, named by the manifest's digest
     digests = {s.sha256 for s in remote.manifest_of(shards20).shards}
     assert len(read) == 20 and all(p.parent == tmp_path / "cache" / "objects" for p in read)
