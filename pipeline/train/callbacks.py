@@ -132,8 +132,8 @@ FETCH = ("fetched_bytes", "fetches", "cache_hits", "retries")  # summed over ran
 
 class RemoteData(Callback):
     """Remote shard sets (pipeline/data/remote.py): per step, over every rank, the bytes fetched, shards fetched,
-    cache hits and retries (``data/<name>``, summed) and the time the loader waited on the network
-    (``data/wait_s``, the slowest rank's: the step waits for it) with its share of the step (``data/wait_share``);
+    cache hits and retries (``fetch/<name>``, summed) and the time the loader waited on the network
+    (``fetch/wait_s``, the slowest rank's: the step waits for it) with its share of the step (``fetch/wait_share``);
     the run's totals for the summary."""
 
     def on_fit_start(self, trainer):
@@ -149,11 +149,11 @@ class RemoteData(Callback):
         sums = all_reduce_host([mine[k] for k in FETCH], torch.float64, trainer.device)
         wait = all_reduce_host([mine["wait_s"]], torch.float64, trainer.device, dist.ReduceOp.MAX)[0]
         for k, v in zip(FETCH, sums):
-            rec[f"data/{k}"] = int(v)
+            rec[f"fetch/{k}"] = int(v)
             self.totals[k] += v
-        rec["data/wait_s"] = wait
+        rec["fetch/wait_s"] = wait
         self.totals["wait_s"] += wait
-        rec["data/wait_share"] = wait / max(time.perf_counter() - trainer.step_started, 1e-9)
+        rec["fetch/wait_share"] = wait / max(time.perf_counter() - trainer.step_started, 1e-9)
 
 
 class Throughput(Callback):
@@ -339,12 +339,12 @@ class Console(Callback):
 
 def _fetch_note(rec: dict) -> str:
     """The step line's remote-data part: ``fetched 1.2 MB (1 shard), 3 hits, 0 retries, net wait 4 ms | ``."""
-    if "data/fetched_bytes" not in rec:
+    if "fetch/fetched_bytes" not in rec:
         return ""
-    n = rec["data/fetches"]
-    return (f"fetched {megabytes(rec['data/fetched_bytes'])} ({n} shard{'s' if n != 1 else ''}), "
-            f"{rec['data/cache_hits']} hits, {rec['data/retries']} retries, net wait "
-            f"{rec['data/wait_s'] * 1000:.0f} ms | ")
+    n = rec["fetch/fetches"]
+    return (f"fetched {megabytes(rec['fetch/fetched_bytes'])} ({n} shard{'s' if n != 1 else ''}), "
+            f"{rec['fetch/cache_hits']} hits, {rec['fetch/retries']} retries, net wait "
+            f"{rec['fetch/wait_s'] * 1000:.0f} ms | ")
 
 
 def megabytes(n: float) -> str:

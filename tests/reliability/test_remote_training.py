@@ -52,7 +52,7 @@ def test_two_ranks_from_s3_equal_the_local_run_and_resume_on_one_rank(s3, sets, 
     assert r.returncode == 0, r.stderr[-3000:]
     assert losses(run) == want  # bit for bit
     steps = read_jsonl(run / "metrics.jsonl")
-    assert sum(m["data/retries"] for m in steps) == 3 and sum(m["data/fetches"] for m in steps) >= 10
+    assert sum(m["fetch/retries"] for m in steps) == 3 and sum(m["fetch/fetches"] for m in steps) >= 10
     assert "data fetched: " in r.stdout and "3 retries" in r.stdout
 
     # killed mid-epoch (an epoch is 131 steps) after step 5, continued on 1 rank from the checkpoint of step 4 (the
