@@ -52,6 +52,13 @@ def _fraction(low_open: bool):
     return parse
 
 
+def _output(text: str) -> Path | str:
+    """--output: a directory, or an object-store URL kept as written (a Path would fold s3:// into s3:/)."""
+    from pipeline.data.remote import is_remote
+
+    return text if is_remote(text) else Path(text)
+
+
 def _char(text: str) -> str:
     if len(text) != 1:
         raise argparse.ArgumentTypeError(f"one character expected, got {text!r}")
@@ -75,6 +82,7 @@ EXAMPLES = {
     "merge": "python -m data_prep merge --output data/shards/rnacentral   # after --num-jobs N --job-index I jobs",
     "train-spm": "python -m data_prep train-spm --input babylm/train_10M --output data/shards/spm/babylm "
                  "--vocab-size 32768",
+    "upload": "python -m data_prep upload data/shards/rnacentral s3://bucket/shards/rnacentral",
 }
 
 
@@ -93,14 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
                "--output DIR`. Job I parses about 1/N of plain FASTA inputs (a byte range cut at record starts); "
                "of gzip and other inputs it reads every record and keeps those whose index % N == I; with "
                "--clusters, the clusters whose TSV row % N == I.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="SOURCE|synthetic-hops|merge|train-spm")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="SOURCE|synthetic-hops|merge|train-spm|upload")
     for src in SOURCES.values():
         p = sub.add_parser(src.name, help=src.help, description=src.help, epilog=f"Example:\n  {EXAMPLES[src.name]}",
                            formatter_class=_ExampleFormatter)
         p.add_argument("--input", nargs="+", required=True, type=Path, metavar="PATH",
                        help="input files (babylm: also folders of *.train), read in the order given "
                             "(gzip detected by content)")
-        p.add_argument("--output", required=True, type=Path, metavar="DIR", help="shard directory to create")
+        p.add_argument("--output", required=True, type=_output, metavar="DIR",
+                       help="shard directory to create, or an object-store URL (s3://, gs://, https://): the set is "
+                            "built in $TMPDIR and uploaded, manifest last (as `data_prep upload`)")
         if src.alphabet is None and src.tokenizer == "nucleotide":
             p.add_argument("--alphabet", required=True, choices=("rna", "dna"),
                            help="rna writes T as U, dna writes U as T")
@@ -214,7 +225,58 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lines sampled for training (sentencepiece input_sentence_size)")
     t.add_argument("--text-column", default=None, metavar="NAME",
                    help="read the column NAME of .csv inputs as the text (as the babylm source does)")
+    u = sub.add_parser("upload", help="publish a finished shard set to object storage (manifest last)",
+                       description="Upload a data_prep output (a shard set, or a --val-fraction split) to an "
+                                   "object-store prefix: the ownership marker first, then the shards, the manifests "
+                                   "last, so a reader never sees a manifest whose shards are missing "
+                                   "(data_prep/upload.py).",
+                       epilog=f"Example:\n  {EXAMPLES['upload']}", formatter_class=_ExampleFormatter)
+    u.add_argument("directory", type=Path, metavar="DIR", help="the finished output directory")
+    u.add_argument("url", metavar="URL", help="s3://bucket/prefix, gs://bucket/prefix or https://host/prefix")
+    u.add_argument("--overwrite", action="store_true",
+                   help="replace a shard set data_prep uploaded there (its manifests go first)")
     return parser
+
+
+def _upload(directory: Path, url: str, overwrite: bool) -> int:
+    from pipeline.data.remote import FetchError
+
+    from .upload import upload
+    try:
+        done = upload(directory, url, overwrite)
+    except (PrepError, FetchError, OSError) as e:
+        print(f"data_prep: error: {e}", file=sys.stderr)
+        return 1
+    print(f"data_prep upload: {done['files']} files, {done['bytes'] / 1e6:.1f} MB -> {url}")
+    return 0
+
+
+def _remote_output(args, run_job) -> int:
+    """--output URL: the job writes into a staging directory under $TMPDIR, then the finished set is uploaded
+    (data_prep/upload.py); the prefix is checked before any work, and the staging directory always removed."""
+    import shutil
+    import tempfile
+
+    from pipeline.data.remote import FetchError
+
+    from .upload import check_remote_output
+    if args.num_jobs > 1:
+        print(f"data_prep: error: --output {args.output}: the jobs of an array write to one shared directory and "
+              "are merged there; upload the merged directory with `data_prep upload DIR URL`", file=sys.stderr)
+        return 1
+    url = args.output
+    try:
+        check_remote_output(url, args.overwrite)
+    except (PrepError, FetchError) as e:
+        print(f"data_prep: error: {e}", file=sys.stderr)
+        return 1
+    staging = Path(tempfile.mkdtemp(prefix="data_prep-upload-"))
+    try:
+        args.output, args.overwrite = staging / "out", False
+        code = run_job(args)
+        return code if code else _upload(staging / "out", url, True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _synthetic_hops(args) -> int:
@@ -234,6 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "synthetic-hops":
         return _synthetic_hops(args)
+    if args.command == "upload":
+        return _upload(args.directory, args.url, args.overwrite)
+    if args.command not in ("merge", "train-spm") and isinstance(args.output, str):
+        return _remote_output(args, lambda a: _main(parser, a))
+    return _main(parser, args)
+
+
+def _main(parser, args) -> int:
     if args.command not in ("merge", "train-spm") and args.job_index >= args.num_jobs:
         parser.error(f"--job-index {args.job_index} must be < --num-jobs {args.num_jobs}")
     if args.command not in ("merge", "train-spm") and not args.progress_interval > 0:

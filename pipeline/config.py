@@ -145,9 +145,30 @@ class DataConfig:
     # val/ split that `data_prep --val-fraction` writes beside the training shards (DIR/val for DIR/train), when it
     # exists. Not a resume invariant: which set is validated on does not change what is trained on.
     val_shards: list[str] | None = None
+    # Remote shard sets (any shard path may be s3://, gs:// or https://; docs/data.md, "Remote shard sets"): each shard
+    # is fetched whole into this directory before it is read. One per run, shared by the ranks of a node (a lock per
+    # shard: no shard fetched twice); null = $TMPDIR/bioseq-shards-<hash of run_dir>, node-local. Put it on local
+    # disk: its locks are flock, and a shared filesystem would share the cache (and its limit) between nodes.
+    cache_dir: str | None = None
+    # The cache's size limit in bytes (downloads in progress counted at full size). Least recently used shards that
+    # no process reads or holds prefetched are evicted; it must hold the largest shard (refused at start otherwise),
+    # and about (prefetch_shards + 1) shards per loader process of the node for the loader never to wait.
+    cache_bytes: int = 16 * 2**30
+    # Shards each loader stream fetches ahead in the background (0: none, the loader fetches on demand).
+    prefetch_shards: int = 2
+    # Transient errors (connection reset or refused, timeouts, HTTP 5xx and 429, throttling, a cut download) are
+    # retried this often, after fetch_backoff_s x 2^i seconds (at most 30); then the run stops, checkpointed, with
+    # one line naming the URL.
+    fetch_retries: int = 5
+    fetch_backoff_s: float = 1.0
 
     def __post_init__(self):
         _check(self.molecule in ("rna", "dna"), "data.molecule", f"must be 'rna' or 'dna', got {self.molecule!r}")
+        _check(isinstance(self.cache_bytes, int) and not isinstance(self.cache_bytes, bool) and self.cache_bytes > 0,
+               "data.cache_bytes", f"must be a positive number of bytes, got {self.cache_bytes!r}")
+        _check(self.prefetch_shards >= 0, "data.prefetch_shards", f"must be >= 0, got {self.prefetch_shards}")
+        _check(self.fetch_retries >= 0, "data.fetch_retries", f"must be >= 0, got {self.fetch_retries}")
+        _check(self.fetch_backoff_s >= 0, "data.fetch_backoff_s", f"must be >= 0, got {self.fetch_backoff_s}")
         _check(self.context_length >= 8, "data.context_length", f"must be >= 8, got {self.context_length}")
         _check(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
         _check(self.loader_streams is None or self.loader_streams >= 1, "data.loader_streams",

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from pipeline.config import RunConfig
 from pipeline.data.batch import collate
 from pipeline.data.compat import check_shards_fit
-from pipeline.data.shard_reader import shard_sequences
+from pipeline.data.streams import set_sequences
 from pipeline.data.shards import MANIFEST
 from pipeline.errors import ConfigError
 from pipeline.eval.reconstruction import heldout_samples
@@ -61,12 +61,13 @@ def check_validation(cfg: RunConfig, family: Family) -> list[str]:
     return dirs
 
 
-def heldout_batches(cfg: RunConfig, family: Family, dirs: list[str]) -> list:
-    """The validation set as collated batches (the same on every rank and every evaluation)."""
+def heldout_batches(cfg: RunConfig, family: Family, dirs: list[str], cache=None) -> list:
+    """The validation set as collated batches (the same on every rank and every evaluation); ``cache``: where the
+    shards of a remote set are fetched to (RunPlan.cache)."""
     limit = cfg.eval.max_samples
     seqs = []
     for d in dirs:
-        seqs += shard_sequences(d, None if limit is None else limit - len(seqs))
+        seqs += set_sequences(d, None if limit is None else limit - len(seqs), cache)
     seqs = seqs[:limit] if limit is not None else seqs
     if not seqs:
         raise ConfigError(f"data.val_shards: {', '.join(dirs)} hold no sequence")

@@ -21,7 +21,7 @@ fi
 [[ -x .venv/bin/python ]] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
-.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q -e ".[dev,remote]"  # remote: s3fs for s3:// shard sets (docs/data.md)
 compile_project
 echo "$want" > "$stamp"
 echo "installed into .venv: $(.venv/bin/python -c 'from importlib.metadata import version as v; print("torch", v("torch"), "deepspeed", v("deepspeed"))')"

@@ -301,3 +301,229 @@ def mlflow_server(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Object storage on loopback: a real S3 server (moto's ThreadedMotoServer, what s3fs's own tests use: moto's
+# in-process mock does not reach s3fs/aiobotocore) and a plain HTTP server, each behind a fault injector. The remote
+# shard sets (pipeline/data/remote.py) and checkpoint mirroring reuse them.
+# --------------------------------------------------------------------------------------------------------------------
+class Faults:
+    """What the loopback servers do to requests (a WSGI middleware for S3, the handler for HTTP): ``latency_s`` per
+    request; ``fail(n, status, match)``: the next n requests whose path contains ``match`` get ``status`` (S3's
+    error XML); ``cut(n, match)``: the next n GETs of such an object send half the body and drop the connection;
+    ``short(n, match)`` (HTTP): they send half of it as a whole answer.
+    ``counts`` counts requests by (method, path); ``gets(match)`` the object GETs served whole."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self.lock:
+            self.latency_s, self._fail, self._cut, self._short = 0.0, [], [], []
+            self.counts, self.served = Counter(), Counter()
+
+    def fail(self, n: int, status: int = 503, match: str = ""):
+        with self.lock:
+            self._fail.append([n, status, match])
+
+    def cut(self, n: int, match: str = ""):
+        with self.lock:
+            self._cut.append([n, match])
+
+    def short(self, n: int, match: str = ""):
+        """HTTP only: the next n GETs answer half the object as if it were all of it (a Content-Length of half)."""
+        with self.lock:
+            self._short.append([n, match])
+
+    def _take(self, rules: list, path: str):
+        with self.lock:
+            for rule in rules:
+                if rule[0] > 0 and rule[-1] in path:
+                    rule[0] -= 1
+                    return rule
+        return None
+
+    def gets(self, match: str = "") -> int:
+        return sum(n for (method, path), n in self.served.items() if method == "GET" and match in path)
+
+
+_S3_CODES = {503: "SlowDown", 500: "InternalError", 429: "SlowDown", 403: "AccessDenied"}
+
+
+class FaultyApp:
+    """WSGI middleware applying ``Faults`` in front of moto's app."""
+
+    def __init__(self, app, faults: Faults):
+        self.app, self.faults = app, faults
+
+    def __call__(self, environ, start_response):
+        f, method, path = self.faults, environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+        with f.lock:
+            f.counts[(method, path)] += 1
+        if f.latency_s:
+            time.sleep(f.latency_s)
+        rule = f._take(f._fail, path)
+        if rule is not None:
+            code = _S3_CODES.get(rule[1], "ServiceUnavailable")
+            body = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>injected "
+                    f"{rule[1]}</Message><RequestId>1</RequestId></Error>").encode()
+            start_response(f"{rule[1]} Injected", [("Content-Type", "application/xml"),
+                                                   ("Content-Length", str(len(body)))])
+            return [body]
+        cut = f._take(f._cut, path) if method == "GET" else None
+        out = self.app(environ, start_response)
+        if cut is None:
+            if method == "GET":
+                with f.lock:
+                    f.served[(method, path)] += 1
+            return out
+        body = b"".join(out)
+
+        def half():
+            yield body[:len(body) // 2]
+            sock = environ.get("werkzeug.socket")
+            if sock is not None:  # a connection reset mid-body: the client sees a short, failed download
+                sock.shutdown(socket.SHUT_RDWR)
+        return half()
+
+
+class S3Server:
+    """moto's ThreadedMotoServer on 127.0.0.1 with a Faults middleware; ``env`` is what a client process needs
+    (endpoint, dummy credentials, no instance-metadata lookups), ``client()`` a boto3 client for set-up."""
+
+    def __init__(self):
+        from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+        from moto.moto_server.werkzeug_app import (DomainDispatcherApplication, MotoRequestHandler,
+                                                   create_backend_app)
+        from werkzeug.serving import make_server
+
+        import logging
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+        self.faults = Faults()
+        faults = self.faults
+
+        class Server(ThreadedMotoServer):
+            def _server_entry(self):  # ThreadedMotoServer's, with the middleware around moto's app
+                app = FaultyApp(DomainDispatcherApplication(create_backend_app), faults)
+                self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
+                self._server_ready_event.set()
+                self._server.serve_forever()
+
+        self.port = free_port()
+        self.server = Server(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                    "AWS_EC2_METADATA_DISABLED": "true"}
+        self.running = True
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                            aws_secret_access_key="testing", region_name="us-east-1")
+
+    def bucket(self, name: str) -> str:
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def stop(self):
+        """Gone for good: the port refuses connections (not a listening socket nobody accepts from)."""
+        if self.running:
+            self.running = False
+            self.server.stop()
+            self.server._server.server_close()
+
+
+def forget_s3_clients():
+    """fsspec keeps one S3FileSystem per set of arguments, with the endpoint it found in the environment then:
+    after the environment changes (another server), the next one must read it again."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 server on 127.0.0.1 for the session (skipped, saying why, without moto[server] and s3fs)."""
+    for mod in ("moto", "werkzeug", "s3fs", "boto3"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} is not installed: the loopback S3 tests need the [dev] and [remote] extras "
+                        "(scripts/setup.sh installs them)")
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """The session's S3 server for one test: its environment set (a launch inherits it), its faults reset, a fresh
+    bucket named after the test; yields (server, bucket)."""
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    forget_s3_clients()
+    s3_server.faults.reset()
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{os.getpid() % 10000}"
+    yield s3_server, s3_server.bucket(name)
+    s3_server.faults.reset()
+
+
+@contextlib.contextmanager
+def http_server(directory: Path, faults: Faults | None = None):
+    """A plain HTTP server on 127.0.0.1 serving ``directory`` (HEAD and GET), with ``faults``; yields its URL."""
+    import http.server
+
+    faults = faults or Faults()
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, directory=str(directory), **kw)
+
+        def log_message(self, *args):
+            pass
+
+        def _faulted(self) -> bool:
+            with faults.lock:
+                faults.counts[(self.command, self.path)] += 1
+            if faults.latency_s:
+                time.sleep(faults.latency_s)
+            rule = faults._take(faults._fail, self.path)
+            if rule is not None:
+                self.send_error(rule[1])
+                return True
+            return False
+
+        def do_HEAD(self):
+            if not self._faulted():
+                super().do_HEAD()
+
+        def do_GET(self):
+            if self._faulted():
+                return
+            short = faults._take(faults._short, self.path) is not None
+            if short or faults._take(faults._cut, self.path) is not None:
+                data = (Path(directory) / self.path.lstrip("/")).read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data) // 2 if short else len(data)))
+                self.end_headers()
+                self.wfile.write(data[:len(data) // 2])
+                self.wfile.flush()
+                if not short:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            with faults.lock:
+                faults.served[("GET", self.path)] += 1
+            super().do_GET()
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", faults
+    finally:
+        server.shutdown()
+        server.server_close()

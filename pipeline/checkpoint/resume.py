@@ -21,7 +21,8 @@ from pipeline.parallel import EP_KEY
 # choices (same parameters, same outputs) in its RESUME_FREE class attribute.
 MAY_CHANGE_ON_RESUME = (
     "run_dir", "checkpoint", "tracking", "eval", "optim.schedule_steps",
-    "data.verify", "data.num_workers", "data.val_shards",
+    "data.verify", "data.num_workers", "data.val_shards", "data.cache_dir", "data.cache_bytes", "data.prefetch_shards",
+    "data.fetch_retries", "data.fetch_backoff_s",
     "train.max_steps", "train.max_words", "train.max_epochs", "train.max_hours", "train.log_every", "train.log_samples",
     "train.peak_flops_per_device", "train.init_from", "train.init_from_optimizer", "train.expert_parallel_size",
     "train.max_nonfinite_steps", "train.heartbeat_seconds", "train.collective_timeout",

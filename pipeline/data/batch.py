@@ -24,13 +24,15 @@ class Batch:
     state: dict | None = None  # that stream's position after this batch (see the module docstring)
     # (global stream, its microbatch index): who made it, whatever rank reads the stream; seeds per-batch draws
     origin: tuple[int, int] = (0, 0)
+    fetch: dict | None = None  # remote shard sets: the fetch counters since the previous batch (data/remote.py)
 
     def pin_memory(self) -> "Batch":
         """Page-locked copies of the tensors (DataLoader(pin_memory=True) calls this in its pinning thread), so that
         the copy to the GPU runs asynchronously."""
         pin = lambda t: t.pin_memory() if t is not None else None  # noqa: E731
         return Batch(pin(self.input_ids), pin(self.labels), pin(self.attention_mask), self.sample_ids, self.sources,
-                     pin(self.document_ids), pin(self.position_ids), self.stream, self.state, self.origin)
+                     pin(self.document_ids), pin(self.position_ids), self.stream, self.state, self.origin,
+                     self.fetch)
 
     @property
     def num_supervised(self) -> int:
@@ -41,7 +43,7 @@ class Batch:
         move = lambda t: t.to(device, non_blocking=non_blocking) if t is not None else None  # noqa: E731
         opt = [move(t) for t in (self.document_ids, self.position_ids)]
         return Batch(move(self.input_ids), move(self.labels), move(self.attention_mask),
-                     self.sample_ids, self.sources, *opt, self.stream, self.state, self.origin)
+                     self.sample_ids, self.sources, *opt, self.stream, self.state, self.origin, self.fetch)
 
 
 def collate(samples: list[dict], pad_id: int) -> Batch:

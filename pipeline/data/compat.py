@@ -27,7 +27,7 @@ from pathlib import Path
 from pipeline import commands
 from pipeline.errors import ConfigError
 from pipeline.data import protein_tokenizer, tokenizer
-from pipeline.data.shards import MANIFEST, Manifest, ShardError, load_manifest
+from pipeline.data.shards import MANIFEST, Manifest, ShardError
 
 # What each kind is and which data_prep command writes it (after the running python, pipeline.commands): the
 # error says how to get fitting shards.
@@ -84,8 +84,10 @@ def check_shards_fit(spec: str | Path, family, vocab_size: int, key: str) -> Non
     if want not in KINDS:
         raise ConfigError(f"family: {family.name}'s tokenizer kind {want!r} is not one the loader knows (known: "
                           f"{', '.join(KINDS)})")
-    manifest = load_manifest(spec)
-    kind, n = shard_vocab(manifest, Path(spec) / MANIFEST)
+    from pipeline.data.remote import is_remote, join, manifest_of
+
+    manifest = manifest_of(spec)
+    kind, n = shard_vocab(manifest, join(spec, MANIFEST) if is_remote(spec) else Path(spec) / MANIFEST)
     if kind != want:
         have_name, want_name = KINDS[kind][0], KINDS[want][0]
         raise ConfigError(f"{key}: {spec} holds {have_name} tokens (manifest tokenizer {kind!r}), but the {family} "

@@ -103,6 +103,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from pipeline.data.batch import Batch, collate, pack_rows
 from pipeline.data.length_window import length_window_problem
 from pipeline.data.mixture import MixtureSchedule, SourceChooser
+from pipeline.data.remote import COUNTERS, CacheSettings
 from pipeline.data.shards import ShardError
 from pipeline.data.streams import SampleTransform, Source, SourceStream, StreamLayout, saved_layout
 
@@ -151,7 +152,7 @@ class ShardStream(IterableDataset):
                  max_tokens: int | None = None, pack: bool = False, pack_separator: int | None = None,
                  row_length: int | None = None, shuffle_buffer: int = 0, cluster_sampling: bool | None = None,
                  mix_shards: int = 4, vocab_size: int | None = None, verify: bool = True, length_window: int = 0,
-                 streams: int | None = None, seed_width: int | None = None):
+                 streams: int | None = None, seed_width: int | None = None, cache: CacheSettings | None = None):
         self.rank, self.world_size = rank, world_size
         self.layout = (StreamLayout.fresh(world_size, rank, num_workers, streams) if seed_width is None else
                        StreamLayout(streams, seed_width, world_size, rank))
@@ -188,8 +189,9 @@ class ShardStream(IterableDataset):
                                      layout=self.layout, transform=transform,
                                      id_prefix="" if single else f"{s.name}:", shuffle_buffer=shuffle_buffer,
                                      cluster_sampling=cluster_sampling, mix_shards=mix_shards,
-                                     vocab_size=vocab_size, verify=verify)
+                                     vocab_size=vocab_size, verify=verify, cache=cache)
                         for s in sources]
+        self.remote = any(s.remote for s in self.sources)  # batches then carry the fetch counters
         self.shard_dir = Path(str(shards)) if single else None
         self.counts = self.sources[0].counts
         self.state = self._fresh_state()
@@ -266,6 +268,8 @@ class ShardStream(IterableDataset):
         mine = [(N + physical + i * P) % L for i in range(L // P)]
         streams = [self._batches(w, StreamState(**copy.deepcopy(self.state["streams"][w]))) for w in mine]
         batches = streams[0] if len(streams) == 1 else _round_robin(streams)
+        if self.remote:
+            batches = _counting(batches)
         return batches if info is None else _reporting(batches)
 
     def _batches(self, w: int, st: StreamState) -> Iterator[Batch]:
@@ -411,6 +415,14 @@ def _round_robin(streams: list[Iterator[Batch]]) -> Iterator[Batch]:
     while True:
         for it in streams:
             yield next(it)
+
+
+def _counting(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """Each batch with this process's remote-data counters since the previous one (pipeline/data/remote.py): bytes
+    fetched, cache hits, retries, time the loader waited; a DataLoader worker's reach the training process so."""
+    for batch in batches:
+        batch.fetch = COUNTERS.take()
+        yield batch
 
 
 def _reporting(batches: Iterator[Batch]) -> Iterator:

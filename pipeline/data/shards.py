@@ -146,24 +146,34 @@ def load_manifest(directory: str | Path) -> Manifest:
         raise FileNotFoundError(f"shard directory {directory} does not exist (run data_prep first)")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no manifest.json in the shard directory (run data_prep first)")
+    manifest = parse_manifest(path.read_text(), path)
+    for s in manifest.shards:
+        if not (directory / s.path).is_file():
+            raise FileNotFoundError(f"{path}: lists shard {s.path} which is missing")
+    return manifest
+
+
+def parse_manifest(raw: str | bytes, where) -> Manifest:
+    """A manifest from its bytes (``where``, a path or URL, names it in a ShardError): the format, the layout and
+    shard paths that stay inside the shard set are checked here; that the shards exist is the caller's (a local
+    directory, pipeline/data/remote.py for a URL)."""
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ShardError(f"{path}: not valid JSON ({e})") from None
+        raw = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ShardError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ShardError(f"{where}: not a manifest (a JSON object with a shard list)")
     if raw.get("format") not in FORMATS:
-        raise ShardError(f"{path}: format {raw.get('format')!r}, expected one of {', '.join(map(repr, FORMATS))}")
+        raise ShardError(f"{where}: format {raw.get('format')!r}, expected one of {', '.join(map(repr, FORMATS))}")
     layout = raw.get("layout", "sequences")  # manifests from before clusters existed hold sequences
     if layout not in LAYOUTS:
-        raise ShardError(f"{path}: layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
+        raise ShardError(f"{where}: layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
     shards = [ShardInfo(**s) for s in raw["shards"]]
     for s in shards:
-        p = directory / s.path
         if Path(s.path).is_absolute() or ".." in Path(s.path).parts:
-            raise ShardError(f"{path}: shard path {s.path!r} escapes the shard directory")
-        if not p.is_file():
-            raise FileNotFoundError(f"{path}: lists shard {s.path} which is missing")
+            raise ShardError(f"{where}: shard path {s.path!r} escapes the shard directory")
     if not shards:
-        raise ShardError(f"{path}: lists no shards")
+        raise ShardError(f"{where}: lists no shards")
     return Manifest(source=raw["source"], tokenizer=raw["tokenizer"], shards=shards,
                     filtered=raw.get("filtered", {}), inputs=raw.get("inputs", []), stats=raw.get("stats", {}),
                     layout=layout, format=raw["format"])

@@ -13,7 +13,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from pipeline import commands
-from pipeline.data.shard_reader import read_cluster_tokens, read_tokens, shard_layout
+from pipeline.data.remote import CacheSettings, Remote, ShardCache, is_remote, open_set
+from pipeline.data.shard_reader import (cluster_members, read_cluster_tokens, read_tokens, shard_layout,
+                                        shard_sequences)
 from pipeline.data.shards import MANIFEST, ShardError, load_manifest
 
 # (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}
@@ -57,21 +59,31 @@ def draw_member(offsets: np.ndarray, rng) -> int:
 
 @dataclass(frozen=True)
 class ShardRef:
-    path: Path  # file to open
+    path: Path | None  # file to open; None for a remote shard (read from the cache)
     name: str  # shown in sample ids: the manifest's relative path, or the file name for brace URLs
     samples: int
     tokens: int
     layout: str = "sequences"  # the directory's layout: a sample is a sequence, or a cluster of members
     sha256: str | None = None  # the manifest's digest of the file; None for brace URLs (no manifest: not verified)
+    remote: Remote | None = None  # a shard of a remote set (pipeline/data/remote.py): fetched into the cache
 
 
 def is_url_pattern(spec: str) -> bool:
-    return "{" in spec or spec.endswith(".tar")
+    return not is_remote(spec) and ("{" in spec or spec.endswith(".tar"))
 
 
 @lru_cache(maxsize=None)
 def resolve_shards(spec: str) -> tuple[ShardRef, ...]:
-    """A manifest directory, or brace-notation tar paths counted by reading each tar once (no manifest)."""
+    """A manifest directory, a remote shard set's URL (its manifest read from the store, nothing fetched), or
+    brace-notation tar paths counted by reading each tar once (no manifest)."""
+    if is_remote(spec):
+        if "{" in spec or spec.endswith(".tar"):
+            raise ShardError(f"{spec}: a remote shard set is a URL prefix holding manifest.json (brace-notation tar "
+                             "URLs have no sizes or digests to check a download against)")
+        rs = open_set(spec)
+        return tuple(ShardRef(None, s.path, s.samples, s.tokens, rs.manifest.layout, s.sha256,
+                              Remote(f"{rs.url}/{s.path}", s.sha256, size, etag, rs.url, rs.manifest_sha256))
+                     for s, size, etag in zip(rs.manifest.shards, rs.sizes, rs.etags))
     if not is_url_pattern(spec):
         directory = Path(spec)
         manifest = load_manifest(directory)
@@ -93,6 +105,30 @@ def resolve_shards(spec: str) -> tuple[ShardRef, ...]:
     if not refs:
         raise ShardError(f"{spec}: the pattern names no shards")
     return tuple(refs)
+
+
+def set_sequences(spec: str, limit: int | None = None, cache: CacheSettings | None = None) -> list[np.ndarray]:
+    """Every sequence of a shard set in manifest order (a clusters layout: every member of every cluster), the first
+    ``limit`` of them when given: shard_reader.shard_sequences, for a remote set too (its shards through ``cache``)."""
+    if not is_remote(spec):
+        return shard_sequences(spec, limit)
+    if cache is None:
+        raise ShardError(f"{spec}: a remote shard set is read through a shard cache (data.cache_dir)")
+    out: list[np.ndarray] = []
+    shard_cache = ShardCache.get(cache)
+    for ref in resolve_shards(spec):
+        if limit is not None and len(out) >= limit:
+            break
+        path = shard_cache.acquire(ref.remote)
+        try:
+            if ref.layout == "clusters":
+                out += [t for _, tokens, offsets in read_cluster_tokens(path, ref.samples, sha256=ref.sha256)
+                        for t in cluster_members(tokens, offsets)]
+            else:
+                out += [t for _, t in read_tokens(path, ref.samples, sha256=ref.sha256)]
+        finally:
+            shard_cache.release(ref.remote)
+    return out if limit is None else out[:limit]
 
 
 @dataclass(frozen=True)
@@ -212,8 +248,9 @@ class SourceStream:
     def __init__(self, source: Source, key: tuple, *, layout: "StreamLayout",
                  transform: SampleTransform, id_prefix: str, shuffle_buffer: int = 0,
                  cluster_sampling: bool | None = None, mix_shards: int = 1, vocab_size: int | None = None,
-                 verify: bool = True):
+                 verify: bool = True, cache: CacheSettings | None = None):
         self.name, self.spec = source.name, str(source.shards)
+        self.cache = cache  # where a remote source's shards are fetched to (None: a local source)
         self.shuffle_buffer, self.mix_shards = shuffle_buffer, mix_shards
         self.vocab_size, self.verify = vocab_size, verify
         self._verified: set[int] = set()  # shards whose digest this process has checked
@@ -232,7 +269,11 @@ class SourceStream:
             raise ShardError(f"{self.spec}: {len(self.shards)} shards < {layout.streams} loader streams "
                              f"({layout.describe()}); reshard with a smaller --shard-size or use fewer streams")
         self.counts = np.array([s.samples for s in self.shards])
-        self._manifest = _stat(Path(self.spec) / MANIFEST)  # a rebuild of the directory replaces it (a new inode)
+        self.remote = self.shards[0].remote is not None
+        if self.remote and cache is None:
+            raise ValueError(f"{self.spec}: a remote shard set is read through a shard cache (data.cache_dir)")
+        # a rebuild of the directory replaces its manifest (a new inode); a remote set's is checked at each fetch
+        self._manifest = None if self.remote else _stat(Path(self.spec) / MANIFEST)
 
     def stream_shards(self, stream: int, epoch: int) -> np.ndarray:
         """The shards global stream ``stream`` (of layout.streams) reads in ``epoch``."""
@@ -244,6 +285,17 @@ class SourceStream:
         ref = self.shards[sid]
         sha256 = ref.sha256 if self.verify and sid not in self._verified else None
         read = read_cluster_tokens if self.clusters else read_tokens
+        if ref.remote is not None:  # fetched whole into the cache (size and digest checked), read as a local file
+            cache = ShardCache.get(self.cache)
+            path = cache.acquire(ref.remote)
+            try:
+                records = read(path, expected_samples=int(self.counts[sid]), sha256=sha256,
+                               vocab_size=self.vocab_size)
+            finally:
+                cache.release(ref.remote)
+            if sha256 is not None:
+                self._verified.add(sid)
+            return records
         self._check_unchanged(None)
         try:
             records = read(ref.path, expected_samples=int(self.counts[sid]), sha256=sha256, vocab_size=self.vocab_size)
@@ -279,11 +331,14 @@ class SourceStream:
                 continue
             records: dict[int, list] = {}  # shard index -> its records, for the shards still to be read from
             clusters = self.clusters
+            position = {int(sid): i for i, sid in enumerate(shards)}
             for window, live in self._epoch_windows(stream, epoch, shards, skip):
                 for sid in set(records) - live:
                     del records[sid]
                 for sid, j in window:
                     if sid not in records:
+                        if self.remote:  # the shards this stream reads after this one, for the prefetch thread
+                            self._want(stream, epoch, shards, position[sid], records)
                         records[sid] = self.read(sid)
                     rng = LazyRng([*self.key, epoch, sid, j])
                     if clusters:  # the member first, from the sample's own generator: see "Clusters" above
@@ -299,6 +354,17 @@ class SourceStream:
                     yield sample
             skip = 0
             epoch += 1
+
+    def _want(self, stream: int, epoch: int, shards: np.ndarray, at: int, records: dict):
+        """Tell the cache which shards stream ``stream`` reads after the one at position ``at`` of its epoch (into
+        the next epoch when this one ends): the prefetch thread fetches the first data.prefetch_shards of them."""
+        ahead = self.cache.prefetch
+        nxt = [int(x) for x in shards[at + 1:] if int(x) not in records][:ahead]
+        e = epoch
+        while len(nxt) < ahead and e < epoch + 2:  # a stream may own few shards: look into the next epochs
+            e += 1
+            nxt += [int(x) for x in self.stream_shards(stream, e)][:ahead - len(nxt)]
+        ShardCache.get(self.cache).want((self.name, stream), [self.shards[i].remote for i in nxt])
 
     def _epoch_windows(self, stream: int, epoch: int, shards: np.ndarray, start: int) -> Iterator[tuple[list, set]]:
         """The stream's epoch from position ``start`` on, as (list of (shard, index in shard), live shards).

@@ -9,6 +9,7 @@ every rank; rank-0-only work is decided inside a hook, never by skipping it.
 Collectives per step, in order, on every rank (a rank that made another sequence would hang its peers):
     1. the step (pipeline/train/step.py): token counts, plan sync values, gradient reduction, statistics
     2. MixtureMetrics: one all-reduce of the samples and tokens read per source
+       RemoteData (remote shard sets only): one all-reduce of the step's fetch counters
     3. Validation (on its cadence): the held-out batches in lockstep and one all-reduce of their sums
     4. StopOnRequest: one all-reduce (MAX) of the stop flag
     5. the checkpoint save, when one is due (pipeline/checkpoint/io.py lists its collectives)
@@ -126,6 +127,35 @@ class MixtureMetrics(Callback):
             rec[f"mix/tokens/{n}"] = int(vec[len(names) + i])
 
 
+FETCH = ("fetched_bytes", "fetches", "cache_hits", "retries")  # summed over ranks; wait_s: the slowest rank's
+
+
+class RemoteData(Callback):
+    """Remote shard sets (pipeline/data/remote.py): per step, over every rank, the bytes fetched, shards fetched,
+    cache hits and retries (``fetch/<name>``, summed) and the time the loader waited on the network
+    (``fetch/wait_s``, the slowest rank's: the step waits for it) with its share of the step (``fetch/wait_share``);
+    the run's totals for the summary."""
+
+    def on_fit_start(self, trainer):
+        self.totals = dict.fromkeys((*FETCH, "wait_s"), 0.0)
+        trainer.fetch_totals = self.totals
+
+    def on_step_end(self, trainer, rec):
+        mine = dict.fromkeys((*FETCH, "wait_s"), 0.0)
+        for b in trainer.micro:
+            for k, v in (b.fetch or {}).items():
+                if k in mine:
+                    mine[k] += v
+        sums = all_reduce_host([mine[k] for k in FETCH], torch.float64, trainer.device)
+        wait = all_reduce_host([mine["wait_s"]], torch.float64, trainer.device, dist.ReduceOp.MAX)[0]
+        for k, v in zip(FETCH, sums):
+            rec[f"fetch/{k}"] = int(v)
+            self.totals[k] += v
+        rec["fetch/wait_s"] = wait
+        self.totals["wait_s"] += wait
+        rec["fetch/wait_share"] = wait / max(time.perf_counter() - trainer.step_started, 1e-9)
+
+
 class Throughput(Callback):
     """Step time, tokens/s, TFLOP/s per device, MFU (train.peak_flops_per_device) and the padding ratio over the
     steps since the last console line."""
@@ -154,7 +184,7 @@ class Validation(Callback):
 
     def on_fit_start(self, trainer):
         cfg, self.seconds, self.started = trainer.cfg, 0.0, time.perf_counter()
-        self.batches = validation.heldout_batches(cfg, trainer.family, trainer.plan.val_dirs)
+        self.batches = validation.heldout_batches(cfg, trainer.family, trainer.plan.val_dirs, trainer.plan.cache)
         self.new_best = False
         self.history = []  # rank 0: the validation records of metrics.jsonl, for the plot
         self.train_loss = []  # rank 0: (step, training loss), drawn beside them
@@ -278,7 +308,7 @@ class Console(Callback):
             print(f"step {trainer.state.step}/{trainer.cfg.train.max_steps} | loss {rec['loss']:.4f} | lr "
                   f"{rec['lr']:.3e} | grad_norm {rec['grad_norm']:.3f} | tok/s {rec['tokens_per_s']:.0f} | "
                   f"TFLOP/s/dev {rec['tflops_per_device']:.3f} | step {rec['step_time'] * 1000:.0f} ms | "
-                  f"{self.timing(trainer)}", flush=True)
+                  f"{_fetch_note(rec)}{self.timing(trainer)}", flush=True)
 
     def timing(self, trainer) -> str:
         """``elapsed 1m02s eta 3m10s``: the ETA at this attempt's pace (validations and saves included) to whichever
@@ -305,6 +335,24 @@ class Console(Callback):
         if trainer.rank == 0:
             print(trainer.summary(status, trainer.state.step - self.start_step,
                                   time.perf_counter() - self.started), flush=True)
+
+
+def _fetch_note(rec: dict) -> str:
+    """The step line's remote-data part: ``fetched 1.2 MB (1 shard), 3 hits, 0 retries, net wait 4 ms | ``."""
+    if "fetch/fetched_bytes" not in rec:
+        return ""
+    n = rec["fetch/fetches"]
+    return (f"fetched {megabytes(rec['fetch/fetched_bytes'])} ({n} shard{'s' if n != 1 else ''}), "
+            f"{rec['fetch/cache_hits']} hits, {rec['fetch/retries']} retries, net wait "
+            f"{rec['fetch/wait_s'] * 1000:.0f} ms | ")
+
+
+def megabytes(n: float) -> str:
+    """Bytes for a person: 812 B, 45.1 kB, 3.2 MB, 1.25 GB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.{2 if unit == 'GB' else 1}f} {unit}"
+    return f"{n:.0f} B"
 
 
 def duration(seconds: float) -> str:
@@ -398,12 +446,12 @@ def _console_step(trainer) -> bool:
     return step % trainer.cfg.train.log_every == 0 or step == trainer.cfg.train.max_steps
 
 
-def default_callbacks(cfg) -> list[Callback]:
+def default_callbacks(cfg, remote: bool = False) -> list[Callback]:
     """The order is the order of their effects within a step (module docstring): the divergence guard before
     validation (no ``best`` in a non-finite streak) and the console, throughput after the mixture's all-reduce (it
     is part of the step's time), the metrics file after every metric, the budget before stop requests (a run that
-    spends its budget stops "by budget")."""
-    cbs = [Profile(), DivergenceGuard(), MixtureMetrics(), Throughput()]
+    spends its budget stops "by budget"). ``remote``: a source reads a remote shard set (RemoteData's metrics)."""
+    cbs = [Profile(), DivergenceGuard(), MixtureMetrics()] + ([RemoteData()] if remote else []) + [Throughput()]
     if cfg.eval.every:
         cbs.append(Validation())
     cbs += [MetricsFile()] + ([SamplesFile()] if cfg.train.log_samples else [])

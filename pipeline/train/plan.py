@@ -8,7 +8,9 @@ same line.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,7 +20,7 @@ from pipeline.checkpoint.resume import check_init_source, check_reshard, check_r
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data.compat import check_shards_fit
 from pipeline.data.loader import ShardStream
-from pipeline.data.shards import data_fingerprint
+from pipeline.data.remote import CacheSettings, RetryPolicy, fingerprint, is_remote
 from pipeline.data.streams import (Source, StreamLayout, is_url_pattern, reshard_states, resolve_shards,
                                    saved_layout)
 from pipeline.ds_config import load_ds_config, resolve_ds_config
@@ -84,7 +86,8 @@ class RunPlan:
             self.reshard = check_reshard(self.saved, source, world_size, self.zero_stage,
                                          cfg.train.expert_parallel_size)
         # what each source's manifest is now (the checkpoint records it); data that changed under a resume is refused
-        self.data_fingerprint = {key: data_fingerprint(spec) for key, spec in self.shard_specs()}
+        # (a remote set's manifest is read here: missing credentials or an unreachable store fail now, in one line)
+        self.data_fingerprint = {key: fingerprint(spec) for key, spec in self.shard_specs()}
         self.data_changed = self._check_data(allow_data_change) if self.saved else None
         self.loader_layout, self.resumed_loader = self._loader_layout(None if self.data_changed else self.saved)
         self.dataset_samples = 0  # one epoch: every sample of every source once (for train.max_epochs)
@@ -99,6 +102,7 @@ class RunPlan:
                                   f"streams ({self.loader_layout.describe()})")
         self._check_step_fits(world_size)
         self.val_dirs = validation.check_validation(cfg, self.family)  # refused like the train shards
+        self.cache = self._cache_settings()
         self.warnings = self._warnings()  # the run goes on; rank 0 and the dry run print them
         # A run that has checkpoints of its own continues from them; init_from only seeds its first start. A foreign
         # checkpoint's weights are read and converted here (foreign_state), so a mismatch fails before DeepSpeed.
@@ -130,6 +134,28 @@ class RunPlan:
                               "beginning")
         return f"{what}; --allow-data-change: the loader starts this data from its beginning"
 
+    def _cache_settings(self) -> CacheSettings | None:
+        """Where the shards of remote sources are fetched to (pipeline/data/remote.py), None when every source is
+        local; a data.cache_bytes that cannot hold the largest shard is refused here, not found as a hang later."""
+        d = self.cfg.data
+        specs = [(key, spec) for key, spec in self.shard_specs() if is_remote(spec)]
+        specs += [("data.val_shards", v) for v in self.val_dirs if is_remote(v)]
+        if not specs:
+            return None
+        largest = max(((ref.remote.size, ref.remote.url, key) for key, spec in specs for ref in resolve_shards(spec)),
+                      key=lambda x: x[0])
+        if d.cache_bytes < largest[0]:
+            raise ConfigError(f"data.cache_bytes: {d.cache_bytes:,} bytes cannot hold the largest shard, "
+                              f"{largest[1]} ({largest[0]:,} bytes, {largest[2]}); every shard is fetched whole into "
+                              f"the cache before it is read: set data.cache_bytes to at least {largest[0]:,} (about "
+                              f"{d.prefetch_shards + 1} shards per loader process for the loader not to wait)")
+        directory = d.cache_dir or str(Path(tempfile.gettempdir()) / (
+            "bioseq-shards-" + hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:12]))
+        # the processes of one node that share the cache: its ranks, each with its DataLoader workers
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or self.world_size)
+        return CacheSettings(str(Path(directory).resolve()), d.cache_bytes, d.prefetch_shards,
+                             RetryPolicy(d.fetch_retries, d.fetch_backoff_s), local * max(1, d.num_workers))
+
     def _warnings(self) -> list[str]:
         """Settings that run but are almost certainly not what was meant."""
         cfg, out = self.cfg, []
@@ -146,10 +172,11 @@ class RunPlan:
         if cfg.optim.warmup_steps > cfg.train.max_steps:
             out.append(f"optim.warmup_steps ({cfg.optim.warmup_steps:,}) exceeds train.max_steps "
                        f"({cfg.train.max_steps:,}): the learning rate never reaches optim.lr")
-        train_dirs = {Path(spec).resolve(): key for key, spec in self.shard_specs() if not is_url_pattern(spec)}
+        where = lambda s: s.rstrip("/") if is_remote(s) else Path(s).resolve()  # noqa: E731
+        train_dirs = {where(spec): key for key, spec in self.shard_specs() if not is_url_pattern(spec)}
         for d in self.val_dirs:
-            if Path(d).resolve() in train_dirs:
-                out.append(f"data.val_shards: {d} is also {train_dirs[Path(d).resolve()]}: validation would "
+            if where(d) in train_dirs:
+                out.append(f"data.val_shards: {d} is also {train_dirs[where(d)]}: validation would "
                            "measure training data, not held-out data")
         return out
 
@@ -206,7 +233,7 @@ class RunPlan:
                       pack=d.pack, row_length=d.context_length, shuffle_buffer=d.shuffle_buffer,
                       mix_shards=d.mix_shards, vocab_size=cfg.model.vocab_size, verify=d.verify,
                       length_window=d.length_window, streams=self.loader_layout.streams,
-                      seed_width=self.loader_layout.seed_width)
+                      seed_width=self.loader_layout.seed_width, cache=self.cache)
         if not d.sources:
             return ShardStream(d.train_shards, **kwargs)
         sources = []

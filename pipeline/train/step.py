@@ -20,9 +20,13 @@ from pipeline.distributed import all_gather_object
 from pipeline.models.layers import host_tensor
 
 
-def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, between=None) -> dict:
+def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, between=None,
+               unreadable: bool = False) -> dict:
     """One optimizer step over the microbatches ``micro`` of this rank (see the module docstring). ``between(i, n)``
-    is called after each microbatch's backward (the Trainer's heartbeat and mid-step stop).
+    is called after each microbatch's backward (the Trainer's heartbeat and mid-step stop). ``unreadable``: this
+    rank could not read all of its microbatches (remote data that could not be fetched); the flag rides on the token
+    counts' all-reduce, and when any rank raised it every rank returns ``{"unreadable": True}`` right after it,
+    with no other collective and no update.
 
     Collectives, in order: one all-reduce (SUM) of the token counts, one (MAX) of the plans' sync values, then the
     microbatches' forward/backward, then one all-gather of the statistic names and one all-reduce (SUM) of their
@@ -36,8 +40,11 @@ def train_step(engine, family, cfg: RunConfig, micro: list, step: int, device, b
     plans = [family.plan(b, cfg, step=step, stream=b.origin[0], index=b.origin[1]) for b in micro]
     # tokens computed: rows x padded length of every microbatch [B, L], real tokens included (padding_ratio)
     counts = [sum(b.num_supervised for b in micro), sum(int(b.attention_mask.sum()) for b in micro),
-              sum(len(b.sample_ids) for b in micro), sum(b.input_ids.numel() for b in micro)]
-    n_global, tokens_global, samples_global, computed = (int(v) for v in all_reduce_host(counts, torch.float64, device))
+              sum(len(b.sample_ids) for b in micro), sum(b.input_ids.numel() for b in micro), float(unreadable)]
+    n_global, tokens_global, samples_global, computed, failed = (
+        int(v) for v in all_reduce_host(counts, torch.float64, device))
+    if failed:
+        return {"unreadable": True}
     sync_keys = sorted(plans[0].sync_max) if plans else []
     if sync_keys:  # e.g. K_max: every rank must call the shared core equally often
         local = [p.sync_max[k] for p in plans for k in sync_keys]

@@ -22,13 +22,14 @@ from pipeline.checkpoint.layout import RunDirLock
 from pipeline.checkpoint.read import load_state_dict, load_weights_into
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data.loader import make_loader
+from pipeline.data.remote import FetchError, is_remote
 from pipeline.data.streams import is_url_pattern
-from pipeline.distributed import (broadcast_object, init_distributed, lost_peer, set_collective_timeout,
-                                  shutdown_distributed)
+from pipeline.distributed import (all_gather_object, broadcast_object, init_distributed, lost_peer,
+                                  set_collective_timeout, shutdown_distributed)
 from pipeline.parallel import optimizer_groups, parallelize
 from pipeline.run_log import current as current_run_log
 from pipeline.tracking.tracker import Tracker
-from pipeline.train.callbacks import Callback, default_callbacks
+from pipeline.train.callbacks import Callback, default_callbacks, megabytes
 from pipeline.train.optim import lean_overflow_check, lr_factor, make_optimizer, param_groups, schedule_horizon
 from pipeline.train.plan import RunPlan
 from pipeline.train.resolved import line as resolved_line, resolved_settings
@@ -49,7 +50,7 @@ class Trainer:
                             allow_data_change=allow_data_change)
         # the plan's config: train.max_tokens_per_microbatch: auto resolved (pipeline/train/memory.py)
         self.cfg, self.family, self.run_dir = self.plan.cfg, self.plan.family, self.plan.run_dir
-        self.callbacks = default_callbacks(self.cfg) + list(callbacks or [])
+        self.callbacks = default_callbacks(self.cfg, remote=self.plan.cache is not None) + list(callbacks or [])
         self.state = TrainState(init_from=str(self.plan.init_source.resolve()) if self.plan.init_source else None)
 
     # -- setup ------------------------------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ class Trainer:
         self.tracker.log_artifact(self.run_dir / "ds_config.json")
         sources = self.cfg.data.sources
         for (_, spec), name in zip(self.plan.shard_specs(), [s.name for s in sources] or [""]):
-            if not is_url_pattern(spec):
+            if not is_url_pattern(spec) and not is_remote(spec):
                 self.tracker.log_artifact(Path(spec) / "manifest.json", f"data/{name}" if sources else "data")
             self.tracker.log_dataset(name or _shard_dir_name(spec), spec, "training")
         for d in self.plan.val_dirs:
@@ -233,13 +234,26 @@ class Trainer:
         return cb
 
     def read_step(self) -> list:
-        """This step's microbatches from the loader (the loader position advances by grad_accum_steps)."""
+        """This step's microbatches from the loader (the loader position advances by grad_accum_steps).
+
+        Remote data: a shard that cannot be fetched (pipeline/data/remote.py: after the retries) is not raised here,
+        where the other ranks already wait in the step's first collective; it is kept in ``fetch_failure`` and the
+        step's token-count all-reduce tells every rank (run_step), which then checkpoint the last complete step
+        together and stop."""
         n = self.cfg.train.grad_accum_steps
         self.step_started = time.perf_counter()
         self.mid_step.start(self.state.step + 1)
-        self.micro = []
+        self.micro, self.fetch_failure = [], None
+        if self.plan.cache is not None:  # the position to checkpoint if this step cannot be read
+            self.step_start_loader = self.data.state_dict()
         for i in range(n):
-            self.micro.append(next(self.data))
+            try:
+                self.micro.append(next(self.data))
+            except FetchError as e:
+                if self.plan.cache is None:
+                    raise
+                self.fetch_failure = e
+                break
             self.mid_step(i + 1, n, "read")
         return self.micro
 
@@ -247,12 +261,15 @@ class Trainer:
         """One optimizer step on this rank's microbatches, and the run's bookkeeping: lr, non-finite steps, running
         totals, best loss. Returns the step record (identical on every rank)."""
         s = self.state
-        s.batches_consumed += len(micro)
         lr = self.set_lr()
         skipped_before = self.engine.skipped_steps
         self.collective = f"the collectives of step {s.step + 1} (token counts, gradient reduction, statistics)"
         rec = train_step(self.engine, self.family, self.cfg, micro, s.step, self.device,
-                         between=lambda i, n: self.mid_step(i, n, "computed"))
+                         between=lambda i, n: self.mid_step(i, n, "computed"),
+                         unreadable=getattr(self, "fetch_failure", None) is not None)
+        if rec.get("unreadable"):
+            raise self._unreadable()
+        s.batches_consumed += len(micro)
         s.step += 1
         # Non-finite: a loss or gradient norm that is inf/NaN, or DeepSpeed's own overflow check skipping the update
         # (it does on every ZeRO stage). The weights are then those of the last good step. A step without supervised
@@ -271,6 +288,23 @@ class Trainer:
         if not rec["nonfinite"] and math.isfinite(rec["loss"]) and (s.best is None or rec["loss"] < s.best[0]):
             s.best = (rec["loss"], s.step)
         return rec
+
+    def _unreadable(self) -> FetchError:
+        """A rank could not fetch this step's data (read_step): every rank puts its loader back at the last complete
+        step, they checkpoint it together (unless it is saved already), and the first rank's error, naming the URL,
+        is the run's one line."""
+        self.data.load_state_dict(self.step_start_loader)
+        errors = [e for e in all_gather_object(str(self.fetch_failure) if self.fetch_failure else None) if e]
+        error = errors[0] if errors else "another rank could not fetch its data"
+        step, saved = self.state.step, None
+        if step and self.may_save() and self.checkpointer.latest(None) != f"step{step:08d}":
+            self.collective = f"the checkpoint save of step {step} (data unreadable)"
+            self.checkpointer.save(self.state, self.data.state_dict(), self.tracker)
+        saved = self.checkpointer.latest(None)
+        self.stopped_by = "data that could not be fetched"
+        where = (f"checkpoint {saved} holds step {step}: the same command resumes from it once the store answers"
+                 if saved else "no checkpoint was written (no step was complete)")
+        return FetchError(f"{error}; stopped before step {step + 1}, {where}")
 
     def set_lr(self) -> float:
         """Put the schedule's lr for 0-based step ``state.step`` into every param group; returns the base group's."""
@@ -299,6 +333,7 @@ class Trainer:
         """Note why the run failed; the PeerLost to raise instead of ``e`` when a peer rank is gone, else None."""
         lost = not isinstance(e, (CheckpointWriteError, TrainingStopped)) and lost_peer(e)
         self.stopped_by = ("the loss of another rank" if lost else "divergence" if isinstance(e, TrainingStopped)
+                           else "data that could not be fetched" if isinstance(e, FetchError)
                            else f"an error ({type(e).__name__})")
         if not lost:
             return None
@@ -321,6 +356,11 @@ class Trainer:
             f"{c.get('nonfinite', 0):.0f}",
             f"checkpoints: {ckpt_dir} (latest {latest or 'none'})",
         ]
+        fetched = getattr(self, "fetch_totals", None)
+        if fetched is not None:  # remote shard sets (callbacks.RemoteData), this attempt
+            lines.append(f"data fetched: {megabytes(fetched['fetched_bytes'])} in {fetched['fetches']:.0f} shards "
+                         f"(all ranks), {fetched['cache_hits']:.0f} cache hits, {fetched['retries']:.0f} retries, "
+                         f"{fetched['wait_s']:.1f} s waiting on the network; cache {self.plan.cache.directory}")
         if latest:
             lines.append(f"export: {commands.python()} tools/convert_checkpoint.py --checkpoint {self.run_dir} "
                          f"--output exports/{self.run_dir.name}")
