@@ -143,7 +143,7 @@ def score_items(items: Sequence[Item], tokenizer, logits_fn: Callable, *, batch_
                 attn[r, :len(ids)] = 1
                 phrase[r, :len(ids)] = torch.tensor(mask)
             inputs, targets = tokens[:, :-1], tokens[:, 1:]
-            with torch.no_grad():
+            with torch.inference_mode():
                 logits = logits_fn(inputs, attn[:, :-1].bool())
                 logp = torch.log_softmax(logits, dim=-1)
                 picked = torch.gather(logp, -1, targets.to(logp.device).unsqueeze(-1)).squeeze(-1)
@@ -234,6 +234,8 @@ def hf_tokenizer(trained, spm: Path | None = None):
     if spm is None and is_export(tag) and (tag / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
 
+        import pipeline.hf  # noqa: F401  (the export's model type known: AutoTokenizer runs none of its code)
+
         return AutoTokenizer.from_pretrained(str(tag))
     if spm is None and is_export(tag) and (tag / SPM_NAME).is_file():
         spm = tag / SPM_NAME
@@ -252,7 +254,7 @@ def model_logits_fn(model, depth: int | None):
     device = next(model.parameters()).device
 
     def logits_fn(ids, mask):
-        with torch.no_grad():
+        with torch.inference_mode():
             return model(ids.to(device), mask.to(device), depth)
 
     return logits_fn
