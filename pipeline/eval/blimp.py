@@ -201,7 +201,7 @@ def evaluate_pairs(pairs: Sequence[MinimalPair], score_fn: ScoreFn | None = None
             "macro_accuracy": float(np.mean([d["accuracy"] for d in per.values()])),
             "micro_accuracy": float(correct.mean()), "n_pairs": len(pairs),
             "by": {k: {v: c[0] / c[1] for v, c in sorted(vals.items())} for k, vals in by.items()},
-            "scores": np.asarray(scores).tolist(), "predictions": preds}
+            "scores": np.asarray(scores).tolist(), "chosen": chosen.tolist(), "predictions": preds}
 
 
 def ranked_items(pairs: Sequence[MinimalPair]) -> list:

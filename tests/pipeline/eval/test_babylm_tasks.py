@@ -99,8 +99,7 @@ def test_scores_and_choices_equal_plain_transformers(export, task):
         want = reference_scores(export, decoded, depth)
         np.testing.assert_allclose(np.array(got["scores"]), np.array(want), atol=1e-4, rtol=0)
         want_choice = [int(np.argmax(r)) for r in want]  # argmax: the first of equal maxima
-        chosen = got["chosen"] if "chosen" in got else [int(np.argmax(r)) for r in got["scores"]]
-        assert chosen == want_choice, (task, depth)
+        assert got["chosen"] == want_choice, (task, depth)
         # the pipeline's predictions.json: per UID, ids UID_i in data order, the chosen completion (COMPS: sentence)
         uids = {}
         for (sentences, completions, uid), c in zip(decoded, want_choice):
@@ -136,6 +135,7 @@ def test_a_tie_goes_to_the_first_option(export, task, tmp_path):
     got = evaluated(export, bench, tmp_path, 2)
     scores = np.array(got["scores"])
     assert (scores == scores[:, :1]).all()  # exact ties
+    assert got["chosen"] == [0, 0]
     if bench == "wug_adj":
         assert [p["pred"] for p in got["predictions"]["wug_adj"]["predictions"]] == ["The blickness is odd."] * 2
     else:
@@ -197,3 +197,20 @@ def test_bad_records_name_the_file_line_and_key(export, tmp_path):
                        "babylm", "--data", str(empty), "--no-mlflow"])
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
         f"error: {empty}: no BabyLM task folder in it (looked for blimp_filtered")
+
+
+def test_averages_as_the_pipeline_takes_them():
+    """run.py process_results: the mean over UID subsets; Entity Tracking the mean over its three splits of the mean
+    over each split's subsets (here 1/3, where the mean over all five subsets would be 0.6)."""
+    from pipeline.eval.ranked import Item, accuracy_report
+
+    uids = ["regular_0_ops", "regular_1_ops", "regular_2_ops", "ambiref_0_ops", "move_contents_0_ops"]
+    items = [Item(("a", "b"), ("a", "b"), u) for u in uids]
+    chosen = np.array([0, 0, 0, 1, 1])  # regular all right, the other two splits wrong
+    et = accuracy_report(items, chosen, "entity_tracking")
+    assert et["splits"] == {"regular": 1.0, "ambiref": 0.0, "move_contents": 0.0}
+    assert et["average"] == pytest.approx(1 / 3)
+    assert accuracy_report(items, chosen)["average"] == pytest.approx(0.6)
+    by_field = accuracy_report([Item(("a", "b"), ("a", "b"), "u", meta={"field": f}) for f in "xxy"],
+                               np.array([0, 1, 0]))
+    assert by_field["by"]["field"] == {"x": 0.5, "y": 1.0} and by_field["average"] == pytest.approx(2 / 3)
