@@ -55,6 +55,8 @@ BENCHES = [
 NOT_IN_RUN_ALL = {
     "bench/run_all.py": "this runner",
     "bench/adaptive_depth.py": "needs a trained Eco-RNA export and prints a verdict on it (exit 0/1), no RESULT figure",
+    "bench/babylm_pipeline.py": "needs a checkout of babylm/evaluation-pipeline-2025 and a text export; its RESULT "
+                                "BABYLM.time and BABYLM.agree are in docs/benchmarks.md",
     "bench/comm_volume.py": "a correctness check (counted against predicted bytes, exit 0/1), no RESULT figure",
     "bench/depth_study.py": "a training study of minutes to hours; its verdict is OUT/depth_study.json",
     "bench/depth_task.py": "a training study (27 minutes); its verdict is OUT/depth_task.json",

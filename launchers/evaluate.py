@@ -69,7 +69,19 @@ from pipeline.eval.cli import require_trust  # noqa: E402
 from pipeline.outputs import write_atomic  # noqa: E402
 from pipeline.tracking.eval_runs import log_metric_batches, mlflow_target, start_eval_run  # noqa: E402
 
-TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym", "mlm", "validation")
+# The text benchmarks (BLiMP and its supplement, COMPS, EWoK, Entity Tracking, the wug tasks, LAMBADA, and babylm: every
+# BabyLM folder at once) come from pipeline/eval/benchmarks.py's table: their runs, options and metrics are declared
+# there, and this launcher only dispatches to them.
+OWN_TASKS = ("reconstruction", "rnagym", "proteingym", "mlm", "validation")
+
+
+def text_tasks() -> dict:
+    from pipeline.eval.benchmarks import TABLE
+
+    return TABLE
+
+
+TASKS = OWN_TASKS + tuple(text_tasks())
 
 
 def default_depths(cfg) -> list[int]:
@@ -284,58 +296,76 @@ def write_proteingym_scores(result: dict, out: Path) -> Path:
     return folder
 
 
-def text_setup(trained, depths, spm: Path | None):
-    """(encode, [(K, depth argument)]) for the causal-LM families: a standard stack has only its own depth.
+def run_text(trained, args, data: Path, depths) -> dict:
+    """A text benchmark of the table (pipeline/eval/benchmarks.py) at ``depths``; refused for a family that does not
+    read text."""
+    from pipeline.eval.benchmark import depth_runs
+    from pipeline.families import get_family
 
-    The tokenizer: ``spm``, else an export's own tokenizer.model, else the one beside the training shards."""
-    import sentencepiece
-
-    from pipeline.checkpoint import is_export
-    from pipeline.data.tokenizer import SPM_NAME
-    from pipeline.objectives.causal_lm import spm_model_path
-
-    if spm is None and is_export(trained.tag_dir) and (trained.tag_dir / SPM_NAME).is_file():
-        spm = trained.tag_dir / SPM_NAME
-    spm = spm or spm_model_path(trained.cfg)  # a path only: the training shards need not be on this machine
-    if not Path(spm).is_file():
-        raise FileNotFoundError(f"{spm}: sentencepiece model not found (pass --spm, or evaluate an export of "
-                                "tools/convert_checkpoint.py, which holds its tokenizer)")
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm))
-    if getattr(trained.cfg.model, "n_layers", None) is not None:
-        return sp.encode, [(trained.cfg.model.n_layers, None)]
-    return sp.encode, [(k, k) for k in depths]
+    if not get_family(trained.cfg.family).text:
+        raise ValueError(f"--task {args.task} scores text; {trained.cfg.family} is not a text model")
+    return text_tasks()[args.task].run(trained, data, depth_runs(trained, depths), args)
 
 
-def run_blimp(trained, data: Path, depths, spm: Path | None, method: str) -> dict:
-    from pipeline.eval.blimp import describe_skipped, evaluate_pairs, model_score_fn, read_records, select_pairs
+def run_milestones(args, depths, data: Path) -> int:
+    """--milestones: the task on every word milestone of --checkpoint (pipeline/eval/milestones.py), one row per
+    milestone (words seen, then the headline metric of each task folder, per depth); the JSON, a metric-against-words
+    plot and MLflow metrics at step = words seen (in a run nested under the training run)."""
+    from pipeline.checkpoint import load_trained_model
+    from pipeline.eval.benchmark import headline
+    from pipeline.eval.milestones import find_milestones
+    from pipeline.eval.plots import plot_curves
 
-    encode, runs = text_setup(trained, depths, spm)
-    records = read_records(data)
-    pairs, skipped = select_pairs(records, method)
-    if not pairs:
-        raise ValueError(f"{data}: no record supports --blimp-method {method} ({describe_skipped(skipped)})")
-    per_depth = {str(k): evaluate_pairs(pairs, model_score_fn(trained.model, encode, depth=d,
-                                                              desc=f"blimp K={k}")) for k, d in runs}
-    uids = sorted(next(iter(per_depth.values()))["per_phenomenon"])
-    acc = lambda k, u: per_depth[str(k)]["per_phenomenon"][u]["accuracy"]  # noqa: E731
-    return {"method": method, "n_pairs": len(pairs), "n_records": len(records), "skipped": skipped,
-            "skipped_line": describe_skipped(skipped) if skipped["records"] else None,
-            "per_depth": per_depth,
-            "table": [(k, per_depth[str(k)]["macro_accuracy"], *(acc(k, u) for u in uids)) for k, _ in runs],
-            "columns": ("K", "macro_accuracy", *uids)}
-
-
-def run_lambada(trained, data: Path, depths, spm: Path | None) -> dict:
-    from pipeline.eval.lambada import evaluate_lambada, model_logprobs_fn, read_passages
-
-    encode, runs = text_setup(trained, depths, spm)
-    passages = read_passages(data)
-    per_depth = {}
-    for k, d in runs:
-        res = evaluate_lambada(passages, encode, model_logprobs_fn(trained.model, depth=d, desc=f"lambada K={k}"), k=5)
-        per_depth[str(k)] = {key: v for key, v in res.items() if key != "per_passage"}
-    return {"passages": len(passages), "per_depth": per_depth, "columns": ("K", "pass@5", "accuracy"),
-            "table": [(k, per_depth[str(k)]["pass_at_k"], per_depth[str(k)]["accuracy"]) for k, _ in runs]}
+    try:
+        found, missing = find_milestones(Path(args.checkpoint))
+        for line in missing:
+            print(f"warning: {line}", file=sys.stderr)
+        if not found:
+            raise ValueError(f"{args.checkpoint}: no milestone checkpoint to evaluate")
+        bench = text_tasks()[args.task]
+        rows, entries, trained = [], [], None
+        for m in found:
+            require_trust(m.path, args.trust_checkpoint)
+            trained = load_trained_model(m.path, trusted=args.trust_checkpoint)
+            ks = depths or default_depths(trained.cfg)
+            if depths:
+                check_depths(depths, trained.cfg, m.path / "config.yaml", text=args.depths)
+            result = run_text(trained, args, data, ks)
+            ks_run = [r[0] for r in result["table"]]
+            if args.task == "babylm":  # one column per task folder
+                names = list(result["columns"][1:])
+                value = lambda n, k, result=result: result["per_depth"][str(k)][n]  # noqa: E731
+            else:  # the task's headline metric
+                names = [bench.metrics[0]]
+                value = lambda n, k, result=result: headline(bench, result, k)  # noqa: E731
+            columns = ("words", *(n if len(ks_run) == 1 else f"{n} K={k}" for k in ks_run for n in names))
+            rows.append((m.words, *(value(n, k) for k in ks_run for n in names)))
+            entries.append({"name": m.name, "target": m.target, "words": m.words, "step": m.step, "path": str(m.path),
+                            "result": result})
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(" | ".join(f"{c:>12}" for c in ("milestone", *columns)))
+    for e, row in zip(entries, rows):
+        print(" | ".join([f"{e['name']:>12}", f"{row[0]:>12,}", *(f"{v:>12.4f}" for v in row[1:])]))
+    base = Path(args.checkpoint)
+    out = args.output or base / f"eval-{args.task}-milestones.json"
+    doc = {"task": args.task, "data": str(data), "checkpoint": str(base), "milestones": entries, "missing": missing,
+           "columns": columns, "table": rows}
+    try:
+        write_atomic(out, json.dumps(doc, indent=1, default=float))
+    except OSError as e:
+        print(f"error: cannot write {out} ({e.strerror or e}); pass --output PATH", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    png = plot_curves(columns, rows, f"{args.task} on {data.name} against words seen, {len(rows)} milestones of "
+                      f"{base}", out.with_name(f"{out.stem}-vs-words.png"))
+    print(f"wrote {png}")
+    if not args.no_mlflow and trained is not None:
+        log = log_to_mlflow(trained, args.task, doc, out, data, png)
+        if log:
+            print(f"logged to MLflow run {log[0]} (nested in training run {log[1]}), step = words seen")
+    return 0
 
 
 def log_proteingym_to_mlflow(trained, result: dict, out: Path, data: Path) -> tuple[str, str] | None:
@@ -372,7 +402,7 @@ def depth_plot(trained, task: str, result: dict, out: Path, data: Path) -> Path 
     if cols[0] != "K" or not rows:
         return None
     step = trained.client_state.get("step")
-    n = result.get("sequences") or result.get("passages") or result.get("n_pairs")
+    n = result.get("sequences") or result.get("passages") or result.get("n_pairs") or result.get("n_items")
     title = (f"{task} of {trained.cfg.family} {trained.tag_dir.name}"
              + (f" (step {step})" if step is not None else "") + f" on {data.name}"
              + (f", {n} items" if n else "") + f", seed {result.get('seed', 0)}: metric against core iterations K"
@@ -395,7 +425,7 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
     child = start_eval_run(client, run_id, trained, task, data)
     cols, rows = result["columns"], result["table"]
     now_ms = int(time.time() * 1000)
-    depth_axis = cols[0] == "K"  # mlm has one row and no depth: step 0, no plot
+    depth_axis = cols[0] in ("K", "words")  # mlm has one row and no depth: step 0, no plot; milestones: words seen
     metrics = [Metric(f"eval/{task}/{name.strip('|')}", float(row[j]), now_ms, int(row[0]) if depth_axis else 0)
                for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
     log_metric_batches(client, child, metrics)
@@ -410,10 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
     """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, or an export")
-    p.add_argument("--task", required=True, choices=TASKS, help="what to measure (docs/evaluation.md)")
+    p.add_argument("--task", required=True, choices=TASKS, help="what to measure (docs/evaluation.md): "
+                   + "; ".join(f"{b.name}: {b.help}" for b in text_tasks().values()))
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
-                   "blimp: JSONL or dir; lambada: text or JSONL; proteingym: assay CSV or dir; validation: shard dirs, "
-                   "comma-separated")
+                   "blimp, comps, ewok, entity_tracking, wug_*: JSONL or a folder of them; babylm: "
+                   "evaluation_data/full_eval (or fast_eval); lambada: text or JSONL; proteingym: assay CSV or dir; "
+                   "validation: shard dirs, comma-separated")
     p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
                    "recursive_gpt, 1-8 for eco_rna); capped at 4 x the deepest training depth (a cap never below 8)")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
@@ -423,13 +455,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "required for a folder)")
     p.add_argument("--window", type=int, default=1024, help="proteingym: tokens per window incl. <cls>/<eos> "
                    "(ProteinGym's optimal window, 1024)")
-    p.add_argument("--batch-size", type=int, default=32, help="proteingym: masked copies per forward pass; mlm: "
-                   "sequences per forward pass")
-    p.add_argument("--spm", type=Path, default=None, help="blimp/lambada: sentencepiece model "
-                   "(default: the export's tokenizer.model, else tokenizer.model beside the training shards)")
-    p.add_argument("--blimp-method", default="full", choices=("full", "one_prefix", "two_prefix"),
-                   help="blimp: score whole sentences (full, default) or the word after a shared prefix "
-                        "(pipeline/eval/blimp.py)")
+    p.add_argument("--batch-size", type=int, default=None, help="proteingym: masked copies per forward pass (32); "
+                   "mlm: sequences per forward pass (32); the BabyLM tasks: items per forward pass (64, the BabyLM "
+                   "pipeline's, whose batches it repeats)")
+    p.add_argument("--spm", type=Path, default=None, help="text tasks: sentencepiece model (default: the export's "
+                   "tokenizer.json / tokenizer.model, else tokenizer.model beside the training shards)")
+    p.add_argument("--milestones", action="store_true", help="text tasks: score every word milestone of --checkpoint "
+                   "(a run's milestone checkpoints, or an export's chck_* folders) and plot each metric against "
+                   "words seen (pipeline/eval/milestones.py)")
+    for bench in text_tasks().values():  # each benchmark's own options
+        if bench.options is not None:
+            bench.options(p)
     p.add_argument("--output", type=Path, default=None, help="JSON path (default: TAG_DIR/eval-TASK.json)")
     p.add_argument("--no-mlflow", action="store_true",
                    help="write the JSON only; do not log the result as a run nested in the training's MLflow run")
@@ -454,10 +490,14 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
         if args.output is not None and not args.output.parent.is_dir():
             raise FileNotFoundError(f"{args.output.parent}: --output: no such directory")
+        if args.milestones and args.task not in text_tasks():
+            raise ValueError(f"--milestones is for the text tasks ({', '.join(text_tasks())}), not --task {args.task}")
         from pipeline.checkpoint import load_trained_model
         from pipeline.checkpoint.layout import hold_off_rotation
 
         hold_off_rotation(args.checkpoint)  # a training rotating the run's checkpoints keeps this one until we exit
+        if args.milestones:
+            return run_milestones(args, depths, data)
         tag_dir, cfg, _ = locate_checkpoint(args.checkpoint)  # config and client state, no weights yet
         if depths:
             check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)
@@ -465,20 +505,19 @@ def main(argv=None) -> int:
         trained = load_trained_model(tag_dir, trusted=args.trust_checkpoint)
         if args.task not in ("proteingym", "mlm", "validation"):  # these have no depth axis (validation: eval.depths)
             depths = depths or default_depths(trained.cfg)
-        if args.task == "validation":
+        if args.task in text_tasks():
+            result = run_text(trained, args, data, depths)
+        elif args.task == "validation":
             result = run_validation(trained, [Path(x) for x in args.data.split(",")], depths, args.seed)
         elif args.task == "mlm":
-            result = run_mlm(trained, data, args.seed, args.batch_size)
+            result = run_mlm(trained, data, args.seed, args.batch_size or 32)
         elif args.task == "proteingym":
-            result = run_proteingym(proteingym_model(trained), data, args.reference, args.window, args.batch_size)
+            result = run_proteingym(proteingym_model(trained), data, args.reference, args.window,
+                                    args.batch_size or 32)
         elif args.task == "reconstruction":
             result = run_reconstruction(trained, data, depths, args.seed)
-        elif args.task == "rnagym":
-            result = run_rnagym(trained, data, depths, args.seed, args.reference_sheet)
-        elif args.task == "blimp":
-            result = run_blimp(trained, data, depths, args.spm, args.blimp_method)
         else:
-            result = run_lambada(trained, data, depths, args.spm)
+            result = run_rnagym(trained, data, depths, args.seed, args.reference_sheet)
     except (FileNotFoundError, ValueError) as e:  # ConfigError and ShardError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2

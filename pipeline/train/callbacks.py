@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, word_milestones
 from pipeline.profiling import StepProfiler
 from pipeline.train.step import all_reduce_host
 from pipeline.train.stop import TrainingStopped
@@ -389,7 +389,10 @@ class SaveCadence(Callback):
     survives keep_last)."""
 
     def on_fit_start(self, trainer):
-        self.words = trainer.state.cumulative.get("words", 0.0)  # words consumed before the current step
+        # Words consumed before the current step: the restored total on resume, so a milestone saved before the kill
+        # (words <= total) is not saved again and one the kill came before is saved at the step that crosses it
+        self.words = trainer.state.cumulative.get("words", 0.0)
+        self.milestones = word_milestones(trainer.cfg)
 
     def save_reasons(self, trainer, rec):
         step, c = trainer.state.step, trainer.cfg.checkpoint
@@ -397,7 +400,7 @@ class SaveCadence(Callback):
         reasons = set()
         if step % c.every_steps == 0 or step == trainer.cfg.train.max_steps:
             reasons.add("periodic")
-        if any(before < w <= self.words for w in c.at_words) or step in c.at_steps:
+        if any(before < w <= self.words for w in self.milestones) or step in c.at_steps:
             reasons.add("milestone")
         return reasons
 

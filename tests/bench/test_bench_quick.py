@@ -103,6 +103,8 @@ ELSEWHERE = {
     "bench/depth_study.py": "tests/bench/test_depth_study.py::test_tiny_study_trains_both_models_with_the_real_launcher",
     "bench/depth_task.py": "tests/bench/test_bench_quick.py::test_depth_task_tiny_study_runs_end_to_end",
     "bench/comm_volume.py": "tests/tools/test_scaling.py::test_predicted_volume_is_the_counted_volume",
+    # the full run needs a checkout of the BabyLM pipeline (BABYLM_PIPELINE); its argument check runs everywhere
+    "bench/babylm_pipeline.py": "tests/bench/test_babylm_pipeline.py::test_predictions_identical_to_the_pipeline",
 }
 
 
