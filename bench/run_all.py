@@ -48,6 +48,7 @@ BENCHES = [
     ("flops check", "bench/flops_check.py",
      ("FLOPS.eco_rna_80m", "FLOPS.eco_rna_control_stage_a", "FLOPS.protlingo_150m", "FLOPS.recursive_gpt_100m",
       "FLOPS.standard_h384")),
+    ("remote shards", "bench/remote_data.py", ("REMOTE.wait_share",)),
 ]
 
 # Every other bench/*.py, and why it is not in BENCHES (tests/bench/test_bench_quick.py checks that each script is

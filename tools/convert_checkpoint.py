@@ -211,12 +211,14 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
 
 
 def write_export(tmp: Path, model, cfg, *, tag_dir: Path, meta: dict, spm: Path | None, tokenizer: dict | None,
-                 dtype: str = "fp32", trusted: bool = False, bar=None, milestone: dict | None = None) -> None:
+                 dtype: str = "fp32", trusted: bool = False, bar=None, milestone: dict | None = None,
+                 shown: Path | None = None) -> None:
     """Write the export of ``model`` (a pipeline module of ``cfg``) into the empty directory ``tmp``: the files the
     module docstring lists. ``tag_dir``/``meta``: the checkpoint it came from and its client state (the card, and
     export.json's step, world size and MLflow run); ``milestone``: {"target", "words", "step"} of a word-milestone
     export (export.json "milestone", what launchers/evaluate.py --milestones reads). ``bar``: advanced through the
-    cast, the weights and the small files."""
+    cast, the weights and the small files. ``shown``: the path errors name (the export being published; default
+    ``tmp``): a user never sees the staging directory's name."""
     import torch
     from safetensors import SafetensorError
     from safetensors.torch import save_file
@@ -246,7 +248,7 @@ def write_export(tmp: Path, model, cfg, *, tag_dir: Path, meta: dict, spm: Path 
         save_file(state, str(tmp / EXPORTED_WEIGHTS), metadata={"format": "pt"})  # "pt": what transformers expects
     except SafetensorError as e:  # a full disk: safetensors' own error, its reason in Rust's Debug text
         reason = re.search(r'message: "([^"]+)"', str(e))
-        raise OSError(f"{tmp}: cannot write {EXPORTED_WEIGHTS} ({reason[1] if reason else e}); nothing was "
+        raise OSError(f"{shown or tmp}: cannot write {EXPORTED_WEIGHTS} ({reason[1] if reason else e}); nothing was "
                       "exported") from None
     step()
     note("config, tokenizer, export.json, README.md")
@@ -275,10 +277,11 @@ def write_export(tmp: Path, model, cfg, *, tag_dir: Path, meta: dict, spm: Path 
     step()
 
 
-def export_milestones(tmp: Path, checkpoint: Path, cfg, *, spm, tokenizer, dtype: str, trusted: bool) -> list:
+def export_milestones(tmp: Path, checkpoint: Path, cfg, *, spm, tokenizer, dtype: str, trusted: bool,
+                      out: Path) -> list:
     """Every word milestone of the run ``checkpoint`` exported as ``tmp/chck_NAME/`` (pipeline/eval/milestones.py:
-    the checkpoint that reached each milestone; a missing one is named on stderr and left out). Returns the
-    milestones exported."""
+    the checkpoint that reached each milestone; a missing one is named on stderr and left out), errors naming
+    ``out/chck_NAME``. Returns the milestones exported."""
     from pipeline.checkpoint import load_trained_model
     from pipeline.checkpoint.layout import read_client
     from pipeline.eval.cli import locate_checkpoint, progress, require_trust
@@ -295,7 +298,7 @@ def export_milestones(tmp: Path, checkpoint: Path, cfg, *, spm, tokenizer, dtype
         sub.mkdir()
         write_export(sub, model, m_cfg, tag_dir=tag_dir, meta=meta or read_client(tag_dir) or {}, spm=spm,
                      tokenizer=tokenizer, dtype=dtype, trusted=trusted,
-                     milestone={"target": m.target, "words": m.words, "step": m.step})
+                     milestone={"target": m.target, "words": m.words, "step": m.step}, shown=out / m.name)
     return found
 
 
@@ -364,11 +367,11 @@ def main(argv=None) -> int:
         trained = load_trained_model(tag_dir, trusted=args.trust_checkpoint)
         bar.update()
         write_export(tmp, trained.model, cfg, tag_dir=tag_dir, meta=meta, spm=spm, tokenizer=tokenizer,
-                     dtype=args.dtype, trusted=args.trust_checkpoint, bar=bar)
+                     dtype=args.dtype, trusted=args.trust_checkpoint, bar=bar, shown=out)
         exported = []
         if args.milestones:  # one export per word milestone, EXPORT/chck_NAME/ (pipeline/eval/milestones.py)
             exported = export_milestones(tmp, args.checkpoint, cfg, spm=spm, tokenizer=tokenizer, dtype=args.dtype,
-                                         trusted=args.trust_checkpoint)
+                                         trusted=args.trust_checkpoint, out=out)
         kept = publish_dir(tmp, out, TOOL)  # an existing export (--force) goes only once the new one is in place
         tmp = None
         bar.update()
