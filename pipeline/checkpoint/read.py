@@ -439,6 +439,16 @@ def load_fair_esm(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ConfigError(f"{p}: not a readable torch checkpoint ({str(e).splitlines()[0][:200]})") from None
     if not (isinstance(data, dict) and isinstance(data.get("model"), dict) and isinstance(data.get("cfg"), dict)):
         raise ConfigError(f"{p}: not a fair-esm ESM2 checkpoint (expected the keys 'cfg' and 'model')")
+    regression = p.with_name(p.stem + "-contact-regression.pt")  # fair-esm ships the contact head beside the model
+    if regression.is_file():  # and merges its "model" dict in (esm.pretrained.load_model_and_alphabet_local)
+        try:
+            extra = torch.load(regression, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle.UnpicklingError (a global), RuntimeError (not a zip): never executed
+            raise ConfigError(f"{regression}: not loaded with weights_only=True ({str(e).splitlines()[0][:200]})") \
+                from None
+        if not (isinstance(extra, dict) and isinstance(extra.get("model"), dict)):
+            raise ConfigError(f"{regression}: not a fair-esm contact regression (expected the key 'model')")
+        data["model"].update(extra["model"])
     cfg = data["cfg"].get("model")
     get = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
     try:

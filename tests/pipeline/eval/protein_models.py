@@ -12,13 +12,16 @@ from conftest import REPO
 FIXTURES = REPO / "tests" / "fixtures"
 
 
-def esm_config(hidden=32, layers=2, heads=4, ffn=64):
+def esm_config(hidden=32, layers=2, heads=4, ffn=64, init=0.02):
+    """``init``: the weights' std (transformers' initializer_range); 0.5 gives attention with a positional pattern
+    that a contact head can weigh, 0.02 (ESM's) near-uniform maps."""
     from transformers import EsmConfig
 
     return EsmConfig(vocab_size=33, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                      intermediate_size=ffn, max_position_embeddings=1026, position_embedding_type="rotary",
                      token_dropout=True, emb_layer_norm_before=False, mask_token_id=32, pad_token_id=1,
-                     layer_norm_eps=1e-5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                     layer_norm_eps=1e-5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     initializer_range=init)
 
 
 def write_hf_esm(out: Path, seed=0, **shape) -> Path:
