@@ -12,6 +12,9 @@ r"""Evaluate a trained checkpoint across recurrent depths.
         --data ../shared/data/eval/proteingym/BLAT_ECOLX_Jacquier_2013.csv \
         --reference ../shared/data/eval/proteingym/DMS_substitutions.csv   # or --data a folder of assays
     python launchers/evaluate.py --checkpoint exports/protlingo --task mlm --data uniref50_heldout.fasta
+    python launchers/evaluate.py --checkpoint exports/protlingo --task flip --data ../shared/data/eval/flip/gb1
+    python launchers/evaluate.py --checkpoint esm2_t30_150M_UR50D --task contacts \
+        --contact-train data/samples/structures/train --data data/samples/structures/test   # an ESM2 as it is
 
 Without --depths a RecursiveGPT is evaluated at its trained recurrence R (the paper's BLiMP and LAMBADA numbers are at
 R = 16 or 24) and the Eco-RNA tasks at 1-8.
@@ -43,6 +46,12 @@ eval.depths (--depths overrides), seeded by --seed (training uses eval.seed, 0 b
 
 mlm (pipeline/eval/mlm.py): held-out masked-LM loss, perplexity and accuracy of a protein masked LM (paper 002's
 ablation metric) on a FASTA or shard directory, each sequence masked once by the training transform (seeded).
+
+The protein benchmarks of pipeline/eval/benchmarks.py (flip, contacts, expert_specialization, expert_intervention,
+memory_motifs) declare their readers, options, metrics and plots in their own modules; proteingym also reports the
+leaderboard's average (with --reference) and Spearman per billion active parameters. --checkpoint may also
+be a foreign ESM2 checkpoint, a Hugging Face directory or a fair-esm .pt, read as it is (no conversion step) for
+every protein task (docs/evaluation.md).
 
 Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json) and, for a task with a depth axis, the plot
 OUT_STEM-vs-depth.png beside it (pipeline/eval/plots.py; with or without MLflow), and, when the checkpoint's MLflow run can
@@ -476,13 +485,15 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
 def build_parser() -> argparse.ArgumentParser:
     """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, or an export")
+    p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, an export, or (the "
+                   "protein tasks) a Hugging Face ESM2 directory or fair-esm .pt read as it is")
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure (docs/evaluation.md): "
                    + "; ".join(f"{b.name}: {b.help}" for b in text_tasks().values()))
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
                    "blimp, comps, ewok, entity_tracking, wug_*: JSONL or a folder of them; babylm: "
                    "evaluation_data/full_eval (or fast_eval); lambada: text or JSONL; proteingym: assay CSV or dir; "
-                   "validation: shard dirs, comma-separated")
+                   "validation: shard dirs, comma-separated; flip: a landscape's split CSVs (dir) or one; contacts: "
+                   "PDB / mmCIF files (dir) or one; expert_*, memory_motifs: the proteins' FASTA")
     p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
                    "recursive_gpt, 1-8 for eco_rna); capped at 4 x the deepest training depth (a cap never below 8)")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
@@ -490,9 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-sheet", type=Path, default=None, help="RNAGym reference_sheet.csv")
     p.add_argument("--reference", type=Path, default=None, help="proteingym: DMS_substitutions.csv (wild types; "
                    "required for a folder)")
-    p.add_argument("--window", type=int, default=1024, help="proteingym: tokens per window incl. <cls>/<eos> "
-                   "(ProteinGym's optimal window, 1024)")
-    p.add_argument("--batch-size", type=int, default=None, help="proteingym: masked copies per forward pass (32); "
+    p.add_argument("--window", type=int, default=1024, help="proteingym, flip: tokens per window incl. <cls>/<eos> "
+                   "(ProteinGym's optimal window, 1024; flip's probe cuts longer sequences to it, as ESM's --truncate); "
+                   "contacts: the longest chain + 2; expert_*: windows a protein is read in")
+    p.add_argument("--batch-size", type=int, default=None, help="proteingym, flip: masked copies per forward "
+                   "pass (32); "
                    "mlm: sequences per forward pass (32); the BabyLM tasks: items per forward pass (64, the BabyLM "
                    "pipeline's, whose batches it repeats)")
     p.add_argument("--spm", type=Path, default=None, help="text tasks: sentencepiece model (default: the export's "
