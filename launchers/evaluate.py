@@ -12,6 +12,9 @@ r"""Evaluate a trained checkpoint across recurrent depths.
         --data ../shared/data/eval/proteingym/BLAT_ECOLX_Jacquier_2013.csv \
         --reference ../shared/data/eval/proteingym/DMS_substitutions.csv   # or --data a folder of assays
     python launchers/evaluate.py --checkpoint exports/protlingo --task mlm --data uniref50_heldout.fasta
+    python launchers/evaluate.py --checkpoint exports/protlingo --task flip --data ../shared/data/eval/flip/gb1
+    python launchers/evaluate.py --checkpoint esm2_t30_150M_UR50D --task contacts \
+        --contact-train data/samples/structures/train --data data/samples/structures/test   # an ESM2 as it is
 
 Without --depths a RecursiveGPT is evaluated at its trained recurrence R (the paper's BLiMP and LAMBADA numbers are at
 R = 16 or 24) and the Eco-RNA tasks at 1-8.
@@ -43,6 +46,12 @@ eval.depths (--depths overrides), seeded by --seed (training uses eval.seed, 0 b
 
 mlm (pipeline/eval/mlm.py): held-out masked-LM loss, perplexity and accuracy of a protein masked LM (paper 002's
 ablation metric) on a FASTA or shard directory, each sequence masked once by the training transform (seeded).
+
+The protein benchmarks of pipeline/eval/benchmarks.py (flip, contacts, expert_specialization, expert_intervention,
+memory_motifs) declare their readers, options, metrics and plots in their own modules; proteingym also reports the
+leaderboard's average (with --reference) and Spearman per billion active parameters. --checkpoint may also
+be a foreign ESM2 checkpoint, a Hugging Face directory or a fair-esm .pt, read as it is (no conversion step) for
+every protein task (docs/evaluation.md).
 
 Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json) and, for a task with a depth axis, the plot
 OUT_STEM-vs-depth.png beside it (pipeline/eval/plots.py; with or without MLflow), and, when the checkpoint's MLflow run can
@@ -233,6 +242,11 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
             "columns": ("K", "|spearman|", "AUC", "|MCC|")}
 
 
+def active_params(cfg) -> int:
+    """The parameters one token uses (the model config's num_active_params, else all: tools/params.py's rule)."""
+    return getattr(cfg.model, "num_active_params", cfg.model.num_params)()
+
+
 def proteingym_model(trained):
     """The checkpoint's model, refused unless its vocabulary is ESM-2's 33 tokens (a nucleotide or text model would
     fail inside its embedding on protein ids, or score the wrong tokens), on the GPU when one is visible."""
@@ -264,20 +278,32 @@ def load_proteingym_assays(data: Path, reference: Path | None):
     return [load_assay(f, ref[f.name]) for f in listed], [f.name for f in paths if f.name not in ref]
 
 
-def run_proteingym(model, data: Path, reference: Path | None, window: int, batch_size: int) -> dict:
-    """Score the assays of ``data`` with ``model`` (a masked LM whose forward returns .logits)."""
-    from pipeline.eval.proteingym import METRICS, evaluate_assays, masked_lm_logits_fn
+def run_proteingym(model, data: Path, reference: Path | None, window: int, batch_size: int,
+                   active_params: int | None = None) -> dict:
+    """Score the assays of ``data`` with ``model`` (a masked LM whose forward returns .logits); with ``reference``
+    also the leaderboard's UniProt / selection-type average, and with ``active_params`` paper 002's Spearman per
+    billion active parameters (of the leaderboard average, else of the mean over assays)."""
+    from pipeline.eval.proteingym import (METRICS, efficiency, evaluate_assays, leaderboard_aggregate, load_reference,
+                                          masked_lm_logits_fn)
 
     assays, skipped = load_proteingym_assays(data, reference)
     res = evaluate_assays(assays, masked_lm_logits_fn(model), window=window, batch_size=batch_size, progress=True)
     per, agg = res["per_assay"], res["aggregate"]
     table = [(i, m["n"], *(m[k] for k in METRICS)) for i, m in per.items()]
+    board = leaderboard_aggregate(per, load_reference(reference), reference) if reference is not None else None
+    extra = [] if board is None else [(f"leaderboard ({board['n_uniprot']} UniProt, {board['n_types']} types)",
+                                       agg["n_mutants"], *(board[k] for k in METRICS))]
+    headline = board["spearman"] if board is not None else agg["spearman"]
+    eff = None if active_params is None else {
+        "spearman_per_billion_active": efficiency(headline, active_params), "active_params": int(active_params),
+        "spearman": headline, "of": "leaderboard" if board is not None else "mean over assays"}
     return {"assays": list(per), "skipped": skipped, "window": window, "batch_size": batch_size,
-            "scoring": "masked-marginals", "per_assay": per, "aggregate": agg,
+            "scoring": "masked-marginals", "per_assay": per, "aggregate": agg, "leaderboard": board,
+            "efficiency": eff,
             "scores": {a.dms_id: {"mutant": a.mutants, "DMS_score": a.dms_score.tolist(),
                                   "DMS_score_bin": a.dms_score_bin.tolist(), "score": res["scores"][a.dms_id].tolist()}
                        for a in assays},
-            "table": table + [(f"mean of {agg['n']}", agg["n_mutants"], *(agg[k] for k in METRICS))],
+            "table": table + [(f"mean of {agg['n']}", agg["n_mutants"], *(agg[k] for k in METRICS))] + extra,
             "columns": ("assay", "n", "spearman", "AUC", "MCC")}
 
 
@@ -297,14 +323,18 @@ def write_proteingym_scores(result: dict, out: Path) -> Path:
 
 
 def run_text(trained, args, data: Path, depths) -> dict:
-    """A text benchmark of the table (pipeline/eval/benchmarks.py) at ``depths``; refused for a family that does not
-    read text."""
+    """A benchmark of the table (pipeline/eval/benchmarks.py) at ``depths``; refused for a model it does not score
+    (Benchmark.check_model: a text task on a protein model, a protein task on a text model)."""
     from pipeline.eval.benchmark import depth_runs
-    from pipeline.families import get_family
 
-    if not get_family(trained.cfg.family).text:
-        raise ValueError(f"--task {args.task} scores text; {trained.cfg.family} is not a text model")
-    return text_tasks()[args.task].run(trained, data, depth_runs(trained, depths), args)
+    bench = text_tasks()[args.task]
+    bench.check_model(trained)
+    return bench.run(trained, data, depth_runs(trained, depths), args)
+
+
+def protein_tasks() -> tuple:
+    """The tasks a foreign checkpoint (a Hugging Face ESM2 directory, a fair-esm .pt) is evaluated on, as it is."""
+    return ("proteingym", "mlm") + tuple(n for n, b in text_tasks().items() if b.model == "protein")
 
 
 def run_milestones(args, depths, data: Path) -> int:
@@ -383,12 +413,26 @@ def log_proteingym_to_mlflow(trained, result: dict, out: Path, data: Path) -> tu
     step, now_ms = int(trained.client_state.get("step", 0)), int(time.time() * 1000)
     keys = ("spearman", "auc", "mcc")
     named = [(f"eval/proteingym/{k}", result["aggregate"][k]) for k in keys]
+    if result.get("leaderboard"):
+        named += [(f"eval/proteingym/leaderboard/{k}", result["leaderboard"][k]) for k in keys]
+    if result.get("efficiency"):
+        named.append(("eval/proteingym/spearman_per_billion_active", result["efficiency"]["spearman_per_billion_active"]))
     named += [(f"eval/proteingym/{i}/{k}", m[k]) for i, m in result["per_assay"].items() for k in keys]
     metrics = [Metric(name, float(v), now_ms, step) for name, v in named if np.isfinite(v)]
     log_metric_batches(client, child, metrics)
     client.log_artifact(child, str(out), "eval")
     client.set_terminated(child)
     return child, run_id
+
+
+def task_plot(trained, task: str, result: dict, out: Path, data: Path) -> Path | None:
+    """The task's own plot when its benchmark declares one (Benchmark.plot: the tasks without a depth axis), else
+    :func:`depth_plot`."""
+    bench = text_tasks().get(task)
+    if bench is not None and bench.plot is not None:
+        title = f"{task} of {trained.cfg.family} {trained.tag_dir.name} on {data.name}\n{trained.tag_dir}"
+        return bench.plot(result, out, title)
+    return depth_plot(trained, task, result, out, data)
 
 
 def depth_plot(trained, task: str, result: dict, out: Path, data: Path) -> Path | None:
@@ -426,7 +470,9 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
     cols, rows = result["columns"], result["table"]
     now_ms = int(time.time() * 1000)
     depth_axis = cols[0] in ("K", "words")  # mlm has one row and no depth: step 0, no plot; milestones: words seen
-    metrics = [Metric(f"eval/{task}/{name.strip('|')}", float(row[j]), now_ms, int(row[0]) if depth_axis else 0)
+    label = lambda row: f"{row[0]}/" if isinstance(row[0], str) else ""  # noqa: E731 - rows named by a string
+    metrics = [Metric(f"eval/{task}/{label(row)}{name.strip('|')}", float(row[j]), now_ms,
+                      int(row[0]) if depth_axis else 0)
                for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
     log_metric_batches(client, child, metrics)
     client.log_artifact(child, str(out), "eval")
@@ -439,13 +485,15 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
 def build_parser() -> argparse.ArgumentParser:
     """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, or an export")
+    p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, an export, or (the "
+                   "protein tasks) a Hugging Face ESM2 directory or fair-esm .pt read as it is")
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure (docs/evaluation.md): "
                    + "; ".join(f"{b.name}: {b.help}" for b in text_tasks().values()))
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
                    "blimp, comps, ewok, entity_tracking, wug_*: JSONL or a folder of them; babylm: "
                    "evaluation_data/full_eval (or fast_eval); lambada: text or JSONL; proteingym: assay CSV or dir; "
-                   "validation: shard dirs, comma-separated")
+                   "validation: shard dirs, comma-separated; flip: a landscape's split CSVs (dir) or one; contacts: "
+                   "PDB / mmCIF files (dir) or one; expert_*, memory_motifs: the proteins' FASTA")
     p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
                    "recursive_gpt, 1-8 for eco_rna); capped at 4 x the deepest training depth (a cap never below 8)")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
@@ -453,9 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-sheet", type=Path, default=None, help="RNAGym reference_sheet.csv")
     p.add_argument("--reference", type=Path, default=None, help="proteingym: DMS_substitutions.csv (wild types; "
                    "required for a folder)")
-    p.add_argument("--window", type=int, default=1024, help="proteingym: tokens per window incl. <cls>/<eos> "
-                   "(ProteinGym's optimal window, 1024)")
-    p.add_argument("--batch-size", type=int, default=None, help="proteingym: masked copies per forward pass (32); "
+    p.add_argument("--window", type=int, default=1024, help="proteingym, flip: tokens per window incl. <cls>/<eos> "
+                   "(ProteinGym's optimal window, 1024; flip's probe cuts longer sequences to it, as ESM's --truncate); "
+                   "contacts: the longest chain + 2; expert_*: windows a protein is read in")
+    p.add_argument("--batch-size", type=int, default=None, help="proteingym, flip: masked copies per forward "
+                   "pass (32); "
                    "mlm: sequences per forward pass (32); the BabyLM tasks: items per forward pass (64, the BabyLM "
                    "pipeline's, whose batches it repeats)")
     p.add_argument("--spm", type=Path, default=None, help="text tasks: sentencepiece model (default: the export's "
@@ -477,7 +527,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     try:  # the checks that need no model first: a bad flag fails in a fraction of a second, before torch loads
-        if args.task in ("proteingym", "mlm") and args.depths:  # one depth: a sweep would repeat one number
+        one_depth = args.task in ("proteingym", "mlm") or not getattr(text_tasks().get(args.task), "depth_axis", 1)
+        if one_depth and args.depths:  # one depth: a sweep would repeat one number
             raise ValueError(f"--depths does not apply to --task {args.task} (one forward depth per model)")
         if args.reference is not None and args.task != "proteingym":
             raise ValueError("--reference is for --task proteingym (rnagym: --reference-sheet)")
@@ -492,17 +543,24 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"{args.output.parent}: --output: no such directory")
         if args.milestones and args.task not in text_tasks():
             raise ValueError(f"--milestones is for the text tasks ({', '.join(text_tasks())}), not --task {args.task}")
-        from pipeline.checkpoint import load_trained_model
+        from pipeline.checkpoint import is_foreign_checkpoint, load_foreign_model, load_trained_model
         from pipeline.checkpoint.layout import hold_off_rotation
 
-        hold_off_rotation(args.checkpoint)  # a training rotating the run's checkpoints keeps this one until we exit
-        if args.milestones:
-            return run_milestones(args, depths, data)
-        tag_dir, cfg, _ = locate_checkpoint(args.checkpoint)  # config and client state, no weights yet
-        if depths:
-            check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)
-        require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
-        trained = load_trained_model(tag_dir, trusted=args.trust_checkpoint)
+        if is_foreign_checkpoint(args.checkpoint):  # an ESM2 baseline as it is: no conversion step
+            if args.task not in protein_tasks() or args.milestones:
+                raise ValueError(f"{args.checkpoint}: a foreign checkpoint (Hugging Face directory or fair-esm .pt) "
+                                 f"is evaluated on {', '.join(protein_tasks())}, not --task {args.task}"
+                                 + (" --milestones" if args.milestones else ""))
+            trained = load_foreign_model(args.checkpoint)
+        else:
+            hold_off_rotation(args.checkpoint)  # a training rotating the run's checkpoints keeps this one until we exit
+            if args.milestones:
+                return run_milestones(args, depths, data)
+            tag_dir, cfg, _ = locate_checkpoint(args.checkpoint)  # config and client state, no weights yet
+            if depths:
+                check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)
+            require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
+            trained = load_trained_model(tag_dir, trusted=args.trust_checkpoint)
         if args.task not in ("proteingym", "mlm", "validation"):  # these have no depth axis (validation: eval.depths)
             depths = depths or default_depths(trained.cfg)
         if args.task in text_tasks():
@@ -513,7 +571,7 @@ def main(argv=None) -> int:
             result = run_mlm(trained, data, args.seed, args.batch_size or 32)
         elif args.task == "proteingym":
             result = run_proteingym(proteingym_model(trained), data, args.reference, args.window,
-                                    args.batch_size or 32)
+                                    args.batch_size or 32, active_params(trained.cfg))
         elif args.task == "reconstruction":
             result = run_reconstruction(trained, data, depths, args.seed)
         else:
@@ -525,7 +583,8 @@ def main(argv=None) -> int:
         print(f"error: {e.filename or args.data}: {e.strerror or e}", file=sys.stderr)
         return 2
     cols = result["columns"]
-    out = args.output or trained.tag_dir / f"eval-{args.task}.json"
+    home = trained.tag_dir if trained.tag_dir.is_dir() else trained.tag_dir.parent  # a fair-esm .pt: its folder
+    out = args.output or home / f"eval-{args.task}.json"
     if args.task == "proteingym":
         width = max(len(str(r[0])) for r in result["table"])
         print(f"{cols[0]:<{width}} | " + " | ".join(f"{c:>10}" for c in cols[1:]))
@@ -533,14 +592,20 @@ def main(argv=None) -> int:
             print(f"{row[0]:<{width}} | {row[1]:>10d} | " + " | ".join(f"{v:>10.4f}" for v in row[2:]))
         if result["skipped"]:
             print(f"note: not in {args.reference}, not scored: {', '.join(result['skipped'])}", file=sys.stderr)
+        eff = result["efficiency"]
+        print(f"Spearman per billion active parameters: {eff['spearman_per_billion_active']:.4f} ({eff['of']} "
+              f"Spearman {eff['spearman']:.4f} / {eff['active_params']:,} active parameters)")
         print(f"wrote {write_proteingym_scores(result, out)}/")
     elif args.task == "validation":
         width = max(map(len, result["metrics"]))
         print("\n".join(f"{k:<{width}} {v:.6f}" for k, v in result["metrics"].items()))
     else:
-        print(" | ".join(f"{c:>10}" for c in cols))
+        w = max([10] + [len(str(r[0])) for r in result["table"]])  # rows named by a string (a split, a category)
+        print(" | ".join(f"{c:>{w if j == 0 else 10}}" for j, c in enumerate(cols)))
         for row in result["table"]:
-            print(" | ".join(f"{row[0]:>10d}" if j == 0 else f"{v:>10.4f}" for j, v in enumerate(row)))
+            print(" | ".join(f"{row[0]:>{w}}" if j == 0 else f"{v:>10.4f}" for j, v in enumerate(row)))
+    for note in result.get("caveats", ()):  # what a benchmark could not do as asked (flip: AAV indels, ...)
+        print(f"note: {note}", file=sys.stderr)
     if "types_line" in result:
         print(result["types_line"])
     if result.get("skipped_line"):
@@ -555,7 +620,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     print(f"wrote {out}")
-    png = None if args.task == "proteingym" else depth_plot(trained, args.task, result, out, data)
+    png = None if args.task == "proteingym" else task_plot(trained, args.task, result, out, data)
     if png is not None:
         print(f"wrote {png}")
     if not args.no_mlflow:

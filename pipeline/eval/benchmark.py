@@ -18,7 +18,9 @@ from typing import Callable
 
 import numpy as np
 
-SCORERS = ("ranked", "ranked_spearman", "minimal_pairs", "teacher_forced")
+SCORERS = ("ranked", "ranked_spearman", "minimal_pairs", "teacher_forced", "masked_marginals", "trained_head",
+           "routing", "memory")
+MODELS = ("text", "protein")  # what a benchmark scores: a text family's LM, or a masked LM over the ESM-2 alphabet
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,8 +30,17 @@ class Benchmark:
         inside ``run``).
     scorer: "ranked" (summed completion log-probabilities, the first of the best options chosen, accuracy per
         subset), "ranked_spearman" (the same scores, Spearman's rho of the first option's probability with human
-        ratios), "minimal_pairs" (BLiMP: ranked for whole sentences, conditional scores for the prefix methods) or
-        "teacher_forced" (LAMBADA's top-k of every target token).
+        ratios), "minimal_pairs" (BLiMP: ranked for whole sentences, conditional scores for the prefix methods),
+        "teacher_forced" (LAMBADA's top-k of every target token), "masked_marginals" (sum of log p(mt) - log p(wt)
+        with each position masked in the wild type), "trained_head" (a head fitted on the frozen model's features:
+        FLIP's probe, the contact regression), "routing" (MoE expert choices against residue annotations) or
+        "memory" (the latent N-gram memory's addresses and residuals); a benchmark with two protocols joins their
+        kinds with "+".
+    model: "text" (a family that reads text, Family.text) or "protein" (a masked LM over the ESM-2 alphabet: the
+        ProtLingo family, and ESM2 checkpoints read through Family.from_foreign).
+    depth_axis: whether the task sweeps depths (--depths); a protein task has one forward depth and refuses it.
+    plot: (result, JSON path, title) -> the PNG written beside the JSON, for a task without a depth axis (the
+        depth tasks get launchers/evaluate.py's metric-against-K plot); None: none.
     metrics: the headline metric first (the column --task babylm and the milestone curves show), then what else the
         table always holds (per-subset accuracies follow it, named by subset).
     folders: the folder names of the BabyLM pipeline's evaluation_data/{full_eval,fast_eval} this benchmark reads
@@ -50,10 +61,26 @@ class Benchmark:
     options: Callable[[argparse.ArgumentParser], None] | None = None
     prediction: str = "completions"
     average: str = "uid"
+    model: str = "text"
+    depth_axis: bool = True
+    plot: Callable | None = None
 
     def __post_init__(self):
-        if self.scorer not in SCORERS:
-            raise ValueError(f"{self.name}: scorer must be one of {SCORERS}, got {self.scorer!r}")
+        if any(kind not in SCORERS for kind in self.scorer.split("+")):
+            raise ValueError(f"{self.name}: scorer must be one of {SCORERS} (or kinds joined by +), got {self.scorer!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"{self.name}: model must be one of {MODELS}, got {self.model!r}")
+
+    def check_model(self, trained) -> None:
+        """ValueError naming the task unless ``trained`` is a model this benchmark scores (``model``)."""
+        from pipeline.families import get_family
+
+        family = get_family(trained.cfg.family)
+        if self.model == "text" and not family.text:
+            raise ValueError(f"--task {self.name} scores text; {trained.cfg.family} is not a text model")
+        if self.model == "protein" and (family.tokenizer != "esm" or family.inference is None):
+            raise ValueError(f"--task {self.name} needs a masked LM over the ESM-2 alphabet; {trained.cfg.family} "
+                             f"reads {family.tokenizer} tokens")
 
 
 def depth_runs(trained, depths: list[int]) -> list[tuple[int, int | None]]:

@@ -1,4 +1,4 @@
-"""The one table of the text benchmarks (pipeline/eval/benchmark.py's Benchmark, each declared in its own module):
+"""The one table of the benchmarks (pipeline/eval/benchmark.py's Benchmark, each declared in its own module):
 launchers/evaluate.py reads its task names, options and runs from here, and so do ``--task babylm`` (every BabyLM
 pipeline folder found), the milestone curves (``--milestones``), MLflow logging and the plots. A new benchmark is
 one module with a ``Benchmark`` and one line below."""
@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.eval import blimp, comps, entity_tracking, ewok, lambada, wug
+from pipeline.eval import blimp, comps, contacts, entity_tracking, ewok, flip, lambada, memory_motifs, routing, wug
 from pipeline.eval.benchmark import Benchmark
 
 TABLE: dict[str, Benchmark] = {b.name: b for b in (blimp.BENCHMARK, comps.BENCHMARK, ewok.BENCHMARK,
                                                      entity_tracking.BENCHMARK, wug.ADJ, wug.PAST, lambada.BENCHMARK)}
+# The protein benchmarks (ProtLingo, and ESM2 checkpoints read as they are): no depth axis, model "protein"
+TABLE.update({b.name: b for b in (flip.BENCHMARK, contacts.BENCHMARK, routing.SPECIALIZATION,
+                                  routing.INTERVENTION, memory_motifs.BENCHMARK)})
 
 # --task babylm: the BabyLM 2025 pipeline's task folders (evaluation_data/full_eval and fast_eval), in the order
 # its eval_zero_shot.sh / eval_zero_shot_fast.sh run them, each with the benchmark that reads it
