@@ -252,7 +252,7 @@ def main(argv=None) -> int:
 
         if not args.checkpoint.exists():
             raise FileNotFoundError(f"{args.checkpoint}: no such checkpoint directory")
-        from pipeline.checkpoint.layout import hold_off_rotation
+        from pipeline.checkpoint.layout import check_intact, hold_off_rotation
 
         hold_off_rotation(args.checkpoint)  # a training rotating the run's checkpoints keeps this one until we exit
         tag_dir, cfg, meta = locate_checkpoint(resolve_checkpoint(args.checkpoint, args.tag))
@@ -262,6 +262,7 @@ def main(argv=None) -> int:
         if out.exists() and (out.resolve() == source or out.resolve() in source.parents):
             raise ConfigError(f"{out}: --output holds the checkpoint being exported; --force would delete it")
         spm, tokenizer = find_tokenizer(cfg, args.spm, args.no_tokenizer)  # before any long work
+        check_intact(tag_dir)  # a damaged checkpoint is refused (and an undigested one said) before the progress bar
         require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
         from pipeline import hf  # imports transformers (seconds): after the checks that refuse at once
         from pipeline.hf_code import write_modeling_code

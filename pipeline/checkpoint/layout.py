@@ -16,8 +16,11 @@ client state parses (pipeline/checkpoint/migrate.py).
 ``SHA256SUMS`` (``sha256sum`` format, so ``cd stepNNNNNNNN && sha256sum -c SHA256SUMS`` checks it by hand) holds the
 digest of every other file of the checkpoint, computed when it is marked complete. A file whose bytes changed since
 (bit rot, a bad copy, a disk that returned other bytes) is found before any of it is loaded: torch's zip reader checks
-no CRC, so a flipped byte inside a tensor would otherwise be trained on. Checkpoints from before the digests are
-checked as before (readable archives only).
+no CRC, so a flipped byte inside a tensor would otherwise be trained on. A checkpoint whose client state says it was
+written with digests (format 3 on, pipeline/checkpoint/migrate.py) and whose SHA256SUMS is missing or unreadable is
+damaged like one with a bad digest: deleting the digest file must not turn a checkpoint into an unchecked one. Only a
+checkpoint from before the digests (an older format, no SHA256SUMS) is checked as before (readable archives only),
+and ``digest_note`` says so.
 
 Nothing here writes or deletes outside ``RUN_DIR``.
 """
@@ -29,6 +32,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -114,12 +118,18 @@ def write_digests(tag_dir: Path):
 
 
 def read_digests(tag_dir: Path) -> dict[str, str] | None:
-    """{relative path: sha256} from the checkpoint's SHA256SUMS; None for a checkpoint written before digests."""
+    """{relative path: sha256} from the checkpoint's SHA256SUMS; None when there is no such file (a checkpoint written
+    before digests, or one whose digest file is gone: ``damaged_files`` tells them apart). A SHA256SUMS that cannot be
+    read (a directory in its place, no permission, an I/O error) is {"SHA256SUMS": ""}: one damaged entry."""
     f = Path(tag_dir) / DIGESTS
-    if not f.is_file():
+    if not f.exists() and not f.is_symlink():
         return None
+    try:
+        text = f.read_text(errors="replace")
+    except OSError as e:
+        return {DIGESTS: f"unreadable: {e.strerror or type(e).__name__}"}
     out = {}
-    for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         digest, sep, name = line.partition("  ")
         if not sep or len(digest) != 64:
             out[f"{DIGESTS} line {n}"] = ""  # a damaged digest file damages the checkpoint it vouches for
@@ -141,11 +151,17 @@ def damaged_files(tag_dir: Path) -> list[tuple[Path, str]]:
                 pass
         except (zipfile.BadZipFile, OSError):
             bad.append((f, "is damaged (not a readable torch archive: truncated?)"))
-    for name, digest in (read_digests(tag_dir) or {}).items():
+    digests = read_digests(tag_dir)
+    if digests is None and migrate.has_digests(read_client(tag_dir, raw=True) or {}):
+        bad.append((tag_dir / DIGESTS, "is missing (this checkpoint's client_state.json says it was written with "
+                                       "digests, so its files can no longer be checked)"))
+    for name, digest in (digests or {}).items():
         f = tag_dir / name
         if any(f == b for b, _ in bad):
             continue
-        if not digest:
+        if name == DIGESTS:
+            bad.append((f, f"is {digest} (the digests of this checkpoint's files cannot be read)"))
+        elif not digest:
             bad.append((tag_dir / DIGESTS, f"is damaged ({name} is not a digest line)"))
         elif not f.is_file():
             bad.append((f, f"is missing (listed in {DIGESTS})"))
@@ -155,13 +171,30 @@ def damaged_files(tag_dir: Path) -> list[tuple[Path, str]]:
     return bad
 
 
+def digest_note(tag_dir: Path) -> str | None:
+    """The one line said about a checkpoint read without digests: one from before them (no SHA256SUMS, and its client
+    state's format predates format 3), whose files are checked as readable archives only; None otherwise."""
+    tag_dir = Path(tag_dir)
+    if read_digests(tag_dir) is not None or migrate.has_digests(read_client(tag_dir, raw=True) or {}):
+        return None
+    return (f"{tag_dir}: written before checkpoint digests (no {DIGESTS}, client_state.json format "
+            f"{(read_client(tag_dir, raw=True) or {}).get('format', 'absent')}): its files are checked as readable "
+            "archives only")
+
+
 def check_intact(tag_dir: Path):
     """ConfigError naming the first damaged file of checkpoint ``tag_dir`` (``damaged_files``), before a tool or a
-    new run reads it."""
+    new run reads it; a checkpoint from before digests is read with ``digest_note`` on stderr."""
     if bad := damaged_files(tag_dir):
         f, why = bad[0]
         raise ConfigError(f"{f}: {why.removeprefix('is ')}; this checkpoint cannot be trusted: use an earlier one "
                           "(or restore the file)")
+    if (note := digest_note(tag_dir)) and str(tag_dir) not in _noted:
+        _noted.add(str(tag_dir))  # a tool checks before its progress bar starts, and its loader checks again
+        print(f"note: {note}", file=sys.stderr, flush=True)
+
+
+_noted: set[str] = set()  # checkpoints check_intact has said digest_note of, in this process
 
 
 def read_latest(ckpt_dir: Path, pointer: str = LATEST) -> str | None:
