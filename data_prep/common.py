@@ -34,7 +34,7 @@ LOWERCASE.flags.writeable = False
 
 __all__ = ["TOOL", "FILTERED", "FILTERED_HEADER", "MANIFEST", "SHARD_FORMAT", "BLOCK_SAMPLES", "JOB_MANIFEST_RE",
            "SPLIT_FILE", "SPLITS", "TAILS", "TSV_HEADER", "LOWERCASE", "job_manifest_name", "job_filtered_name",
-           "split_of", "split_doc", "check_output_replaceable", "write_json"]
+           "split_of", "split_doc", "check_output_replaceable", "manifest_files", "write_json"]
 
 
 SAMPLED_BLOCKS, SAMPLED_BLOCK = 17, 1 << 16  # input_fingerprint: 17 x 64 KiB, the first and the last included
@@ -102,7 +102,7 @@ def _is_manifest(path: Path) -> bool:
     """A data_prep manifest: a shard list (manifest.json, job manifests) or a split record (split.json)."""
     try:
         doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     if not isinstance(doc, dict):
         return False
@@ -110,6 +110,44 @@ def _is_manifest(path: Path) -> bool:
         return isinstance(doc.get("splits"), dict) and "val_fraction" in doc
     shards = doc.get("shards")
     return isinstance(shards, list) and all(isinstance(x, dict) and "path" in x and "sha256" in x for x in shards)
+
+
+def manifest_files(directory: Path) -> set[str]:
+    """The files of ``directory`` that a data_prep manifest in it names, as paths relative to it: each manifest
+    (manifest.json, the job manifests, split.json and the train/ val/ manifests), the shards it lists, its list of
+    dropped records (stats.filtered_list) and its sentencepiece model. What ``--overwrite`` may replace in an output
+    without a valid ownership marker (one written before markers, or whose marker is damaged): anything else there
+    is a user's and is kept (pipeline.outputs.publish_dir). A name that is absolute or climbs out (``..``) is
+    ignored: a manifest never causes a deletion outside its folder."""
+    names: set[str] = set()
+
+    def add(name) -> None:
+        if isinstance(name, str) and name and not Path(name).is_absolute() and ".." not in Path(name).parts:
+            names.add(Path(name).as_posix())
+
+    def claim(folder: str, path: Path) -> None:
+        if not _is_manifest(path):
+            return
+        add(f"{folder}{path.name}")
+        doc = json.loads(path.read_text())
+        if path.name == SPLIT_FILE:
+            return
+        for shard in doc["shards"]:
+            add(f"{folder}{shard['path']}" if isinstance(shard["path"], str) else None)
+        stats, tok = doc.get("stats"), doc.get("tokenizer")
+        if isinstance(stats, dict) and isinstance(stats.get("filtered_list"), str):
+            add(f"{folder}{stats['filtered_list']}")
+        if isinstance(tok, dict) and isinstance(tok.get("model"), str):
+            add(f"{folder}{tok['model']}")
+
+    for folder in ("", *(f"{s}/" for s in SPLITS)):
+        d = directory / folder if folder else directory
+        if not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            if p.name in (MANIFEST, SPLIT_FILE) or JOB_MANIFEST_RE.fullmatch(p.name):
+                claim(folder, p)
+    return names
 
 
 def check_output_replaceable(output: Path, overwrite: bool) -> None:

@@ -36,7 +36,7 @@ from .checks import PrepError
 from .clusters import build as build_clusters
 from .clusters import load_clusters
 from .common import (FILTERED, MANIFEST, SPLIT_FILE, SPLITS, TOOL, check_output_replaceable, job_filtered_name,
-                     job_manifest_name, split_doc, write_json)
+                     job_manifest_name, manifest_files, split_doc, write_json)
 from .encode import Encoder
 from .fasta import FastaError
 from .join import Spill, bucket_count
@@ -192,7 +192,7 @@ def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerpri
         if splits != ("",):
             write_json(tmp / SPLIT_FILE, split_doc(manifests, settings.val_fraction, source.name))
         work.finish()  # only now: a failed manifest write leaves the resumable work directory intact
-        kept = publish_dir(tmp, output, TOOL)  # marked as data_prep's; files it did not write are carried over
+        kept = publish_dir(tmp, output, TOOL, manifest_files)  # marked as data_prep's; what it did not write is kept
     except (PrepError, FastaError, ValueError):
         # Bad input: a rerun would fail the same way, so nothing is kept (not even finished shards).
         work.release()

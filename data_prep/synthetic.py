@@ -48,7 +48,7 @@ import numpy as np
 from pipeline.data.tokenizer import SEP_ID, VOCAB
 from pipeline.outputs import kept_note, publish_dir
 
-from .common import BLOCK_SAMPLES, TOOL, check_output_replaceable
+from .common import BLOCK_SAMPLES, TOOL, check_output_replaceable, manifest_files
 
 # With S slots per level, the first S letters are the literals and the next 2 S - 1 the pointers d = 1 .. 2 S - 1
 # (slot i of a level reaches slot t of the level before it S + i - t back, at most 2 S - 1). S = 4: literals A C G U,
@@ -176,7 +176,7 @@ def write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int
                             shards=shards, filtered={"in_exclude": skipped} if exclude is not None else {},
                             inputs=[{"path": f"{SOURCE}:seed={seed}", "records": i + 1}], stats=stats)
         write_manifest(tmp, manifest)
-        carried = publish_dir(tmp, output, TOOL)  # marked as data_prep's; others' files carried over
+        carried = publish_dir(tmp, output, TOOL, manifest_files)  # marked as data_prep's; others' files carried over
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

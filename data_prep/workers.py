@@ -24,7 +24,7 @@ from pipeline.outputs import kept_note, publish_dir, take_lock
 from . import Source, batch
 from .build import batch_source
 from .checks import PrepError
-from .common import TOOL, check_output_replaceable
+from .common import TOOL, check_output_replaceable, manifest_files
 from .fasta import FastaError, input_position
 from .feed import FEED_DEPTH, Aborted, Feed
 from .jobs import run
@@ -278,7 +278,7 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
         k, (rc, msg) = min(failed, key=lambda f: f[1][0] == 3)  # not one the parent stopped, if any
         raise PrepError(f"worker {k} of {workers} failed: {msg}")
     result = merge(staging)
-    kept = publish_dir(staging, output, TOOL)  # marked as data_prep's; others' files carried over
+    kept = publish_dir(staging, output, TOOL, manifest_files)  # marked as data_prep's; others' files carried over
     if kept:
         print(kept_note(kept, TOOL), file=sys.stderr)
 
