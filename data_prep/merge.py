@@ -12,7 +12,7 @@ from pathlib import Path
 from .checks import PrepError, sum_stats
 from .clusters import merge_stats
 from .common import (FILTERED, FILTERED_HEADER, FINGERPRINT, JOB_MANIFEST_RE, SPLIT_FILE, SPLITS, job_manifest_name,
-                     split_doc, write_json)
+                     output_lock, split_doc, write_json)
 from .settings import Result
 
 
@@ -23,6 +23,11 @@ def merge(output: Path) -> Result:
     output = Path(output).resolve()
     if not output.is_dir():
         raise PrepError(f"output directory {output} does not exist")
+    with output_lock(output, "data_prep merge"):  # not while a job of the array or another run writes there
+        return _merge(output)
+
+
+def _merge(output: Path) -> Result:
     has_jobs = any(JOB_MANIFEST_RE.fullmatch(p.name) for p in output.iterdir())
     split_dirs = [output / s for s in SPLITS if (output / s).is_dir()]
     if has_jobs and split_dirs:  # some jobs ran with --val-fraction (train/, val/), others without
