@@ -27,7 +27,7 @@ from .fasta import FastaError, input_position
 from .feed import FEED_DEPTH, Aborted, Feed
 from .jobs import run
 from .merge import merge
-from .settings import Result, Settings
+from .settings import Result, Settings, read_bound
 
 
 def _fed(source: Source, settings: Settings, kwargs: dict, inputs: list[Path]) -> bool:
@@ -55,7 +55,7 @@ def _release_peers(feeds: list, procs: list, failed) -> None:
         f.queue.put(("go",))
 
 
-def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
+def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed, bound: int | None = None) -> None:
     """The parent's side of a fed --workers run: every input the batch reader takes is decompressed here, once, and
     cut into chunks of whole records (batch.chunks) dealt round-robin to the workers. Raises Aborted when a worker
     has failed (``failed`` set, or it died; its report says why)."""
@@ -73,9 +73,9 @@ def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
         if not batch.starts_with_header(path):
             continue  # read by every worker itself, record by record (jobs of N)
         key, first = str(path), 0
-        for text, line in batch.chunks(path, batch.CHUNK):
+        for text, line in batch.chunks(path, batch.CHUNK, bound=bound):  # a record past bound: a LongRecord
             put(feeds[number % n], ("chunk", key, number, text, line, first, input_position(path)))
-            first += batch.headers(text)
+            first += 1 if isinstance(text, batch.LongRecord) else batch.headers(text)
             number += 1
         for q in feeds:
             put(q, ("end", key, first, number))
@@ -205,7 +205,7 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
             p.start()
         if fed:
             try:
-                _feed_inputs(paths, [f.queue for f in feeds], procs, stop)
+                _feed_inputs(paths, [f.queue for f in feeds], procs, stop, read_bound(settings))
                 if spill is not None:
                     _release_peers(feeds, procs, stop)
             except (Aborted, FastaError, OSError) as e:
