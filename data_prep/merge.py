@@ -103,7 +103,7 @@ def _merge_dir(output: Path):
                         f"missing{f'; {len(missing)} jobs missing' if len(missing) > 1 else ''})")
     # here, not at the top: webdataset (pipeline.data.shards) pulls in torch (~2 s), and a merge refused above
     # should not wait for it
-    from pipeline.data.shards import Manifest, ShardInfo, write_manifest
+    from pipeline.data.shards import Manifest, ShardError, ShardInfo, check_manifest_doc, write_manifest
 
     docs = []
     for i in range(n):
@@ -112,6 +112,12 @@ def _merge_dir(output: Path):
             docs.append(json.loads(path.read_text()))
         except json.JSONDecodeError as e:
             raise PrepError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise PrepError(f"{path}: not a job manifest (JSON nested too deeply to read)") from None
+        try:  # its shape before any of it is used
+            check_manifest_doc(docs[-1], path)
+        except ShardError as e:
+            raise PrepError(str(e)) from None
     first = docs[0]
     for d in docs:
         d.setdefault("layout", "sequences")  # job manifests written before layouts existed

@@ -71,6 +71,8 @@ def iter_opengenome2(path: Path, ctx: Context) -> Iterator[Record]:
             obj = json.loads(line)
         except (ValueError, UnicodeDecodeError) as e:
             raise FastaError(f"{path}:{lineno}: not a JSON object ({e})") from None
+        except RecursionError:  # [[[[... past the parser's depth: no record is nested like that
+            raise FastaError(f"{path}:{lineno}: not an OpenGenome2 record (JSON nested too deeply to parse)") from None
         if not isinstance(obj, dict) or "text" not in obj:
             raise FastaError(f"{path}:{lineno}: JSON line has no 'text' field (OpenGenome2 JSONL expected)")
         text = obj["text"]

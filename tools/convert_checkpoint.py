@@ -262,8 +262,8 @@ def main(argv=None) -> int:
         if out.exists() and (out.resolve() == source or out.resolve() in source.parents):
             raise ConfigError(f"{out}: --output holds the checkpoint being exported; --force would delete it")
         spm, tokenizer = find_tokenizer(cfg, args.spm, args.no_tokenizer)  # before any long work
-        check_intact(tag_dir)  # a damaged checkpoint is refused (and an undigested one said) before the progress bar
         require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
+        check_intact(tag_dir)  # a damaged checkpoint is refused (and an undigested one said) before the progress bar
         from pipeline import hf  # imports transformers (seconds): after the checks that refuse at once
         from pipeline.hf_code import write_modeling_code
         from pipeline.families import get_family

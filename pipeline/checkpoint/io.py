@@ -103,7 +103,9 @@ class Checkpointer:
             raise CheckpointWriteError(f"step {state.step}: the weights hold non-finite values ({bad}) though the "
                                        f"step's loss and gradient norm were finite; {tag} is not written and "
                                        f"{LATEST} still names {self.latest('no checkpoint')}")
-        if self.rank == 0 and tag_dir.exists():
+        if self.rank == 0 and tag_dir.is_symlink():  # refused at start (layout.check_no_links); made since:
+            tag_dir.unlink()  # the link goes, never what it points to
+        elif self.rank == 0 and tag_dir.exists():
             # The same tag from an abandoned timeline (after a rollback) or a save that died: never let its old
             # COMPLETE marker vouch for the files about to be rewritten.
             shutil.rmtree(tag_dir)

@@ -81,6 +81,8 @@ def read_json_object(path: Path) -> dict:
                           "checkpoint") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not a checkpoint's JSON (nested too deeply to read)") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return doc
@@ -267,6 +269,24 @@ def resume_tag(ckpt_dir: Path, check_files: bool = False) -> tuple[str | None, s
         why += "; skipped as damaged: " + ", ".join(
             f"{t} ({damaged[t][0].relative_to(ckpt_dir / t)})" for t in skipped)
     return chosen, f"{ckpt_dir}: {why}; resuming from the newest complete checkpoint {chosen}"
+
+
+def check_no_links(ckpt_dir: Path) -> None:
+    """ConfigError naming the first symbolic link among ``ckpt_dir`` (RUN_DIR/checkpoints), its checkpoints and its
+    pointer files. Checkpoints are written, rotated and deleted only inside the run directory: a save of the tag a
+    link names, or its rotation, would act on whatever the link points to (and shutil.rmtree refuses a link: it
+    ended a run at its next save with 'Cannot call rmtree on a symbolic link'). Checked before anything starts."""
+    ckpt_dir = Path(ckpt_dir)
+    links = [ckpt_dir] if ckpt_dir.is_symlink() else []
+    if not links and ckpt_dir.is_dir():
+        links = sorted(p for p in ckpt_dir.iterdir() if p.is_symlink() and (tag_step(p.name) >= 0 or p.name in (
+            LATEST, BEST)))
+    if links:
+        link = links[0]
+        raise ConfigError(f"{link}: a symbolic link (to {os.readlink(link)}); a run writes, rotates and deletes its "
+                          "checkpoints only inside its run_dir, never through a link: move what it points to into "
+                          f"{ckpt_dir if link != ckpt_dir else ckpt_dir.parent} (or put the whole run_dir on that "
+                          "filesystem)")
 
 
 def mark_complete(tag_dir: Path):

@@ -16,6 +16,10 @@ from pipeline import commands
 from pipeline.data.shard_reader import read_cluster_tokens, read_tokens, shard_layout
 from pipeline.data.shards import MANIFEST, ShardError, load_manifest
 
+# Told the path of each shard a read opens, in a DataLoader worker (pipeline/data/loader.py sets it there), so that
+# the rank can name the shard a worker was reading when the worker dies; None elsewhere.
+reading: Callable[[Path], None] | None = None
+
 # (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}
 SampleTransform = Callable[[np.ndarray, np.random.Generator], dict]
 _MIX_TAG = 0x6D6978  # "mix": last seed entry of a group's interleaving, apart from every other seed key
@@ -245,6 +249,8 @@ class SourceStream:
         sha256 = ref.sha256 if self.verify and sid not in self._verified else None
         read = read_cluster_tokens if self.clusters else read_tokens
         self._check_unchanged(None)
+        if reading is not None:
+            reading(ref.path)
         try:
             records = read(ref.path, expected_samples=int(self.counts[sid]), sha256=sha256, vocab_size=self.vocab_size)
         except (ShardError, OSError) as e:  # a shard rewritten under the run reads as damaged: say what happened

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.checkpoint.layout import check_no_links
 from pipeline.checkpoint.read import check_pickles, read_client_state
 from pipeline.checkpoint.resume import check_init_source, check_reshard, check_resume_config, find_resume_tag
 from pipeline.config import ConfigError, RunConfig
@@ -49,6 +50,7 @@ class RunPlan:
         for p in (self.run_dir, *self.run_dir.parents):  # a file where the run directory (or a parent) belongs
             if p.exists() and not p.is_dir():
                 raise ConfigError(f"run_dir: {p} exists and is not a directory; choose another run_dir")
+        check_no_links(self.ckpt_dir)
         # resume_note: set when resume falls back from what 'latest' names
         self.resume_tag, self.resume_note = find_resume_tag(resume, self.ckpt_dir)
         self.trust_checkpoint = trust_checkpoint

@@ -34,7 +34,7 @@ from pipeline.train.plan import RunPlan
 from pipeline.train.resolved import line as resolved_line, resolved_settings
 from pipeline.train.ranks import check_ranks_agree
 from pipeline.train.step import train_step
-from pipeline.train.stop import MidStep, StopMidStep, StopRequest, TrainingStopped, peer_lost
+from pipeline.train.stop import LoaderFailed, MidStep, StopMidStep, StopRequest, TrainingStopped, peer_lost
 
 # Running totals over the whole run (all ranks), logged as total/<name>
 CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations", "skipped", "nonfinite")
@@ -297,7 +297,7 @@ class Trainer:
 
     def _failed(self, e: BaseException):
         """Note why the run failed; the PeerLost to raise instead of ``e`` when a peer rank is gone, else None."""
-        lost = not isinstance(e, (CheckpointWriteError, TrainingStopped)) and lost_peer(e)
+        lost = not isinstance(e, (CheckpointWriteError, TrainingStopped, LoaderFailed)) and lost_peer(e)
         self.stopped_by = ("the loss of another rank" if lost else "divergence" if isinstance(e, TrainingStopped)
                            else f"an error ({type(e).__name__})")
         if not lost:
