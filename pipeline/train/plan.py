@@ -19,7 +19,7 @@ from pipeline.checkpoint.resume import check_init_source, check_reshard, check_r
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data.compat import check_shards_fit
 from pipeline.data.loader import ShardStream
-from pipeline.data.shards import data_fingerprint
+from pipeline.data.shards import ShardError, data_fingerprint, load_manifest
 from pipeline.data.streams import (Source, StreamLayout, is_url_pattern, reshard_states, resolve_shards,
                                    saved_layout)
 from pipeline.ds_config import load_ds_config, resolve_ds_config
@@ -27,6 +27,15 @@ from pipeline.families import get_family
 from pipeline.parallel import check_parallelism
 from pipeline.train.memory import resolve_auto, training_device
 from pipeline import validation
+
+
+def _shards(spec) -> list:
+    """The shards a shard directory's manifest lists ([] when it has none to read: named by the checks that read
+    the data)."""
+    try:
+        return load_manifest(spec).shards
+    except (OSError, ShardError):
+        return []
 
 
 class RunPlan:
@@ -148,11 +157,33 @@ class RunPlan:
         if cfg.optim.warmup_steps > cfg.train.max_steps:
             out.append(f"optim.warmup_steps ({cfg.optim.warmup_steps:,}) exceeds train.max_steps "
                        f"({cfg.train.max_steps:,}): the learning rate never reaches optim.lr")
-        train_dirs = {Path(spec).resolve(): key for key, spec in self.shard_specs() if not is_url_pattern(spec)}
+        out += self._leaks()
+        return out
+
+    def _leaks(self) -> list[str]:
+        """Validation shards that are training shards: the same directory, or shards whose content is (the same
+        sha256 in both manifests; a byte-identical copy of the training shards under another path gave no warning).
+        Records repacked into other shards are not seen here: data_prep's --val-fraction split keeps a record on
+        one side by its id."""
+        train_dirs, digests, out = {}, {}, []
+        for key, spec in self.shard_specs():
+            if is_url_pattern(spec):
+                continue
+            train_dirs[Path(spec).resolve()] = key
+            for s in _shards(spec):
+                digests.setdefault(s.sha256, (key, spec))
         for d in self.val_dirs:
             if Path(d).resolve() in train_dirs:
                 out.append(f"data.val_shards: {d} is also {train_dirs[Path(d).resolve()]}: validation would "
                            "measure training data, not held-out data")
+                continue
+            shards = _shards(d)
+            shared = [s for s in shards if s.sha256 in digests]
+            if shared:
+                key, spec = digests[shared[0].sha256]
+                out.append(f"data.val_shards: {len(shared)} of the {len(shards)} shards of {d} are shards of {key} "
+                           f"({spec}) byte for byte (the same sha256 in both manifests, e.g. {shared[0].path}): "
+                           "validation would measure training data, not held-out data")
         return out
 
     def _check_step_fits(self, world_size: int):
