@@ -114,8 +114,14 @@ def checkpoint_files(tag_dir: Path) -> list[Path]:
     return sorted(p for p in Path(tag_dir).rglob("*") if p.is_file() and p.name not in (COMPLETE, DIGESTS))
 
 
-def write_digests(tag_dir: Path):
-    lines = [f"{file_sha256(p)}  {p.relative_to(tag_dir).as_posix()}\n" for p in checkpoint_files(tag_dir)]
+def write_digests(tag_dir: Path, known: dict[str, str] | None = None):
+    """SHA256SUMS of every file of the checkpoint; ``known``: {relative path: sha256} of files digested as they were
+    written (the background writer's), the others are read."""
+    known = known or {}
+    lines = []
+    for p in checkpoint_files(tag_dir):
+        name = p.relative_to(tag_dir).as_posix()
+        lines.append(f"{known.get(name) or file_sha256(p)}  {name}\n")
     write_atomic(Path(tag_dir) / DIGESTS, "".join(lines))
 
 
@@ -289,9 +295,11 @@ def check_no_links(ckpt_dir: Path) -> None:
                           "filesystem)")
 
 
-def mark_complete(tag_dir: Path):
-    """Record the digests of every file, then the COMPLETE marker: the marker vouches for the digests too."""
-    write_digests(tag_dir)
+def mark_complete(tag_dir: Path, known: dict[str, str] | None = None, fault=lambda name: None):
+    """Record the digests of every file (``known``: those digested as they were written), then the COMPLETE marker:
+    the marker vouches for the digests too. ``fault``: the background writer's fault points (its kill test)."""
+    write_digests(tag_dir, known)
+    fault(DIGESTS)
     write_atomic(tag_dir / COMPLETE, time.strftime("%Y-%m-%dT%H:%M:%S\n"))
 
 
