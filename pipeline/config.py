@@ -379,11 +379,17 @@ class CheckpointConfig:
     # it saves a checkpoint and points checkpoints/best at it; keep_last never deletes the one best names.
     keep_best: str | None = None
     best_mode: str = "min"  # min (losses) | max (accuracies)
+    # The step waits only while its state is copied to host memory; the files, digests, COMPLETE, latest and
+    # rotation follow in a writer thread, one save at a time (pipeline/checkpoint/background.py). false: the step
+    # waits for the whole save.
+    background: bool = True
 
     def __post_init__(self):
         _check(self.keep_best is None or self.keep_best.startswith("val/"), "checkpoint.keep_best",
                f"must name a validation metric (val/...), got {self.keep_best!r}")
         _check(self.best_mode in ("min", "max"), "checkpoint.best_mode", f"must be min or max, got {self.best_mode!r}")
+        _check(isinstance(self.background, bool), "checkpoint.background", f"must be true or false, got "
+               f"{self.background!r}")
         _check(self.every_steps >= 1, "checkpoint.every_steps", f"must be >= 1, got {self.every_steps}")
         _check(self.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0, got {self.keep_last}")
         _check(all(s >= 1 for s in self.at_steps), "checkpoint.at_steps", f"steps must be >= 1, got {self.at_steps}")

@@ -345,7 +345,7 @@ def main(argv=None) -> int:
 
         if not args.checkpoint.exists():
             raise FileNotFoundError(f"{args.checkpoint}: no such checkpoint directory")
-        from pipeline.checkpoint.layout import hold_off_rotation
+        from pipeline.checkpoint.layout import check_intact, hold_off_rotation
 
         hold_off_rotation(args.checkpoint)  # a training rotating the run's checkpoints keeps this one until we exit
         tag_dir, cfg, meta = locate_checkpoint(resolve_checkpoint(args.checkpoint, args.tag))
@@ -356,6 +356,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"{out}: --output holds the checkpoint being exported; --force would delete it")
         spm, tokenizer = find_tokenizer(cfg, args.spm, args.no_tokenizer)  # before any long work
         require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
+        check_intact(tag_dir)  # a damaged checkpoint is refused (and an undigested one said) before the progress bar
         from pipeline import hf  # imports transformers (seconds): after the checks that refuse at once
 
         fmt = hf.export_format(cfg)

@@ -69,6 +69,10 @@ SMALLER = {
         # 3 steps, one validation at the last (the step-time median leaves the first 2 out)
         Smoke("bench/validation.py", ("--steps", "3", "--every", "3"), ("VAL.overhead", "VAL.per_eval")),
     ],
+    "bench/checkpoint_stall.py": [  # the demo Eco-RNA, not the 80M: 2 launches of 2 ranks (both save modes)
+        Smoke("bench/checkpoint_stall.py", ("--config", "eco_rna_demo", "--ranks", "2", "--steps", "4", "--every",
+                                            "2"), ("CKPT.stall2", "CKPT.loss2"), quick=False, slow=True),
+    ],
     "bench/compiled.py": [  # the host figures, one timed step (COMPILE over 100 steps: tests/pipeline/test_compile_blocks.py)
         Smoke("bench/compiled.py", ("--skip-compile", "--host-steps", "1"), ("HOST.step", "HOST.token")),
     ],
