@@ -283,14 +283,20 @@ def run_proteingym(model, data: Path, reference: Path | None, window: int, batch
     """Score the assays of ``data`` with ``model`` (a masked LM whose forward returns .logits); with ``reference``
     also the leaderboard's UniProt / selection-type average, and with ``active_params`` paper 002's Spearman per
     billion active parameters (of the leaderboard average, else of the mean over assays)."""
-    from pipeline.eval.proteingym import (METRICS, efficiency, evaluate_assays, leaderboard_aggregate, load_reference,
-                                          masked_lm_logits_fn)
+    from pipeline.eval.proteingym import (METRICS, efficiency, evaluate_assays, leaderboard_aggregate,
+                                          leaderboard_columns_absent, load_reference, masked_lm_logits_fn)
 
     assays, skipped = load_proteingym_assays(data, reference)
     res = evaluate_assays(assays, masked_lm_logits_fn(model), window=window, batch_size=batch_size, progress=True)
     per, agg = res["per_assay"], res["aggregate"]
     table = [(i, m["n"], *(m[k] for k in METRICS)) for i, m in per.items()]
-    board = leaderboard_aggregate(per, load_reference(reference), reference) if reference is not None else None
+    board, ref = None, load_reference(reference) if reference is not None else None
+    absent = leaderboard_columns_absent(ref) if ref is not None else []
+    if absent:
+        print(f"note: {reference} has no {' and no '.join(absent)} column: the leaderboard's average (by UniProt "
+              "and selection type) is left out; the mean over assays is reported", file=sys.stderr)
+    elif ref is not None:
+        board = leaderboard_aggregate(per, ref, reference)
     extra = [] if board is None else [(f"leaderboard ({board['n_uniprot']} UniProt, {board['n_types']} types)",
                                        agg["n_mutants"], *(board[k] for k in METRICS))]
     headline = board["spearman"] if board is not None else agg["spearman"]

@@ -462,11 +462,18 @@ LEADERBOARD_COLUMNS = ("UniProt_ID", "coarse_selection_type")
 ROUND = 3  # performance_DMS_benchmarks.py: pandas .round(3) (numpy rounding) of each assay's metrics before any average
 
 
+def leaderboard_columns_absent(reference: Mapping[str, dict]) -> list[str]:
+    """The leaderboard's grouping columns that the reference file does not have at all (a hand-made reference of a
+    few assays may list only DMS_id, DMS_filename and target_seq; ProteinGym's own has both)."""
+    return [c for c in LEADERBOARD_COLUMNS if not any(c in row for row in reference.values())]
+
+
 def leaderboard_aggregate(per_assay: Mapping[str, dict], reference: Mapping[str, dict], reference_path) -> dict:
     """The ProteinGym leaderboard's average of ``per_assay`` ({DMS_id: metrics}) by the columns of ``reference``
     (:func:`load_reference`; module docstring): {"spearman", "auc", "mcc": the average over selection types,
     "by_type": {type: {metric: the type's average, "uniprot_ids": [...]}}, "n_assays", "n_uniprot", "n_types"}.
-    ValueError naming the reference file when it lacks the columns or an assay."""
+    ValueError naming the reference file when an assay is not listed or its row leaves a column empty (a file
+    without the columns: see leaderboard_columns_absent)."""
     by_id = {row["dms_id"]: row for row in reference.values()}
     groups: dict[tuple[str, str], list[str]] = {}
     for dms_id in per_assay:

@@ -150,12 +150,15 @@ def test_cli_folder(folder, export33, tmp_path, capsys):
                 "--output", out, "--no-mlflow", "--batch-size", 5) == 0
     cap = capsys.readouterr()
     assert "not scored: UNLISTED.csv" in cap.err
+    # a hand-made reference without ProteinGym's grouping columns: per-assay scores and their mean, no leaderboard
+    assert "has no UniProt_ID and no coarse_selection_type column: the leaderboard's average" in cap.err
     lines = cap.out.splitlines()
     assert lines[0].split("|")[0].strip() == "assay" and lines[1].startswith("AAAA_TEST_2024")
     assert lines[3].startswith("mean of 2")
     res = json.loads(out.read_text())
     assert res["task"] == "proteingym" and res["depths"] is None and res["skipped"] == ["UNLISTED.csv"]
     assert res["assays"] == ["AAAA_TEST_2024", "BBBB_TEST_2024"] and "scores" not in res
+    assert res["leaderboard"] is None
     agg, per = res["aggregate"], res["per_assay"]
     assert agg["n"] == 2 and agg["n_mutants"] == len(MUT_A) + len(MUT_B)
     for k in pg.METRICS:

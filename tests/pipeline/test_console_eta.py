@@ -50,10 +50,12 @@ def test_the_console_line_ends_with_elapsed_and_eta_of_this_attempt():
     assert console.timing(trainer) == "elapsed 1m02s eta 30s (train.max_hours)"
 
 
-def test_the_console_still_closes_the_run_with_the_summary(capsys):
+def test_the_console_still_closes_the_run_with_the_summary(capsys, monkeypatch):
+    from pipeline.train import callbacks
+
     console, trainer = Console(), fake_trainer(step=3)
     console.on_fit_start(trainer)
     trainer.state.step, trainer.rank = 7, 0
-    trainer.summary = lambda status, steps, seconds: f"==== {status}: {steps} steps ===="
+    monkeypatch.setattr(callbacks, "run_summary", lambda t, status, steps, seconds: f"==== {status}: {steps} steps ====")
     console.on_fit_end(trainer, "FINISHED")
     assert capsys.readouterr().out == "==== FINISHED: 4 steps ====\n"
