@@ -164,7 +164,8 @@ RUN = TINY + ["checkpoint.every_steps=2", "tracking.enabled=false", "data.fetch_
 @pytest.mark.slow  # three DeepSpeed launches
 def test_a_run_whose_directory_is_deleted_resumes_from_the_mirror_to_the_same_losses(s3, sample_shards, tmp_path):
     """Three 2-rank launches: the uninterrupted 6 steps (mirrored too: the first checkpoint's upload fails for
-    good, one warning line, exit 0; the last one's is retried through two 503s); 4 steps mirrored, then their run directory deleted; the same
+    good, one warning line, exit 0; the last one's is retried through two 503s); 4 steps mirrored (synchronous
+    saves), then their run directory deleted; the same
     run continued in another directory from the mirror to step 6."""
     server, bucket = s3
     data = f"data.train_shards={sample_shards}"
@@ -188,10 +189,12 @@ def test_a_run_whose_directory_is_deleted_resumes_from_the_mirror_to_the_same_lo
 
     first = tmp_path / "node1" / "run"
     r = run_torchrun(2, "ds_configs/zero2.json", RUN + [data, f"run_dir={first}", "train.max_steps=4",
-                                                        "checkpoint.keep_last=2", f"checkpoint.mirror=s3://{bucket}/run"],
+                                                        "checkpoint.keep_last=2", f"checkpoint.mirror=s3://{bucket}/run",
+                                                        "checkpoint.background=false"],  # uploads after sync saves too
                      timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [losses(first)[s] for s in range(1, 5)] == [want[s] for s in range(1, 5)]
+    assert {n.split("/")[0] for n in objects(server, bucket, "run/")} == {"step00000002", "step00000004", LATEST}
     shutil.rmtree(first.parent)  # the node is gone
 
     second = tmp_path / "node2" / "run"
