@@ -25,6 +25,7 @@ files are protected from local rotation by the readers' lock (pipeline.checkpoin
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import threading
@@ -151,7 +152,12 @@ class Mirror:
                 self.say(f"waiting for the checkpoint mirror's upload to {self.url} (Ctrl-C leaves it unfinished)",
                          flush=True)
                 announced = True
-            thread.join(0.2)
+            try:
+                thread.join(0.2)
+            except KeyboardInterrupt:  # the run's other end-of-run work still runs
+                self.say(f"warning: checkpoint mirror: the upload to {self.url} was left unfinished (Ctrl-C); the "
+                         "mirror keeps the checkpoints it had", flush=True)
+                return
 
     def _upload_reporting(self, tag_dir: Path) -> None:
         started = time.perf_counter()
@@ -159,9 +165,9 @@ class Mirror:
             self.upload(tag_dir)
         except Exception as e:  # noqa: BLE001 - a mirror never stops the training: one line, and it goes on
             why = str(e) if isinstance(e, (FetchError, OSError)) else f"{type(e).__name__}: {e}"
+            still = f"still names {self.uploaded[-1]}" if self.uploaded else "is unchanged"
             line = (f"warning: checkpoint mirror: {tag_dir.name} was not uploaded to {self.url} ({why.splitlines()[0]}"
-                    f"); the mirror's {LATEST} still names {self.uploaded[-1] if self.uploaded else 'what it named'}"
-                    "; training goes on")
+                    f"); the mirror's {LATEST} {still}; training goes on")
             self.failed.append(line)
             self.say(line, flush=True)
             return
@@ -190,8 +196,6 @@ class Mirror:
         if tag not in self._milestones:
             client = read_client(self.ckpt_dir / tag)
             if client is None:
-                import json
-
                 text = store.text(f"{tag}/client_state.json")
                 try:
                     client = json.loads(text) if text else {}
