@@ -384,8 +384,12 @@ class CheckpointConfig:
     # rotation follow in a writer thread, one save at a time (pipeline/checkpoint/background.py). false: the step
     # waits for the whole save.
     background: bool = True
+    mirror: str | None = None  # an fsspec URL: each complete checkpoint copied there (pipeline/checkpoint/mirror.py)
 
     def __post_init__(self):
+        _check(self.mirror is None or isinstance(self.mirror, str) and "://" in self.mirror and not self.mirror.lower(
+        ).startswith(("http:", "https:")), "checkpoint.mirror", f"a writable fsspec URL (s3://bucket/prefix, gs://..., "
+               f"file:///path), got {self.mirror!r}")
         _check(self.keep_best is None or self.keep_best.startswith("val/"), "checkpoint.keep_best",
                f"must name a validation metric (val/...), got {self.keep_best!r}")
         _check(self.best_mode in ("min", "max"), "checkpoint.best_mode", f"must be min or max, got {self.best_mode!r}")

@@ -313,7 +313,8 @@ class Faults:
     request; ``fail(n, status, match)``: the next n requests whose path contains ``match`` get ``status`` (S3's
     error XML); ``cut(n, match)``: the next n GETs of such an object send half the body and drop the connection;
     ``short(n, match)`` (HTTP): they send half of it as a whole answer.
-    ``counts`` counts requests by (method, path); ``gets(match)`` the object GETs served whole."""
+    ``counts`` counts requests by (method, path), ``log`` lists them in order (S3); ``gets(match)`` the object GETs
+    served whole."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -323,6 +324,7 @@ class Faults:
         with self.lock:
             self.latency_s, self._fail, self._cut, self._short = 0.0, [], [], []
             self.counts, self.served = Counter(), Counter()
+            self.log = []  # (method, path) of every request, in the order they arrived
 
     def fail(self, n: int, status: int = 503, match: str = ""):
         with self.lock:
@@ -362,6 +364,7 @@ class FaultyApp:
         f, method, path = self.faults, environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
         with f.lock:
             f.counts[(method, path)] += 1
+            f.log.append((method, path))
         if f.latency_s:
             time.sleep(f.latency_s)
         rule = f._take(f._fail, path)

@@ -94,6 +94,8 @@ class Checkpointer:
         self.stalls: list[tuple[str, float]] = []  # (tag, seconds the step waited for its save), this attempt
         self.background = cfg.checkpoint.background
         self.writer = None
+        # rank 0, with each checkpoint once it is complete (tag dir), after rotation: checkpoint.mirror's upload
+        self.after_complete: list = []
         if self.background:
             # The writer threads agree over a gloo group of their own: the main thread's collectives (the training's
             # group, NCCL on GPUs) go on meanwhile, and a collective of another thread must never interleave with
@@ -101,6 +103,7 @@ class Checkpointer:
             group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.train.collective_timeout)) \
                 if world > 1 else None
             self.writer = BackgroundWriter(rank, group, _describe_save_error)
+            self.writer.after_complete = self.after_complete
             self.pool = HostPool()
 
     # -- saving -----------------------------------------------------------------------------------------------------
@@ -170,6 +173,8 @@ class Checkpointer:
         if failed:
             raise CheckpointWriteError(f"{failed}; {LATEST} still names {self.latest('no checkpoint')}")
         self.last_saved = tag
+        for hook in self.after_complete if self.rank == 0 else ():
+            hook(tag_dir)
 
     def _complete(self, tag_dir: Path, client_text: str, config_text: str, best: bool, known: dict | None = None,
                   fault=lambda name: None):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import commands
+from pipeline.checkpoint.mirror import Mirror
 from pipeline.config import ConfigError, word_milestones
 from pipeline.profiling import StepProfiler
 from pipeline.train.step import all_reduce_host
@@ -295,6 +296,20 @@ class Track(Callback):
             print(f"warning: tracking: could not finish the MLflow run ({type(e).__name__}: {e})", flush=True)
 
 
+class MirrorCheckpoints(Callback):
+    """checkpoint.mirror (pipeline/checkpoint/mirror.py): rank 0 uploads each complete checkpoint in a thread of its
+    own (the step never waits); the run's end waits for the last upload."""
+
+    def on_fit_start(self, trainer):
+        self.mirror = Mirror(trainer.cfg, trainer.run_dir) if trainer.rank == 0 else None
+        if self.mirror is not None:
+            trainer.checkpointer.after_complete.append(self.mirror.submit)
+
+    def on_fit_end(self, trainer, status):
+        if self.mirror is not None:
+            self.mirror.wait()
+
+
 class Console(Callback):
     """Rank 0: a step line every train.log_every steps and at the last, ending with this attempt's elapsed time and
     an estimate of the time left (``eta``); the run's closing summary."""
@@ -502,4 +517,5 @@ def default_callbacks(cfg, remote: bool = False) -> list[Callback]:
     if cfg.eval.every:
         cbs.append(Validation())
     cbs += [MetricsFile()] + ([SamplesFile()] if cfg.train.log_samples else [])
+    cbs += [MirrorCheckpoints()] if cfg.checkpoint.mirror else []
     return cbs + [Track(), Console(), SaveCadence(), Budget(), StopOnRequest()]

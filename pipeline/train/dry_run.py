@@ -125,6 +125,9 @@ def _plan_resume(plan: RunPlan) -> list[str]:
         what = "weights and AdamW moments" if plan.cfg.train.init_from_optimizer else "weights"
         return [f"resume: none; a new run starting from the {what} of {plan.init_source} (train.init_from)"]
     why = "--resume never" if plan.resume == "never" else f"no checkpoint in {ckpt}"
+    if plan.cfg.checkpoint.mirror and plan.resume == "auto":
+        return [f"resume: none in {ckpt}; a training first takes the newest complete checkpoint of checkpoint.mirror "
+                f"{plan.cfg.checkpoint.mirror} (its digests checked), a fresh start only when the mirror holds none"]
     return [f"resume: none; a fresh start ({why})"]
 
 

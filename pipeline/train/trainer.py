@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from pipeline.checkpoint.io import Checkpointer, CheckpointWriteError, TrainState, parent_tags
 from pipeline.checkpoint.layout import RunDirLock
+from pipeline.checkpoint.mirror import restore as restore_from_mirror
 from pipeline.checkpoint.read import load_state_dict, load_weights_into
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data.loader import make_loader
@@ -336,7 +337,10 @@ class Trainer:
 
 def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False, *,
         trust_checkpoint: bool = False, allow_data_change: bool = False) -> Trainer:
-    """A training from start to end in this process (one rank of it); launchers/pretrain.py's main path."""
+    """A training from start to end in this process (one rank of it); launchers/pretrain.py's main path. A run dir
+    without a complete checkpoint first takes the newest one of checkpoint.mirror (pipeline/checkpoint/mirror.py)."""
+    if resume == "auto":
+        restore_from_mirror(cfg, Path(cfg.run_dir))
     trainer = Trainer(cfg, ds_config_path, resume, allow_config_change, trust_checkpoint=trust_checkpoint,
                       allow_data_change=allow_data_change)
     if trainer.plan.finished:  # nothing to do: no process group, no engine, nothing written
