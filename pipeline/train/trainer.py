@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
