@@ -144,7 +144,9 @@ def test_http_settings_apply_to_the_tracker_thread_only(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------------
 def test_resume_keeps_one_value_per_step_and_tags_config_changes(tmp_path):
     run_dir, uri = tmp_path / "run", sqlite_uri(tmp_path / "mlflow.db")
-    first = Tracker(make_cfg(run_dir, uri, 10.0, "train.max_steps=100"), run_dir, 0, None, None)
+    # 60 s to reach the store: creating a new SQLite store's tables took over 10 s on a loaded 2-core host, and the
+    # run then started pending (another test's subject)
+    first = Tracker(make_cfg(run_dir, uri, 60.0, "train.max_steps=100"), run_dir, 0, None, None)
     run_id = first.run_id
     assert not run_id.startswith(PENDING)
     for s in range(1, 11):
