@@ -44,6 +44,11 @@ eval.depths (--depths overrides), seeded by --seed (training uses eval.seed, 0 b
 mlm (pipeline/eval/mlm.py): held-out masked-LM loss, perplexity and accuracy of a protein masked LM (paper 002's
 ablation metric) on a FASTA or shard directory, each sequence masked once by the training transform (seeded).
 
+nrc, ssp, reactivity (pipeline/eval/task_sweeps.py): a checkpoint adapted to that task (launchers/finetune.py) swept
+over K with its weights, head, inputs and initial-state table fixed: accuracy and per-class accuracy, strict
+full-matrix micro-F1 with precision and recall (and a per-sequence view, OUT_STEM-structure-cases.png), or AUC,
+macro-F1 and MAE averaged over DMS and 2A3; docs/adaptation.md.
+
 Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json) and, for a task with a depth axis, the plot
 OUT_STEM-vs-depth.png beside it (pipeline/eval/plots.py; with or without MLflow), and, when the checkpoint's MLflow run can
 be reached (its run directory's store, or MLFLOW_TRACKING_URI), logs one nested run per evaluation under it (tags
@@ -69,7 +74,9 @@ from pipeline.eval.cli import require_trust  # noqa: E402
 from pipeline.outputs import write_atomic  # noqa: E402
 from pipeline.tracking.eval_runs import log_metric_batches, mlflow_target, start_eval_run  # noqa: E402
 
-TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym", "mlm", "validation")
+from pipeline.eval.task_sweeps import SWEEPS  # noqa: E402 - adapted models: nrc, ssp, reactivity (docs/adaptation.md)
+
+TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym", "mlm", "validation", *SWEEPS)
 
 
 def default_depths(cfg) -> list[int]:
@@ -381,7 +388,7 @@ def depth_plot(trained, task: str, result: dict, out: Path, data: Path) -> Path 
 
 
 def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
-                  png: Path | None = None) -> tuple[str, str] | None:
+                  png: Path | None = None, figures: list = ()) -> tuple[str, str] | None:
     """In a run nested under the checkpoint's training run (:func:`start_eval_run`), when its store is reachable:
     eval/TASK/METRIC with step = K, the JSON and ``png`` (the metric-vs-depth plot, :func:`depth_plot`). Returns
     (evaluation run id, training run id)."""
@@ -400,8 +407,9 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
                for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
     log_metric_batches(client, child, metrics)
     client.log_artifact(child, str(out), "eval")
-    if png is not None:
-        client.log_artifact(child, str(png), "eval")
+    for f in [png, *figures]:
+        if f is not None:
+            client.log_artifact(child, str(f), "eval")
     client.set_terminated(child)
     return child, run_id
 
@@ -413,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", required=True, choices=TASKS, help="what to measure (docs/evaluation.md)")
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
                    "blimp: JSONL or dir; lambada: text or JSONL; proteingym: assay CSV or dir; validation: shard dirs, "
-                   "comma-separated")
+                   "comma-separated; nrc, ssp, reactivity: the task's file (or folder) or a tools/prepare_task.py "
+                   "shard dir")
     p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
                    "recursive_gpt, 1-8 for eco_rna); capped at 4 x the deepest training depth (a cap never below 8)")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
@@ -477,6 +486,8 @@ def main(argv=None) -> int:
             result = run_rnagym(trained, data, depths, args.seed, args.reference_sheet)
         elif args.task == "blimp":
             result = run_blimp(trained, data, depths, args.spm, args.blimp_method)
+        elif args.task in SWEEPS:  # an adapted model's task (pipeline/eval/task_sweeps.py)
+            result = SWEEPS[args.task](trained, data, depths, args.seed)
         else:
             result = run_lambada(trained, data, depths, args.spm)
     except (FileNotFoundError, ValueError) as e:  # ConfigError and ShardError are ValueErrors
@@ -506,6 +517,7 @@ def main(argv=None) -> int:
         print(result["types_line"])
     if result.get("skipped_line"):
         print(result["skipped_line"])
+    figures = result.pop("figures", {})  # a task's own figures, drawn beside the JSON below
     result.update(task=args.task, checkpoint=str(trained.tag_dir), data=str(data), seed=args.seed, depths=depths)
     if args.task == "proteingym":
         result.update(reference=str(args.reference) if args.reference else None)
@@ -519,9 +531,13 @@ def main(argv=None) -> int:
     png = None if args.task == "proteingym" else depth_plot(trained, args.task, result, out, data)
     if png is not None:
         print(f"wrote {png}")
+    drawn = [draw(out.with_name(f"{out.stem}-{name}.png"), f"{args.task} of {trained.tag_dir} on {data.name}, seed "
+                  f"{args.seed}: {name} against core iterations K") for name, draw in figures.items()]
+    for f in drawn:
+        print(f"wrote {f}")
     if not args.no_mlflow:
         log = log_proteingym_to_mlflow(trained, result, out, data) if args.task == "proteingym" else \
-            log_to_mlflow(trained, args.task, result, out, data, png)
+            log_to_mlflow(trained, args.task, result, out, data, png, drawn)
         if log:
             print(f"logged to MLflow run {log[0]} (nested in training run {log[1]})")
     return 0
