@@ -165,7 +165,9 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
                      f"- data manifest ({name}): `{path}` not found at export time (no hash)")
     if tokenizer and tokenizer.get("sha256"):
         lines.append(f"- tokenizer: `{tokenizer.get('model')}` sha256 `{tokenizer['sha256']}`")
-    export = get_family(cfg.family).hf_export()
+    from pipeline.tasks import training_spec
+
+    export = training_spec(cfg).hf_export()  # an adapted model's (a task: section), else the family's
     card, usage = export.card(hf_cfg) if export is not None and fmt == "pipeline" else ([], [])
     lines += card
     lines += ["", "## Evaluation results found beside the checkpoint", ""]
@@ -196,6 +198,8 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
                   "from transformers import AutoModelForCausalLM, AutoTokenizer",
                   "model = AutoModelForCausalLM.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)",
                   "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)", *usage]
+    elif export is not None and not export.example:  # no fill-mask example (an adapted model): its own lines
+        lines += list(usage)
     elif export is not None:
         lines += ["from transformers import pipeline",
                   "fill = pipeline(\"fill-mask\", model=\"EXPORT_DIR\", trust_remote_code=True)",
@@ -267,7 +271,9 @@ def main(argv=None) -> int:
         from pipeline.hf_code import write_modeling_code
         from pipeline.families import get_family
 
-        export = get_family(cfg.family).hf_export()  # None: a family without HF classes, pipeline files only
+        from pipeline.tasks import training_spec
+
+        export = training_spec(cfg).hf_export()  # None: a family without HF classes, pipeline files only
         hf_cfg = hf.hf_config(cfg) if export is not None else None
         fmt = hf.export_format(cfg)
         # Four steps, one total from the start (a total that grew to the tensor count once the checkpoint was read
