@@ -89,12 +89,15 @@ class Adaptation:
     eval_state: (RunConfig, attention mask [B, L], seed) -> the initial state [B, L, d] every depth of a sweep
         starts from (Eco-RNA: the seed-fixed evaluation table), or None for a family without one.
     hf: "module:NAME" of the HFExport of adapted models (Hugging Face classes with the task head), or None.
+    flops: (RunConfig, plan, Batch, first: bool) -> the backbone's training FLOPs of a microbatch (its rows' own
+        depths; with ``first`` the readout of the first iteration too); task heads are not counted.
     """
 
     width: Callable
     forward: Callable
     eval_state: Callable = lambda cfg, mask, seed: None  # noqa: E731
     hf: str | None = None
+    flops: Callable = lambda cfg, plan, batch, first: 0.0  # noqa: E731
 
 
 # ---- the scaling model (tools/scaling.py) ---------------------------------------------------------------------------

@@ -177,7 +177,7 @@ ECO_RNA = register_family(Family(
     # task heads read the coda features N_o(C(W_o s^(K))), each row at its drawn depth in training (the objective's
     # depth law, or objective.depth_law: fixed) and from the evaluation table in sweeps (docs/adaptation.md)
     adapt=Adaptation(width=lambda m: m.d_model, forward=objective.task_forward, eval_state=objective.eval_state,
-                     hf="pipeline.families.eco_rna_hf:TASK_EXPORT"),
+                     hf="pipeline.families.eco_rna_hf:TASK_EXPORT", flops=objective.task_flops),
     **_COMMON))
 
 # The matched fixed-depth control (A.6): same data, masking and loss code; depth fixed, auxiliary terms off. No HF

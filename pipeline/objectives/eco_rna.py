@@ -260,6 +260,15 @@ def task_forward(model, batch, cfg, p: Plan):
                  token_quantum=token_quantum(cfg))
 
 
+def task_flops(cfg, p: Plan, batch, first: bool) -> int:
+    """FLOPs of :func:`task_forward`'s backbone, as the pretraining counts them (EcoRNAConfig.train_flops: each row's
+    own depth, the backward window), with the no-grad readout of the first iteration for the rows deeper than 1 when
+    the head reads it (``first``)."""
+    ks = [int(k) for k in p.depths]
+    return cfg.model.train_flops(ks, batch.input_ids.shape[1], cfg.objective.backward_window,
+                                 sum(k > 1 for k in ks) if first else 0)
+
+
 def eval_state(cfg, attention_mask: torch.Tensor, seed: int) -> torch.Tensor:
     """The initial state [B, L, d] of every depth of a sweep: the seed-fixed, position-indexed evaluation table
     (zero at padding), as the reconstruction and RNAGym sweeps use it."""

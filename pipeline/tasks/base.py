@@ -159,10 +159,13 @@ def adapted_family(family, task: Task, cfg):
             model.backbone.requires_grad_(False)
         return model
 
+    first = tcfg.head(adapt.width(cfg.model))["first"]
+
     def loss(model, batch, run_cfg, plan):
         out = adapt.forward(model, batch, run_cfg, plan)
         total, stats = task.loss(out.prediction, batch, run_cfg.task)
-        return LossOutput(total, batch.num_supervised, stats, {"row_iterations": out.row_iterations})
+        return LossOutput(total, batch.num_supervised, stats, {
+            "row_iterations": out.row_iterations, "flops": adapt.flops(run_cfg, plan, batch, first)})
 
     def validate(model, batch, run_cfg):
         init = adapt.eval_state(run_cfg, batch.attention_mask, run_cfg.eval.seed)
