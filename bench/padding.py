@@ -42,6 +42,7 @@ SAMPLE = REPO / "data" / "samples" / "rfam_nrc_train_sample.fasta.gz"
 CONFIGS = REPO / "launchers" / "configs"
 CTX1024 = ["data.context_length=1024"]
 BUDGET1024 = ["train.max_tokens_per_microbatch=32768"]  # 32 rows x 1024: the shipped rule, rows x context
+W8192 = ["data.length_window=8192"]  # the window these setups measured with before the 80M config's grew to 32,768
 DRAW_ORDER = ["data.length_window=0", "train.max_tokens_per_microbatch=null"]
 
 # (result id, config, overrides, what it is)
@@ -50,17 +51,19 @@ SETUPS = [
     ("P6.eco_rna_80m_draw_order", "eco_rna_80m.yaml", DRAW_ORDER,
      "eco_rna_80m without length windows (context 512, 32 rows: the config before length-aware batching)"),
     ("P6.eco_rna_80m", "eco_rna_80m.yaml", [], "eco_rna_80m as shipped on one H200 (context 512, length_window "
-     "8192, auto: a 131,072-token budget)"),
-    ("P6.eco_rna_80m_16k", "eco_rna_80m.yaml", ["train.max_tokens_per_microbatch=16384"],
-     "eco_rna_80m with the 16,384-token budget it fixed before auto (16,384 tokens a rank on 8 GPUs)"),
+     "32768, auto: a 131,072-token budget)"),
+    ("P6.eco_rna_80m_w8192", "eco_rna_80m.yaml", W8192, "the same with the 8,192-sample windows it had before"),
+    ("P6.eco_rna_80m_16k", "eco_rna_80m.yaml", ["train.max_tokens_per_microbatch=16384"] + W8192,
+     "eco_rna_80m with the 16,384-token budget and 8,192-sample windows it fixed before auto (16,384 tokens a rank "
+     "on 8 GPUs)"),
     ("P6.ctx1024_draw_order", "eco_rna_80m.yaml", DRAW_ORDER + CTX1024, "context 1024, 32 rows, draw order"),
     ("P6.ctx1024_budget_draw_order", "eco_rna_80m.yaml", DRAW_ORDER + CTX1024 + BUDGET1024,
      "context 1024, 32768-token budget, draw order"),
     ("P6.ctx1024_budget16k_draw_order", "eco_rna_80m.yaml", DRAW_ORDER + CTX1024 + [
         "train.max_tokens_per_microbatch=16384"], "context 1024, 16384-token budget, draw order"),
-    ("P6.ctx1024_rows32", "eco_rna_80m.yaml", ["train.max_tokens_per_microbatch=null"] + CTX1024,
+    ("P6.ctx1024_rows32", "eco_rna_80m.yaml", ["train.max_tokens_per_microbatch=null"] + CTX1024 + W8192,
      "context 1024, 32 rows, length_window 8192"),
-    ("P6", "eco_rna_80m.yaml", CTX1024 + BUDGET1024,
+    ("P6", "eco_rna_80m.yaml", CTX1024 + BUDGET1024 + W8192,
      "context 1024, 32768-token budget, length_window 8192 (eco_rna_80m otherwise as shipped)"),
 ]
 
@@ -80,7 +83,8 @@ def measure(config: str, overrides: list, shards: Path, windows: int) -> tuple[f
     cfg = as_on_device(cfg, get_family(cfg.family))  # auto: the microbatch of one H200
     # the training's own construction: RunPlan.build_dataset reads cfg, family and the stream layout only
     layout = StreamLayout.fresh(1, 0, cfg.data.num_workers, cfg.data.loader_streams)
-    dataset = RunPlan.build_dataset(SimpleNamespace(cfg=cfg, family=get_family(cfg.family), loader_layout=layout),
+    dataset = RunPlan.build_dataset(SimpleNamespace(cfg=cfg, family=get_family(cfg.family), loader_layout=layout,
+                                                    cache=None),  # local shards: no remote cache
                                     rank=0)
     W = cfg.data.length_window
     target = windows * (W or 8192)

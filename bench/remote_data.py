@@ -9,7 +9,9 @@ with ``data.prefetch_shards`` 2 (pipeline/data/remote.py), one loader stream, sh
 the steps after the first 10 (the first shard is always a demand fetch). Prints, per repeat, the mean wait share
 of the steps and the largest step's, and RESULT REMOTE.wait_share (median over repeats) with its spread.
 
-    .venv/bin/python bench/remote_data.py [--latency-ms 50] [--step-ms 40] [--steps 300] [--repeats 3]
+    python bench/remote_data.py [--latency-ms 50] [--step-ms 40] [--steps 300] [--repeats 3] [--quick]
+
+``--quick`` (bench/run_all.py's default) runs 40 steps once.
 """
 from __future__ import annotations
 
@@ -79,7 +81,10 @@ def main() -> int:
     p.add_argument("--step-ms", type=float, default=40.0)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="40 steps, one repeat")
     a = p.parse_args()
+    if a.quick:
+        a.steps, a.repeats = 40, 1
     with tempfile.TemporaryDirectory() as tmp:
         www = Path(tmp) / "www"
         subprocess.run([sys.executable, "-m", "data_prep", "rnacentral", "--input",

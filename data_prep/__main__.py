@@ -11,7 +11,7 @@ from .checks import PrepError
 from .jobs import run
 from .merge import merge
 from .progress import MODES
-from .settings import Settings, split_summary, summary
+from .settings import MAX_RECORD_LENGTH, Settings, split_summary, summary
 from .spm import train_spm
 from .synthetic import HopsTask, SyntheticError, write
 from .workers import run_workers
@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-length", type=_positive, default=None, metavar="N",
                        help=f"records longer than N {unit} are filtered (default: none; long records are stored "
                             "whole and cropped at load time)")
+        p.add_argument("--max-record-length", type=_positive, default=MAX_RECORD_LENGTH, metavar="N",
+                       help=f"records longer than N {unit} are counted as filtered (longer_than_N, listed in "
+                            "filtered.tsv) and, in FASTA inputs, skipped while they are read, without being built "
+                            f"or held in memory; default {MAX_RECORD_LENGTH:,}, four times the longest human "
+                            "chromosome (raise it for the giant chromosomes of some conifers and amphibians)")
         p.add_argument("--strict", action="store_true",
                        help="the first invalid record is an error naming file:line (default: skip and count it)")
         p.add_argument("--max-filtered-fraction", type=_fraction(False), default=0.01, metavar="F",
@@ -326,7 +331,8 @@ def _main(parser, args) -> int:
         settings = Settings(args.shard_size, args.min_length, args.num_jobs, args.job_index, args.max_length,
                             args.strict, args.dedup, args.max_filtered_fraction,
                             getattr(args, "replace_invalid", None), getattr(args, "window", None),
-                            getattr(args, "stride", None), getattr(args, "window_tail", "short"), args.val_fraction)
+                            getattr(args, "stride", None), getattr(args, "window_tail", "short"), args.val_fraction,
+                            max_record_length=args.max_record_length)
         kwargs = dict(spm=getattr(args, "spm", None), members=getattr(args, "uniref90_members", None),
                       clusters=getattr(args, "clusters", None), progress=(args.progress, args.progress_interval),
                       text_column=getattr(args, "text_column", None))

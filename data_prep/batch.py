@@ -83,10 +83,81 @@ def starts_with_header(path: Path) -> bool:
         return f.peek(1)[:1] == b">"
 
 
-def chunks(path: Path, size: int = CHUNK, byte_range: ByteRange | None = None) -> Iterator[tuple[bytes, int]]:
+SPILL_AT = 4 * CHUNK  # a record read past this many bytes goes to a temporary file until its end (or its skip)
+HEADER_MAX = 1 << 16  # bytes of a skipped record's header kept (its id and description for filtered.tsv)
+
+
+@dataclass(frozen=True)
+class LongRecord:
+    """A record longer than the job's bound, skipped while it was read (``chunks``): never built, never held whole
+    in memory. ``header``: its header line without the '>' (at most HEADER_MAX bytes); ``line``: the line number of
+    its '>'; ``residues``: the bytes of its sequence lines but line breaks and CRs (so a trailing blank counts);
+    ``nbytes``: the bytes it took in the input."""
+    header: bytes
+    line: int
+    residues: int
+    nbytes: int
+
+
+class _Tail:
+    """The record ``chunks`` is reading once it outgrew SPILL_AT bytes: its text in a temporary file (in $TMPDIR,
+    gone when closed) while it may still be kept, then only counted once it is longer than the bound. Each byte is
+    looked at once, so a record is read in time linear in its length, and memory holds one block of it."""
+
+    def __init__(self, line: int, bound: int | None):
+        import tempfile
+
+        self.line, self.bound = line, bound
+        self.header, self.header_done = b"", False
+        self.residues = self.newlines = self.nbytes = 0
+        self.file = tempfile.TemporaryFile(prefix="data_prep-record-")
+
+    def add(self, piece: bytes) -> None:
+        self.nbytes += len(piece)
+        self.newlines += piece.count(b"\n")
+        body = piece
+        if not self.header_done:
+            end = piece.find(b"\n")
+            head = piece if end < 0 else piece[:end]
+            if len(self.header) < HEADER_MAX + 1:
+                self.header += head[:HEADER_MAX + 1 - len(self.header)]
+            self.header_done, body = end >= 0, b"" if end < 0 else piece[end + 1:]
+        self.residues += len(body) - body.count(b"\n") - body.count(b"\r")
+        if self.file is not None:
+            if self.too_long():  # from here on the record is only counted
+                self.file.close()
+                self.file = None
+            else:
+                self.file.write(piece)
+
+    def too_long(self) -> bool:
+        # a header past HEADER_MAX without its line end is no record header: skipped with the record it opens
+        return (self.bound is not None and self.residues > self.bound) or (
+            not self.header_done and len(self.header) > HEADER_MAX)
+
+    def finish(self) -> bytes | LongRecord:
+        """The record's text (read back from the file), or a LongRecord when it was too long."""
+        if self.file is None:
+            head = self.header[1:HEADER_MAX + 1].rstrip(b"\r")  # without the '>'
+            return LongRecord(head, self.line, self.residues, self.nbytes)
+        self.file.seek(0)
+        text = self.file.read()
+        self.file.close()
+        return text
+
+
+def chunks(path: Path, size: int = CHUNK, byte_range: ByteRange | None = None, bound: int | None = None,
+           spill_at: int = SPILL_AT) -> Iterator[tuple[bytes | LongRecord, int]]:
     """(text, line number of its first line): the input cut before lines that start with '>'. The next block is
     read (decompressed: ISA-L leaves the GIL) in a thread while the caller works on this one. ``byte_range``: only
-    those bytes of the plain file (a job's share, byte_ranges), its lines numbered as the file's."""
+    those bytes of the plain file (a job's share, byte_ranges), its lines numbered as the file's.
+
+    Linear in the input: each block is searched once for a record start, and the text since the last one is kept
+    as a list of blocks, joined once when it is handed out (rebuilding and searching the growing text on every
+    block made one long record cost the square of its length: a 2 GiB record in a 2 MB gzip ran past 240 s). A
+    record that outgrows ``spill_at`` bytes is read on into a temporary file (``_Tail``), and handed out whole once
+    it ends when it holds at most ``bound`` residues; a longer one is skipped as it is read, counted and handed out
+    as a ``LongRecord`` in place of its text (memory: a block)."""
     from concurrent.futures import ThreadPoolExecutor
 
     if byte_range is None:
@@ -98,31 +169,62 @@ def chunks(path: Path, size: int = CHUNK, byte_range: ByteRange | None = None) -
 
     def read() -> bytes:
         return f.read(size if left is None else min(size, left))
-    carry = b""
+
+    def newlines(text: bytes) -> int:
+        return int(np.count_nonzero(np.frombuffer(text, np.uint8) == 10))  # text.count(b"\n"), SIMD
+
+    parts: list[bytes] = []  # the text since the last cut (whole records, then the start of one), block by block
+    pending = 0  # its bytes
+    tail: _Tail | None = None  # the record being read past spill_at
     with f, ThreadPoolExecutor(1, "data_prep-read") as ahead:
-        pending = ahead.submit(read)
+        pending_read = ahead.submit(read)
+        ends_line = False  # whether the text before ``block`` ends with a line break
         while True:
             try:
-                block = pending.result()
+                block = pending_read.result()
             except GZIP_ERRORS as e:
+                if tail is not None and tail.file is not None:
+                    tail.file.close()
                 raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
             if left is not None:
                 left -= len(block)
             more = bool(block) and (left is None or left > 0)
             if more:
-                pending = ahead.submit(read)
-            buf = carry + block if carry else block
+                pending_read = ahead.submit(read)
+            if tail is not None:  # the long record ends at the first record start
+                end = 0 if ends_line and block[:1] == b">" else block.find(b"\n>") + 1 or None
+                tail.add(block if end is None else block[:end])
+                if end is None and more:
+                    ends_line = block[-1:] == b"\n"
+                    continue
+                done, tail = tail, None
+                yield done.finish(), done.line
+                line += done.newlines
+                block = b"" if end is None else block[end:]  # (None: the input ended inside the record)
+                ends_line = False
+                if not block and not more:
+                    return
             if not more:
-                if buf:
-                    yield buf, line
+                text = b"".join([*parts, block])
+                if text:
+                    yield text, line
                 return
-            cut = buf.rfind(b"\n>")
-            if cut < 0:
-                carry = buf
-                continue
-            text, carry = buf[:cut + 1], buf[cut + 1:]
-            yield text, line
-            line += int(np.count_nonzero(np.frombuffer(text, np.uint8) == 10))  # text.count(b"\n"), SIMD
+            cut = block.rfind(b"\n>")
+            if cut >= 0 or (ends_line and block[:1] == b">"):
+                text = b"".join([*parts, block[:cut + 1]])  # cut -1: the block itself starts the next record
+                parts, pending = [block[cut + 1:]], len(block) - cut - 1
+                if text:
+                    yield text, line
+                    line += newlines(text)
+            else:
+                parts.append(block)
+                pending += len(block)
+            ends_line = block[-1:] == b"\n"
+            if pending > spill_at:  # no record starts after its first byte: the text since the cut is one record
+                tail = _Tail(line, bound)
+                for part in parts:
+                    tail.add(part)
+                parts, pending = [], 0
 
 
 def is_gzip(path: Path) -> bool:
@@ -287,8 +389,8 @@ class Reader:
 
     def __init__(self, path: Path, tokens: bytes, invalid_positions: Callable | None, uniref: bool | None,
                  to_record: Callable[[Record], Record] = lambda r: r, first_index: int = 0,
-                 jobs: tuple[int, int] = (1, 0), texts=None):
-        self.path, self.uniref, self.to_record = path, uniref, to_record
+                 jobs: tuple[int, int] = (1, 0), texts=None, bound: int | None = None):
+        self.path, self.uniref, self.to_record, self.bound = path, uniref, to_record, bound
         self.invalid_positions = invalid_positions
         self._tokens = tokens
         self.index = first_index  # global index of the next record (over all inputs)
@@ -300,12 +402,18 @@ class Reader:
         self.jobs = jobs  # (N, I): only records whose global index % N == I are parsed past their header line
 
     def __iter__(self) -> Iterator[Chunk | list]:
-        """A Chunk per chunk of the input, or the list of its Records when the chunk is read record by record."""
-        texts = self.texts if self.texts is not None else ((t, n, None) for t, n in chunks(self.path, CHUNK))
+        """A Chunk per chunk of the input, or the list of its Records when the chunk is read record by record (a
+        record longer than ``bound``, skipped unread by ``chunks``, is a list of one Record with its ``length``)."""
+        texts = self.texts if self.texts is not None else (
+            (t, n, None) for t, n in chunks(self.path, CHUNK, bound=self.bound))
         for text, first_line, first_index in texts:
             if first_index is not None:
                 self.index = self.base + first_index
             self.start = self.index
+            if isinstance(text, LongRecord):
+                self.index += 1
+                yield [self.to_record(self._long(text))]
+                continue
             if b"\r" in text:
                 if text.count(b"\r") != text.count(b"\r\n"):  # a CR that is not a CRLF line end
                     records = [self.to_record(r) for r in iter_fasta_text(self.path, text, first_line,
@@ -317,6 +425,14 @@ class Reader:
             yield self._parse(text, first_line)
         if getattr(self.texts, "end", None) is not None:  # fed: the input's records, as the parent counted them
             self.index = self.base + self.texts.end
+
+    def _long(self, skipped: LongRecord) -> Record:
+        """The Record of a skipped record: id and description as iter_fasta reads them, no sequence, ``length``."""
+        head = skipped.header.decode("utf-8", "backslashreplace").split(None, 1)
+        if not head:  # as iter_fasta: an error in every job
+            raise FastaError(f"{self.path}:{skipped.line}: header has no record id")
+        return Record(head[0], head[1].strip() if len(head) > 1 else "", b"", skipped.line, nbytes=skipped.nbytes,
+                      length=skipped.residues)
 
     def _parse(self, text: bytes, first_line: int) -> Chunk:
         # records located with numpy over the whole chunk (text starts with '>'): header j is the line from its

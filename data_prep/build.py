@@ -23,7 +23,7 @@ from .checks import DamageCheck, PrepError
 from .common import LOWERCASE, input_fingerprint, split_of
 from .fasta import FastaError, input_position
 from .progress import Progress
-from .settings import Settings, filter_reasons
+from .settings import Settings, filter_reasons, read_bound, too_long
 from .sources import Context, iter_fasta_source, iter_uniref, uniref_record
 from .workdir import ShardSet, WorkDir, open_splits
 
@@ -72,6 +72,7 @@ class BatchReader:
 
     def __init__(self, source: Source, encoder: Encoder, ctx: Context):
         self.uniref = source.reader is iter_uniref
+        self.bound = ctx.bound  # records longer than it are skipped while read (batch.chunks)
         everything = bytes(range(256))
         check = ctx.invalid_positions
         if self.uniref:  # the uniref reader accepts lowercase and upper-cases it (iter_uniref)
@@ -94,8 +95,9 @@ class BatchReader:
         """``feed``: in a --workers process, the parent's chunks of ``path`` (data_prep/feed.py) instead of the
         file's; ``byte_range``: only that range of the (plain) file (the job's share, batch.byte_ranges)."""
         texts = feed.texts(path) if feed is not None else None if byte_range is None else \
-            ((text, line, None) for text, line in chunks(path, CHUNK, byte_range))
-        return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs, texts)
+            ((text, line, None) for text, line in chunks(path, CHUNK, byte_range, self.bound))
+        return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs, texts,
+                      self.bound)
 
 
 def batch_source(source: Source, settings: Settings, members) -> bool:
@@ -131,11 +133,11 @@ class SequenceBuild:
                  feed: Feed | None = None):
         s = self.settings = settings
         self.source, self.encoder, self.inputs, self.progress, self.feed = source, encoder, inputs, progress, feed
-        self.ctx = Context(encoder.invalid_positions, {}, members, text_column)
+        self.ctx = Context(encoder.invalid_positions, {}, members, text_column, read_bound(s))
         self.splits = open_splits(work, s, encoder)
         base_filtered = filter_reasons(s.min_length, s.max_length, s.dedup)
         self.filtered = {k: dict(base_filtered) for k in self.splits}
-        self.short, self.long = f"shorter_than_{s.min_length}", f"longer_than_{s.max_length}"
+        self.short = f"shorter_than_{s.min_length}"
         self.seen_hashes: dict[bytes, str] = {}  # sha1 of a kept sequence -> its record id (named for duplicates)
         self.counts: dict[str, list] = {k: [] for k in self.splits}  # per split: each input's counts
         self.stats = {k: self._new_stats() for k in self.splits}
@@ -301,15 +303,15 @@ class SequenceBuild:
             self.damage.add(rec.reason, rec.error, chars)
             sp.dropped.add(rec.id, rec.reason, path, rec.line, _detail(rec.error, path))
             return
-        n = encoder.residues(seq)
+        n = encoder.residues(seq) if rec.length is None else rec.length  # length: skipped unread, too long
         reason = detail = None
         if n == 0:
             reason = "empty"
             self.damage.add("empty", f"{path}:{rec.line}: record {rec.id} has no sequence")
         elif n < s.min_length:
             reason, detail = self.short, f"{n} residues"
-        elif s.max_length is not None and n > s.max_length:
-            reason, detail = self.long, f"{n} residues"
+        elif too_long(s, n):
+            reason, detail = too_long(s, n), f"{n} residues"
         elif digest is not None:
             first = self.seen_hashes.get(digest)
             if first is not None:
@@ -317,7 +319,7 @@ class SequenceBuild:
             else:
                 self.seen_hashes[digest] = rec.id
         if reason is not None:
-            filt[reason] += 1
+            filt[reason] = filt.get(reason, 0) + 1  # longer_than_<--max-record-length>: listed once it occurs
             sp.dropped.add(rec.id, reason, path, rec.line, detail or "")
             return
         if not encoder.text and self.normalise(rec.seq) != rec.seq:  # soft-masked (lowercase) residues present
@@ -405,9 +407,7 @@ class SequenceBuild:
         lengths = bounds[js + 1] - bounds[js]
         names = [""] * len(js) if s.val_fraction is None else [split_of(chunk.ids[j], s.val_fraction)
                                                                  for j in js.tolist()]
-        drop = lengths < max(s.min_length, 1)
-        if s.max_length is not None:
-            drop |= lengths > s.max_length
+        drop = (lengths < max(s.min_length, 1)) | (lengths > read_bound(s))
         for k in np.flatnonzero(drop).tolist():  # in record order, across splits, as the per-record path
             j, m, name = int(js[k]), int(lengths[k]), names[k]
             rid, line = chunk.ids[j], chunk.line(j)
@@ -417,8 +417,8 @@ class SequenceBuild:
             elif m < s.min_length:
                 reason, detail = self.short, f"{m} residues"
             else:
-                reason, detail = self.long, f"{m} residues"
-            self.filtered[name][reason] += 1
+                reason, detail = too_long(s, m), f"{m} residues"
+            self.filtered[name][reason] = self.filtered[name].get(reason, 0) + 1
             self.splits[name].dropped.add(rid, reason, path, line, detail)
         groups = {"": np.ones(len(js), bool)} if s.val_fraction is None else \
             {name: np.array([x == name for x in names]) for name in self.splits}

@@ -66,6 +66,7 @@ class Record(NamedTuple):
     error: str | None = None  # 'path:line[:col]: why' when the record is invalid (skipped or, --strict, raised)
     reason: str | None = None  # filter reason counted for an invalid record, e.g. 'invalid_character'
     nbytes: int = 0  # uncompressed input bytes the record occupied (progress MB/s)
+    length: int | None = None  # residues of a record longer than the job's bound, skipped unread (``seq`` empty)
 
 
 def open_input(path: str | Path) -> BinaryIO:
@@ -119,16 +120,19 @@ def _bad_char_error(path: Path, record_id: str, chunks: list[bytes], starts: lis
 
 
 def iter_fasta(path: str | Path, invalid_positions: Callable[[bytes], np.ndarray] | None = None,
-               on_invalid: str = "raise") -> Iterator[Record]:
+               on_invalid: str = "raise", bound: int | None = None) -> Iterator[Record]:
     """Records of a FASTA file in file order.
 
     ``invalid_positions(seq)`` (e.g. ``NucleotideTokenizer.invalid_positions``) is applied to every record so that
     a character outside the alphabet is reported with its line and column rather than later by the encoder.
+    ``bound``: a record of more residues stops being kept once it passes the bound and is yielded with ``length``
+    (its residues) and an empty ``seq``, unchecked: the caller counts it as filtered (memory: the bound, not the
+    record; a single line is still read whole).
     """
     path = Path(path)
     try:
         with open_input(path) as f:
-            yield from _records(path, enumerate(f, 1), invalid_positions, on_invalid)
+            yield from _records(path, enumerate(f, 1), invalid_positions, on_invalid, bound)
     except GZIP_ERRORS as e:
         raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
 
@@ -141,7 +145,7 @@ def iter_fasta_text(path: Path, text: bytes, first_line: int,
     return _records(path, enumerate(io.BytesIO(text), first_line), invalid_positions, on_invalid)
 
 
-def _records(path: Path, lines, invalid_positions, on_invalid: str) -> Iterator[Record]:
+def _records(path: Path, lines, invalid_positions, on_invalid: str, bound: int | None = None) -> Iterator[Record]:
     """iter_fasta over ``lines``: (1-based line number, raw line with its line break)."""
     header: bytes | None = None
     hline = 0
@@ -155,6 +159,9 @@ def _records(path: Path, lines, invalid_positions, on_invalid: str) -> Iterator[
         parts = text.split(None, 1)
         if not parts:
             raise FastaError(f"{path}:{hline}: header has no record id")
+        if bound is not None and offset > bound:  # its lines were dropped past the bound: only counted
+            return Record(parts[0], parts[1].strip() if len(parts) > 1 else "", b"", hline, nbytes=nbytes,
+                          length=offset)
         seq = b"".join(chunks)
         if invalid_positions is not None and seq:
             bad = invalid_positions(seq)
@@ -188,9 +195,12 @@ def _records(path: Path, lines, invalid_positions, on_invalid: str) -> Iterator[
         elif header is None:
             raise FastaError(f"{path}:{lineno}: sequence data before the first '>' header")
         else:
-            chunks.append(line)
-            starts.append(offset)
-            linenos.append(lineno)
+            if bound is None or offset + len(line) <= bound:
+                chunks.append(line)
+                starts.append(offset)
+                linenos.append(lineno)
+            elif chunks:  # past the bound: the record will be skipped, its lines need not be kept
+                chunks, starts, linenos = [], [], []
             offset += len(line)
     if header is not None:
         yield finish()

@@ -36,7 +36,7 @@ from .checks import PrepError
 from .clusters import build as build_clusters
 from .clusters import load_clusters
 from .common import (FILTERED, MANIFEST, SPLIT_FILE, SPLITS, TOOL, check_output_replaceable, job_filtered_name,
-                     job_manifest_name, split_doc, write_json)
+                     job_manifest_name, manifest_files, output_lock, split_doc, write_json)
 from .encode import Encoder
 from .fasta import FastaError
 from .join import Spill, bucket_count
@@ -53,11 +53,13 @@ if TYPE_CHECKING:
 def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, settings: Settings = Settings(),
         overwrite: bool = False, spm: Path | None = None, members: Path | None = None,
         clusters: Path | None = None, progress: tuple = ("auto", 60.0), text_column: str | None = None,
-        feed: Feed | None = None) -> Result:
+        feed: Feed | None = None, locked: bool = True) -> Result:
     """One data_prep job. ``clusters`` (uniref only): the UniRef50 -> UniRef90 mapping TSV; the inputs are then
     the member FASTA files and every sample is a cluster (data_prep/clusters.py). ``progress``: (mode, seconds),
     data_prep/progress.py. ``text_column``: babylm, the column of .csv inputs. ``feed``: in a --workers process
-    that its parent feeds (data_prep/workers.py), the Feed its batch reader reads the parent's chunks from."""
+    that its parent feeds (data_prep/workers.py), the Feed its batch reader reads the parent's chunks from.
+    ``locked``: the job takes its output's lock (common.output_lock: exclusive, or shared by the jobs of an array)
+    once its arguments are checked; False in a --workers job, whose parent holds the lock of the real output."""
     inputs = [Path(p).resolve() for p in inputs]
     if source.expand is not None:
         inputs = source.expand(inputs)
@@ -76,6 +78,29 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
             raise PrepError(f"output {output}: {p} exists and is not a directory")
     if output in inputs or any(output in p.parents for p in inputs):
         raise PrepError(f"output {output} would hold an input; choose another directory")
+    args = (source, alphabet, inputs, output, settings, overwrite, spm, members, clusters, progress, text_column, feed)
+    if not locked:
+        return _run(*args)
+    made = [p for p in reversed(output.parents) if not p.exists()]
+    output.parent.mkdir(parents=True, exist_ok=True)  # where the lock lives
+    what = f"data_prep {source.name}" + (f" job {settings.job_index} of {settings.num_jobs}"
+                                         if settings.num_jobs > 1 else "")
+    try:
+        with output_lock(output, what, shared=settings.num_jobs > 1):
+            return _run(*args)
+    except BaseException:
+        for p in reversed(made):  # folders this run made, innermost first, where it left nothing (rmdir: empty only)
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, settings: Settings,
+         overwrite: bool, spm: Path | None, members: Path | None, clusters: Path | None, progress: tuple,
+         text_column: str | None, feed: Feed | None) -> Result:
+    """``run`` once the arguments are checked (and the output locked)."""
     if source.tokenizer == "sentencepiece":
         check_text_inputs(inputs, text_column)
     elif text_column is not None:
@@ -192,7 +217,7 @@ def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerpri
         if splits != ("",):
             write_json(tmp / SPLIT_FILE, split_doc(manifests, settings.val_fraction, source.name))
         work.finish()  # only now: a failed manifest write leaves the resumable work directory intact
-        kept = publish_dir(tmp, output, TOOL)  # marked as data_prep's; files it did not write are carried over
+        kept = publish_dir(tmp, output, TOOL, manifest_files)  # marked as data_prep's; what it did not write is kept
     except (PrepError, FastaError, ValueError):
         # Bad input: a rerun would fail the same way, so nothing is kept (not even finished shards).
         work.release()

@@ -38,6 +38,7 @@ from .checks import DamageCheck, PrepError, sum_stats
 from .common import LOWERCASE, input_fingerprint
 from .fasta import Record, input_position, iter_fasta
 from .progress import Progress
+from .settings import read_bound, too_long
 from .sources import Context
 
 NOT_IN_FASTA = "not_in_fasta"
@@ -201,7 +202,7 @@ class Outcomes:
 
     def __init__(self, encoder, settings, spill: Spill):
         self.encoder, self.s, self.spill = encoder, settings, spill
-        self.short, self.long = f"shorter_than_{settings.min_length}", f"longer_than_{settings.max_length}"
+        self.short = f"shorter_than_{settings.min_length}"
         self.out = BlockWriter(spill.files("fasta"))
         self.records = 0  # records read by this process
         self.first_record: str | None = None  # the first of them (a fed worker's: its first chunk's)
@@ -209,6 +210,8 @@ class Outcomes:
     def record(self, rec: Record, path: Path, n_input: int) -> tuple[int, bytes, bytes, int]:
         """(status, tokens, extra JSON, lowercase residues) of one record read on the per-record path."""
         s, encoder = self.s, self.encoder
+        if rec.length is not None:  # longer than the bound: skipped unread (batch.chunks, fasta.iter_fasta)
+            return FILTERED, b"", self.length_filter(rec.length, path, rec.line, rec.id), 0
         seq, replaced = rec.seq.upper(), None
         if rec.error is not None:
             if rec.reason == "invalid_character" and s.replace_invalid is not None:
@@ -235,8 +238,8 @@ class Outcomes:
             return json.dumps(["empty", "", None, f"{path}:{line}: member {rid} has no sequence"]).encode()
         if n < s.min_length:
             return json.dumps([self.short, f"{n} residues", None, None]).encode()
-        if s.max_length is not None and n > s.max_length:
-            return json.dumps([self.long, f"{n} residues", None, None]).encode()
+        if reason := too_long(s, n):
+            return json.dumps([reason, f"{n} residues", None, None]).encode()
         return None
 
     def records_of(self, recs: list[Record], path: Path, n_input: int, first: int) -> None:
@@ -268,9 +271,7 @@ class Outcomes:
             rows["lower"] = cum[bounds[1:]] - cum[bounds[:-1]]
         starts = bounds[:-1].copy()  # of each record's payload in tokens + aux
         aux, at = [], len(chunk.tokens)
-        drop = ntok < max(self.s.min_length, 1)
-        if self.s.max_length is not None:
-            drop |= ntok > self.s.max_length
+        drop = (ntok < max(self.s.min_length, 1)) | (ntok > read_bound(self.s))
         special = sorted(set(np.flatnonzero(drop).tolist()) | set(chunk.slow))
         for j in special:
             if j in chunk.slow:
@@ -307,7 +308,7 @@ def read_fasta(outcomes: Outcomes, encoder, inputs: list[Path], source, progress
     """Pass 2: every record of the member FASTA files into the spill (``feed``, a fed --workers job: the chunks
     its parent dealt it, each input starting with a header); returns each input's counts."""
 
-    batch = BatchReader(source, encoder, Context(encoder.invalid_positions))
+    batch = BatchReader(source, encoder, Context(encoder.invalid_positions, bound=read_bound(outcomes.s)))
     sizes = [p.stat().st_size for p in inputs]
     counts = []
     first = 0  # global record number of the input's first record
@@ -316,9 +317,9 @@ def read_fasta(outcomes: Outcomes, encoder, inputs: list[Path], source, progress
             for n_input, path in enumerate(inputs):
                 if feed is not None or starts_with_header(path):  # ids, no meta
                     texts = Reader(path, batch.tokens, batch.check, None, first_index=first,
-                                   texts=None if feed is None else feed.texts(path))
+                                   texts=None if feed is None else feed.texts(path), bound=batch.bound)
                 else:  # a BOM, blank lines first: record by record, in batches
-                    texts = _batches(iter_fasta(path, batch.check, on_invalid="yield"))
+                    texts = _batches(iter_fasta(path, batch.check, on_invalid="yield", bound=batch.bound))
                 end = first
                 for part in texts:
                     if isinstance(part, Chunk):

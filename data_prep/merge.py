@@ -12,7 +12,7 @@ from pathlib import Path
 from .checks import PrepError, sum_stats
 from .clusters import merge_stats
 from .common import (FILTERED, FILTERED_HEADER, FINGERPRINT, JOB_MANIFEST_RE, SPLIT_FILE, SPLITS, job_manifest_name,
-                     split_doc, write_json)
+                     output_lock, split_doc, write_json)
 from .settings import Result
 
 
@@ -23,6 +23,11 @@ def merge(output: Path) -> Result:
     output = Path(output).resolve()
     if not output.is_dir():
         raise PrepError(f"output directory {output} does not exist")
+    with output_lock(output, "data_prep merge"):  # not while a job of the array or another run writes there
+        return _merge(output)
+
+
+def _merge(output: Path) -> Result:
     has_jobs = any(JOB_MANIFEST_RE.fullmatch(p.name) for p in output.iterdir())
     split_dirs = [output / s for s in SPLITS if (output / s).is_dir()]
     if has_jobs and split_dirs:  # some jobs ran with --val-fraction (train/, val/), others without
@@ -98,7 +103,7 @@ def _merge_dir(output: Path):
                         f"missing{f'; {len(missing)} jobs missing' if len(missing) > 1 else ''})")
     # here, not at the top: webdataset (pipeline.data.shards) pulls in torch (~2 s), and a merge refused above
     # should not wait for it
-    from pipeline.data.shards import Manifest, ShardInfo, write_manifest
+    from pipeline.data.shards import Manifest, ShardError, ShardInfo, check_manifest_doc, write_manifest
 
     docs = []
     for i in range(n):
@@ -107,6 +112,12 @@ def _merge_dir(output: Path):
             docs.append(json.loads(path.read_text()))
         except json.JSONDecodeError as e:
             raise PrepError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise PrepError(f"{path}: not a job manifest (JSON nested too deeply to read)") from None
+        try:  # its shape before any of it is used
+            check_manifest_doc(docs[-1], path)
+        except ShardError as e:
+            raise PrepError(str(e)) from None
     first = docs[0]
     for d in docs:
         d.setdefault("layout", "sequences")  # job manifests written before layouts existed

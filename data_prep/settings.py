@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from .encode import Encoder
 
 
+MAX_RECORD_LENGTH = 1_000_000_000  # Settings.max_record_length's default, residues
+
+
 @dataclass(frozen=True)
 class Settings:
     shard_size: int = 10_000  # samples per shard
@@ -32,12 +35,17 @@ class Settings:
     stride: int | None = None  # step between window starts (default: window)
     window_tail: str = "short"  # the window that reaches the record's end: short | align | drop
     val_fraction: float | None = None  # records whose id hashes below it go to DIR/val
+    # A longer record is counted as filtered (longer_than_N) and skipped while read, never built (a gzip bomb: one
+    # 2 GiB record in 2 MB). Four times the longest human chromosome (249 Mb) and above every chromosome of the
+    # usual reference genomes (wheat 3B: 0.83 Gb); the giant chromosomes of some conifers, onion, axolotl and
+    # lungfish are longer and need it raised.
+    max_record_length: int = MAX_RECORD_LENGTH
 
 
 # Settings added after the first resumable release: left out of the fingerprint at their defaults, so that a work
 # directory left by an older version resumes; max_filtered_fraction never fixes shard bytes, so never in it.
 _NEW_SETTINGS = {"replace_invalid": None, "window": None, "stride": None, "window_tail": "short",
-                 "val_fraction": None}
+                 "val_fraction": None, "max_record_length": MAX_RECORD_LENGTH}
 
 
 def settings_doc(settings: Settings) -> dict:
@@ -53,8 +61,8 @@ def settings_doc(settings: Settings) -> dict:
 # job records them in its manifest and merge refuses jobs that differ in any (a resubmitted array job with an edited
 # command line). Every other option is in JOB_LOCAL_OPTIONS with the reason it may differ between jobs;
 # tests/reliability/test_merge_mixed_jobs.py checks that the two cover the CLI, so a new option cannot be forgotten.
-RECORD_OPTIONS = ("min_length", "max_length", "dedup", "replace_invalid", "window", "stride", "window_tail",
-                  "val_fraction", "text_column", "uniref90_members", "clusters")
+RECORD_OPTIONS = ("min_length", "max_length", "max_record_length", "dedup", "replace_invalid", "window", "stride",
+                  "window_tail", "val_fraction", "text_column", "uniref90_members", "clusters")
 JOB_LOCAL_OPTIONS = {
     "input": "merge compares the jobs' input lists itself",
     "alphabet": "decides the tokenizer, which merge compares itself",
@@ -103,10 +111,26 @@ def filter_reasons(min_length: int, max_length: int | None = None, dedup: bool =
 
 def chosen_filters(settings: Settings) -> set[str]:
     """Filter reasons the user asked for (length limits, dedup): not counted against --max-filtered-fraction."""
-    out = {f"shorter_than_{settings.min_length}", "duplicate"}
+    out = {f"shorter_than_{settings.min_length}", "duplicate", f"longer_than_{settings.max_record_length}"}
     if settings.max_length is not None:
         out.add(f"longer_than_{settings.max_length}")
     return out
+
+
+def read_bound(settings: Settings) -> int:
+    """Residues past which a FASTA record is skipped while it is read instead of built: --max-length when given
+    (such a record is filtered anyway), else --max-record-length."""
+    return min(settings.max_length or settings.max_record_length, settings.max_record_length)
+
+
+def too_long(settings: Settings, n: int) -> str | None:
+    """The filter reason of a record of ``n`` residues (built or skipped unread) that a length bound drops:
+    longer_than_<--max-length>, else longer_than_<--max-record-length>; None when it is not too long."""
+    if settings.max_length is not None and n > settings.max_length:
+        return f"longer_than_{settings.max_length}"
+    if n > settings.max_record_length:
+        return f"longer_than_{settings.max_record_length}"
+    return None
 
 
 def check_settings(source: Source, encoder: Encoder, settings: Settings) -> Settings:

@@ -29,6 +29,7 @@ class Context:
     stats: dict = field(default_factory=dict)
     members: dict | None = None  # UniRef50 id -> [UniRef90 ids]
     text_column: str | None = None  # babylm: the column of .csv inputs that holds the text (--text-column)
+    bound: int | None = None  # FASTA: a longer record is skipped while read (settings.read_bound), never built
 
     def count(self, key: str, n: int = 1):
         self.stats[key] = self.stats.get(key, 0) + n
@@ -70,6 +71,8 @@ def iter_opengenome2(path: Path, ctx: Context) -> Iterator[Record]:
             obj = json.loads(line)
         except (ValueError, UnicodeDecodeError) as e:
             raise FastaError(f"{path}:{lineno}: not a JSON object ({e})") from None
+        except RecursionError:  # [[[[... past the parser's depth: no record is nested like that
+            raise FastaError(f"{path}:{lineno}: not an OpenGenome2 record (JSON nested too deeply to parse)") from None
         if not isinstance(obj, dict) or "text" not in obj:
             raise FastaError(f"{path}:{lineno}: JSON line has no 'text' field (OpenGenome2 JSONL expected)")
         text = obj["text"]
@@ -149,7 +152,7 @@ def iter_uniref(path: Path, ctx: Context) -> Iterator[Record]:
     def upper_check(seq: bytes) -> np.ndarray:
         return check(seq.upper())
 
-    for rec in iter_fasta(path, upper_check if check is not None else None, on_invalid="yield"):
+    for rec in iter_fasta(path, upper_check if check is not None else None, on_invalid="yield", bound=ctx.bound):
         yield uniref_record(rec, ctx)
 
 
@@ -340,4 +343,4 @@ def iter_text_lines(path: Path, ctx: Context) -> Iterator[Record]:
 
 def iter_fasta_source(path: Path, ctx: Context) -> Iterator[Record]:
     """Nucleotide FASTA (genomes, RNAcentral): records as written; the job upper-cases and counts lowercase."""
-    return iter_fasta(path, ctx.invalid_positions, on_invalid="yield")
+    return iter_fasta(path, ctx.invalid_positions, on_invalid="yield", bound=ctx.bound)

@@ -48,7 +48,7 @@ import numpy as np
 from pipeline.data.tokenizer import SEP_ID, VOCAB
 from pipeline.outputs import kept_note, publish_dir
 
-from .common import BLOCK_SAMPLES, TOOL, check_output_replaceable
+from .common import BLOCK_SAMPLES, TOOL, check_output_replaceable, manifest_files, output_lock
 
 # With S slots per level, the first S letters are the literals and the next 2 S - 1 the pointers d = 1 .. 2 S - 1
 # (slot i of a level reaches slot t of the level before it S + i - t back, at most 2 S - 1). S = 4: literals A C G U,
@@ -135,8 +135,6 @@ def write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int
     (the training set) whose records are skipped, so that a held-out set shares none of them; the skipped draws are
     counted in the manifest (filtered ``in_exclude``) and more are drawn until ``records`` are written. Returns the
     manifest's stats."""
-    from pipeline.data.shards import Manifest, ShardWriter, write_manifest  # torch's import time, as above
-
     if records < 1:
         raise SyntheticError(f"--records must be >= 1, got {records}")
     if seed < 0:
@@ -144,7 +142,16 @@ def write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int
     output = Path(output).resolve()
     if output.exists() and not output.is_dir():
         raise SyntheticError(f"output {output} exists and is not a directory")
-    check_output_replaceable(output, overwrite)
+    check_output_replaceable(output, overwrite)  # refused before anything is made
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(output, "data_prep synthetic-hops"):  # another run's .partial is never cleared under it
+        check_output_replaceable(output, overwrite)
+        return _write(output, task, records, seed, shard_size, exclude)
+
+
+def _write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int, exclude) -> dict:
+    from pipeline.data.shards import Manifest, ShardWriter, write_manifest  # torch's import time, as above
+
     tmp = output.with_name(f"{output.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)  # generation is cheap and deterministic: never resumed
     tmp.mkdir(parents=True)
@@ -176,7 +183,7 @@ def write(output: Path, task: HopsTask, records: int, seed: int, shard_size: int
                             shards=shards, filtered={"in_exclude": skipped} if exclude is not None else {},
                             inputs=[{"path": f"{SOURCE}:seed={seed}", "records": i + 1}], stats=stats)
         write_manifest(tmp, manifest)
-        carried = publish_dir(tmp, output, TOOL)  # marked as data_prep's; others' files carried over
+        carried = publish_dir(tmp, output, TOOL, manifest_files)  # marked as data_prep's; others' files carried over
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

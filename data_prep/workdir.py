@@ -164,6 +164,8 @@ class WorkDir:
 
     def release(self) -> None:
         self._progress.close()
+        if self._lock.closed:  # finished already (a failure after finish: its own error is the one to report)
+            return
         self._lock.truncate(0)  # a clean exit: nobody to take over from
         self._lock.close()
 

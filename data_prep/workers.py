@@ -3,7 +3,6 @@ this one, then merged. For the FASTA sources on the batch reader the parent deco
 the workers its chunks of whole records (data_prep/feed.py); each worker's Feed is handed to its job explicitly."""
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
 import multiprocessing
@@ -11,7 +10,6 @@ import os
 import queue as queue_mod
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -19,17 +17,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline.outputs import kept_note, publish_dir, take_lock
+from pipeline.outputs import kept_note, publish_dir
 
 from . import Source, batch
 from .build import batch_source
 from .checks import PrepError
-from .common import TOOL, check_output_replaceable
+from .common import TOOL, check_output_replaceable, manifest_files, output_lock
 from .fasta import FastaError, input_position
 from .feed import FEED_DEPTH, Aborted, Feed
 from .jobs import run
 from .merge import merge
-from .settings import Result, Settings
+from .settings import Result, Settings, read_bound
 
 
 def _fed(source: Source, settings: Settings, kwargs: dict, inputs: list[Path]) -> bool:
@@ -57,7 +55,7 @@ def _release_peers(feeds: list, procs: list, failed) -> None:
         f.queue.put(("go",))
 
 
-def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
+def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed, bound: int | None = None) -> None:
     """The parent's side of a fed --workers run: every input the batch reader takes is decompressed here, once, and
     cut into chunks of whole records (batch.chunks) dealt round-robin to the workers. Raises Aborted when a worker
     has failed (``failed`` set, or it died; its report says why)."""
@@ -75,9 +73,9 @@ def _feed_inputs(inputs: list[Path], feeds: list, procs: list, failed) -> None:
         if not batch.starts_with_header(path):
             continue  # read by every worker itself, record by record (jobs of N)
         key, first = str(path), 0
-        for text, line in batch.chunks(path, batch.CHUNK):
+        for text, line in batch.chunks(path, batch.CHUNK, bound=bound):  # a record past bound: a LongRecord
             put(feeds[number % n], ("chunk", key, number, text, line, first, input_position(path)))
-            first += batch.headers(text)
+            first += 1 if isinstance(text, batch.LongRecord) else batch.headers(text)
             number += 1
         for q in feeds:
             put(q, ("end", key, first, number))
@@ -136,26 +134,6 @@ def _worker(queue, index: int, kwargs: dict, feed: Feed | None = None, parent: i
     queue.put((index, 0, "", 0.0))
 
 
-@contextlib.contextmanager
-def _workers_lock(output: Path):
-    """An exclusive flock on ``.OUTPUT.workers.lock`` beside the output for the whole --workers run, taken before
-    anything is created or removed: a second run of the same command is refused here and touches nothing of the
-    first one's staging directory. (Each job's work directory has its own lock, but the workers meet it only after
-    the fork, and a failed job made the parent clean the staging directory up: the first run's work went with it.)
-    The kernel drops the lock when its holder dies, so a killed run never blocks the next."""
-    path = output.with_name(f".{output.name}.workers.lock")
-    fd, holder = take_lock(path, f"pid {os.getpid()} on {socket.gethostname()}")
-    if fd is None:
-        holder = holder or "another process"
-        raise PrepError(f"{output} is being written by another data_prep --workers run ({holder}); wait for it to "
-                        "end, or write to another --output")
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)  # still held: a run that opens it now finds a new file, free
-        os.close(fd)
-
-
 def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list[Path], output: Path,
                 settings: Settings = Settings(), overwrite: bool = False, **kwargs) -> Result:
     """One data_prep run on ``workers`` processes of this machine: N = workers jobs in forked processes, written
@@ -178,11 +156,14 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
     output = Path(output).resolve()
     if output.exists() and not output.is_dir():
         raise PrepError(f"output {output} exists and is not a directory")
-    check_output_replaceable(output, overwrite)
+    check_output_replaceable(output, overwrite)  # refused before anything is made
     made = [p for p in reversed(output.parents) if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with _workers_lock(output):
+        # The output's one lock (common.output_lock), held from before anything is created or removed to the
+        # rename: a second run of any mode is refused here and touches nothing of this run's staging directory.
+        with output_lock(output, f"data_prep {source.name} --workers {workers}"):
+            check_output_replaceable(output, overwrite)  # again, under the lock: what another run left meanwhile
             return _run_workers(workers, source, alphabet, inputs, output, settings, kwargs)
     except PrepError:  # a bad input or a refusal: nothing is kept, the folders made for the output included
         for p in reversed(made):
@@ -213,7 +194,7 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
         if fed else [None] * workers
     procs = []
     for k in range(workers):
-        job = dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging,
+        job = dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging, locked=False,
                    settings=replace(settings, num_jobs=workers, job_index=k), overwrite=True,
                    progress=progress if k == 0 else ("off", progress[1]))  # one progress bar: job 0's
         procs.append(ctx.Process(target=_worker, args=(queue, k, job, feeds[k], os.getpid()), daemon=False))
@@ -224,7 +205,7 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
             p.start()
         if fed:
             try:
-                _feed_inputs(paths, [f.queue for f in feeds], procs, stop)
+                _feed_inputs(paths, [f.queue for f in feeds], procs, stop, read_bound(settings))
                 if spill is not None:
                     _release_peers(feeds, procs, stop)
             except (Aborted, FastaError, OSError) as e:
@@ -278,7 +259,7 @@ def _run_workers(workers: int, source: Source, alphabet: str | None, inputs: lis
         k, (rc, msg) = min(failed, key=lambda f: f[1][0] == 3)  # not one the parent stopped, if any
         raise PrepError(f"worker {k} of {workers} failed: {msg}")
     result = merge(staging)
-    kept = publish_dir(staging, output, TOOL)  # marked as data_prep's; others' files carried over
+    kept = publish_dir(staging, output, TOOL, manifest_files)  # marked as data_prep's; others' files carried over
     if kept:
         print(kept_note(kept, TOOL), file=sys.stderr)
 

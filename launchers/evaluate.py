@@ -12,6 +12,9 @@ r"""Evaluate a trained checkpoint across recurrent depths.
         --data ../shared/data/eval/proteingym/BLAT_ECOLX_Jacquier_2013.csv \
         --reference ../shared/data/eval/proteingym/DMS_substitutions.csv   # or --data a folder of assays
     python launchers/evaluate.py --checkpoint exports/protlingo --task mlm --data uniref50_heldout.fasta
+    python launchers/evaluate.py --checkpoint exports/protlingo --task flip --data ../shared/data/eval/flip/gb1
+    python launchers/evaluate.py --checkpoint esm2_t30_150M_UR50D --task contacts \
+        --contact-train data/samples/structures/train --data data/samples/structures/test   # an ESM2 as it is
 
 Without --depths a RecursiveGPT is evaluated at its trained recurrence R (the paper's BLiMP and LAMBADA numbers are at
 R = 16 or 24) and the Eco-RNA tasks at 1-8.
@@ -49,6 +52,12 @@ over K with its weights, head, inputs and initial-state table fixed: accuracy an
 full-matrix micro-F1 with precision and recall (and a per-sequence view, OUT_STEM-structure-cases.png), or AUC,
 macro-F1 and MAE averaged over DMS and 2A3; docs/adaptation.md.
 
+The protein benchmarks of pipeline/eval/benchmarks.py (flip, contacts, expert_specialization, expert_intervention,
+memory_motifs) declare their readers, options, metrics and plots in their own modules; proteingym also reports the
+leaderboard's average (with --reference) and Spearman per billion active parameters. --checkpoint may also
+be a foreign ESM2 checkpoint, a Hugging Face directory or a fair-esm .pt, read as it is (no conversion step) for
+every protein task (docs/evaluation.md).
+
 Prints a table, writes JSON (default: CHECKPOINT_TAG_DIR/eval-TASK.json) and, for a task with a depth axis, the plot
 OUT_STEM-vs-depth.png beside it (pipeline/eval/plots.py; with or without MLflow), and, when the checkpoint's MLflow run can
 be reached (its run directory's store, or MLFLOW_TRACKING_URI), logs one nested run per evaluation under it (tags
@@ -73,10 +82,21 @@ from pipeline.eval.cli import TRUST_FLAG, TRUST_HELP, check_depths, locate_check
 from pipeline.eval.cli import require_trust  # noqa: E402
 from pipeline.outputs import write_atomic  # noqa: E402
 from pipeline.tracking.eval_runs import log_metric_batches, mlflow_target, start_eval_run  # noqa: E402
-
 from pipeline.eval.task_sweeps import SWEEPS  # noqa: E402 - adapted models: nrc, ssp, reactivity (docs/adaptation.md)
 
-TASKS = ("reconstruction", "rnagym", "blimp", "lambada", "proteingym", "mlm", "validation", *SWEEPS)
+# The text benchmarks (BLiMP and its supplement, COMPS, EWoK, Entity Tracking, the wug tasks, LAMBADA, and babylm: every
+# BabyLM folder at once) come from pipeline/eval/benchmarks.py's table: their runs, options and metrics are declared
+# there, and this launcher only dispatches to them.
+OWN_TASKS = ("reconstruction", "rnagym", "proteingym", "mlm", "validation")
+
+
+def text_tasks() -> dict:
+    from pipeline.eval.benchmarks import TABLE
+
+    return TABLE
+
+
+TASKS = OWN_TASKS + tuple(SWEEPS) + tuple(text_tasks())
 
 
 def default_depths(cfg) -> list[int]:
@@ -228,6 +248,11 @@ def run_rnagym(trained, data: Path, depths, seed: int, sheet_path: Path | None) 
             "columns": ("K", "|spearman|", "AUC", "|MCC|")}
 
 
+def active_params(cfg) -> int:
+    """The parameters one token uses (the model config's num_active_params, else all: tools/params.py's rule)."""
+    return getattr(cfg.model, "num_active_params", cfg.model.num_params)()
+
+
 def proteingym_model(trained):
     """The checkpoint's model, refused unless its vocabulary is ESM-2's 33 tokens (a nucleotide or text model would
     fail inside its embedding on protein ids, or score the wrong tokens), on the GPU when one is visible."""
@@ -259,20 +284,32 @@ def load_proteingym_assays(data: Path, reference: Path | None):
     return [load_assay(f, ref[f.name]) for f in listed], [f.name for f in paths if f.name not in ref]
 
 
-def run_proteingym(model, data: Path, reference: Path | None, window: int, batch_size: int) -> dict:
-    """Score the assays of ``data`` with ``model`` (a masked LM whose forward returns .logits)."""
-    from pipeline.eval.proteingym import METRICS, evaluate_assays, masked_lm_logits_fn
+def run_proteingym(model, data: Path, reference: Path | None, window: int, batch_size: int,
+                   active_params: int | None = None) -> dict:
+    """Score the assays of ``data`` with ``model`` (a masked LM whose forward returns .logits); with ``reference``
+    also the leaderboard's UniProt / selection-type average, and with ``active_params`` paper 002's Spearman per
+    billion active parameters (of the leaderboard average, else of the mean over assays)."""
+    from pipeline.eval.proteingym import (METRICS, efficiency, evaluate_assays, leaderboard_aggregate, load_reference,
+                                          masked_lm_logits_fn)
 
     assays, skipped = load_proteingym_assays(data, reference)
     res = evaluate_assays(assays, masked_lm_logits_fn(model), window=window, batch_size=batch_size, progress=True)
     per, agg = res["per_assay"], res["aggregate"]
     table = [(i, m["n"], *(m[k] for k in METRICS)) for i, m in per.items()]
+    board = leaderboard_aggregate(per, load_reference(reference), reference) if reference is not None else None
+    extra = [] if board is None else [(f"leaderboard ({board['n_uniprot']} UniProt, {board['n_types']} types)",
+                                       agg["n_mutants"], *(board[k] for k in METRICS))]
+    headline = board["spearman"] if board is not None else agg["spearman"]
+    eff = None if active_params is None else {
+        "spearman_per_billion_active": efficiency(headline, active_params), "active_params": int(active_params),
+        "spearman": headline, "of": "leaderboard" if board is not None else "mean over assays"}
     return {"assays": list(per), "skipped": skipped, "window": window, "batch_size": batch_size,
-            "scoring": "masked-marginals", "per_assay": per, "aggregate": agg,
+            "scoring": "masked-marginals", "per_assay": per, "aggregate": agg, "leaderboard": board,
+            "efficiency": eff,
             "scores": {a.dms_id: {"mutant": a.mutants, "DMS_score": a.dms_score.tolist(),
                                   "DMS_score_bin": a.dms_score_bin.tolist(), "score": res["scores"][a.dms_id].tolist()}
                        for a in assays},
-            "table": table + [(f"mean of {agg['n']}", agg["n_mutants"], *(agg[k] for k in METRICS))],
+            "table": table + [(f"mean of {agg['n']}", agg["n_mutants"], *(agg[k] for k in METRICS))] + extra,
             "columns": ("assay", "n", "spearman", "AUC", "MCC")}
 
 
@@ -291,58 +328,80 @@ def write_proteingym_scores(result: dict, out: Path) -> Path:
     return folder
 
 
-def text_setup(trained, depths, spm: Path | None):
-    """(encode, [(K, depth argument)]) for the causal-LM families: a standard stack has only its own depth.
+def run_text(trained, args, data: Path, depths) -> dict:
+    """A benchmark of the table (pipeline/eval/benchmarks.py) at ``depths``; refused for a model it does not score
+    (Benchmark.check_model: a text task on a protein model, a protein task on a text model)."""
+    from pipeline.eval.benchmark import depth_runs
 
-    The tokenizer: ``spm``, else an export's own tokenizer.model, else the one beside the training shards."""
-    import sentencepiece
-
-    from pipeline.checkpoint import is_export
-    from pipeline.data.tokenizer import SPM_NAME
-    from pipeline.objectives.causal_lm import spm_model_path
-
-    if spm is None and is_export(trained.tag_dir) and (trained.tag_dir / SPM_NAME).is_file():
-        spm = trained.tag_dir / SPM_NAME
-    spm = spm or spm_model_path(trained.cfg)  # a path only: the training shards need not be on this machine
-    if not Path(spm).is_file():
-        raise FileNotFoundError(f"{spm}: sentencepiece model not found (pass --spm, or evaluate an export of "
-                                "tools/convert_checkpoint.py, which holds its tokenizer)")
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm))
-    if getattr(trained.cfg.model, "n_layers", None) is not None:
-        return sp.encode, [(trained.cfg.model.n_layers, None)]
-    return sp.encode, [(k, k) for k in depths]
+    bench = text_tasks()[args.task]
+    bench.check_model(trained)
+    return bench.run(trained, data, depth_runs(trained, depths), args)
 
 
-def run_blimp(trained, data: Path, depths, spm: Path | None, method: str) -> dict:
-    from pipeline.eval.blimp import describe_skipped, evaluate_pairs, model_score_fn, read_records, select_pairs
-
-    encode, runs = text_setup(trained, depths, spm)
-    records = read_records(data)
-    pairs, skipped = select_pairs(records, method)
-    if not pairs:
-        raise ValueError(f"{data}: no record supports --blimp-method {method} ({describe_skipped(skipped)})")
-    per_depth = {str(k): evaluate_pairs(pairs, model_score_fn(trained.model, encode, depth=d,
-                                                              desc=f"blimp K={k}")) for k, d in runs}
-    uids = sorted(next(iter(per_depth.values()))["per_phenomenon"])
-    acc = lambda k, u: per_depth[str(k)]["per_phenomenon"][u]["accuracy"]  # noqa: E731
-    return {"method": method, "n_pairs": len(pairs), "n_records": len(records), "skipped": skipped,
-            "skipped_line": describe_skipped(skipped) if skipped["records"] else None,
-            "per_depth": per_depth,
-            "table": [(k, per_depth[str(k)]["macro_accuracy"], *(acc(k, u) for u in uids)) for k, _ in runs],
-            "columns": ("K", "macro_accuracy", *uids)}
+def protein_tasks() -> tuple:
+    """The tasks a foreign checkpoint (a Hugging Face ESM2 directory, a fair-esm .pt) is evaluated on, as it is."""
+    return ("proteingym", "mlm") + tuple(n for n, b in text_tasks().items() if b.model == "protein")
 
 
-def run_lambada(trained, data: Path, depths, spm: Path | None) -> dict:
-    from pipeline.eval.lambada import evaluate_lambada, model_logprobs_fn, read_passages
+def run_milestones(args, depths, data: Path) -> int:
+    """--milestones: the task on every word milestone of --checkpoint (pipeline/eval/milestones.py), one row per
+    milestone (words seen, then the headline metric of each task folder, per depth); the JSON, a metric-against-words
+    plot and MLflow metrics at step = words seen (in a run nested under the training run)."""
+    from pipeline.checkpoint import load_trained_model
+    from pipeline.eval.benchmark import headline
+    from pipeline.eval.milestones import find_milestones
+    from pipeline.eval.plots import plot_curves
 
-    encode, runs = text_setup(trained, depths, spm)
-    passages = read_passages(data)
-    per_depth = {}
-    for k, d in runs:
-        res = evaluate_lambada(passages, encode, model_logprobs_fn(trained.model, depth=d, desc=f"lambada K={k}"), k=5)
-        per_depth[str(k)] = {key: v for key, v in res.items() if key != "per_passage"}
-    return {"passages": len(passages), "per_depth": per_depth, "columns": ("K", "pass@5", "accuracy"),
-            "table": [(k, per_depth[str(k)]["pass_at_k"], per_depth[str(k)]["accuracy"]) for k, _ in runs]}
+    try:
+        found, missing = find_milestones(Path(args.checkpoint))
+        for line in missing:
+            print(f"warning: {line}", file=sys.stderr)
+        if not found:
+            raise ValueError(f"{args.checkpoint}: no milestone checkpoint to evaluate")
+        bench = text_tasks()[args.task]
+        rows, entries, trained = [], [], None
+        for m in found:
+            require_trust(m.path, args.trust_checkpoint)
+            trained = load_trained_model(m.path, trusted=args.trust_checkpoint)
+            ks = depths or default_depths(trained.cfg)
+            if depths:
+                check_depths(depths, trained.cfg, m.path / "config.yaml", text=args.depths)
+            result = run_text(trained, args, data, ks)
+            ks_run = [r[0] for r in result["table"]]
+            if args.task == "babylm":  # one column per task folder
+                names = list(result["columns"][1:])
+                value = lambda n, k, result=result: result["per_depth"][str(k)][n]  # noqa: E731
+            else:  # the task's headline metric
+                names = [bench.metrics[0]]
+                value = lambda n, k, result=result: headline(bench, result, k)  # noqa: E731
+            columns = ("words", *(n if len(ks_run) == 1 else f"{n} K={k}" for k in ks_run for n in names))
+            rows.append((m.words, *(value(n, k) for k in ks_run for n in names)))
+            entries.append({"name": m.name, "target": m.target, "words": m.words, "step": m.step, "path": str(m.path),
+                            "result": result})
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(" | ".join(f"{c:>12}" for c in ("milestone", *columns)))
+    for e, row in zip(entries, rows):
+        print(" | ".join([f"{e['name']:>12}", f"{row[0]:>12,}", *(f"{v:>12.4f}" for v in row[1:])]))
+    base = Path(args.checkpoint)
+    out = args.output or base / f"eval-{args.task}-milestones.json"
+    doc = {"task": args.task, "data": str(data), "checkpoint": str(base), "milestones": entries, "missing": missing,
+           "columns": columns, "table": rows}
+    try:
+        write_atomic(out, json.dumps(doc, indent=1, default=float))
+    except OSError as e:
+        print(f"error: cannot write {out} ({e.strerror or e}); pass --output PATH", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    png = plot_curves(columns, rows, f"{args.task} on {data.name} against words seen, {len(rows)} milestones of "
+                      f"{base}", out.with_name(f"{out.stem}-vs-words.png"))
+    print(f"wrote {png}")
+    if not args.no_mlflow and trained is not None:
+        log = log_to_mlflow(trained, args.task, doc, out, data, png)
+        if log:
+            print(f"logged to MLflow run {log[0]} (nested in training run {log[1]}), step = words seen")
+    return 0
 
 
 def log_proteingym_to_mlflow(trained, result: dict, out: Path, data: Path) -> tuple[str, str] | None:
@@ -360,12 +419,26 @@ def log_proteingym_to_mlflow(trained, result: dict, out: Path, data: Path) -> tu
     step, now_ms = int(trained.client_state.get("step", 0)), int(time.time() * 1000)
     keys = ("spearman", "auc", "mcc")
     named = [(f"eval/proteingym/{k}", result["aggregate"][k]) for k in keys]
+    if result.get("leaderboard"):
+        named += [(f"eval/proteingym/leaderboard/{k}", result["leaderboard"][k]) for k in keys]
+    if result.get("efficiency"):
+        named.append(("eval/proteingym/spearman_per_billion_active", result["efficiency"]["spearman_per_billion_active"]))
     named += [(f"eval/proteingym/{i}/{k}", m[k]) for i, m in result["per_assay"].items() for k in keys]
     metrics = [Metric(name, float(v), now_ms, step) for name, v in named if np.isfinite(v)]
     log_metric_batches(client, child, metrics)
     client.log_artifact(child, str(out), "eval")
     client.set_terminated(child)
     return child, run_id
+
+
+def task_plot(trained, task: str, result: dict, out: Path, data: Path) -> Path | None:
+    """The task's own plot when its benchmark declares one (Benchmark.plot: the tasks without a depth axis), else
+    :func:`depth_plot`."""
+    bench = text_tasks().get(task)
+    if bench is not None and bench.plot is not None:
+        title = f"{task} of {trained.cfg.family} {trained.tag_dir.name} on {data.name}\n{trained.tag_dir}"
+        return bench.plot(result, out, title)
+    return depth_plot(trained, task, result, out, data)
 
 
 def depth_plot(trained, task: str, result: dict, out: Path, data: Path) -> Path | None:
@@ -379,7 +452,7 @@ def depth_plot(trained, task: str, result: dict, out: Path, data: Path) -> Path 
     if cols[0] != "K" or not rows:
         return None
     step = trained.client_state.get("step")
-    n = result.get("sequences") or result.get("passages") or result.get("n_pairs")
+    n = result.get("sequences") or result.get("passages") or result.get("n_pairs") or result.get("n_items")
     title = (f"{task} of {trained.cfg.family} {trained.tag_dir.name}"
              + (f" (step {step})" if step is not None else "") + f" on {data.name}"
              + (f", {n} items" if n else "") + f", seed {result.get('seed', 0)}: metric against core iterations K"
@@ -402,8 +475,10 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
     child = start_eval_run(client, run_id, trained, task, data)
     cols, rows = result["columns"], result["table"]
     now_ms = int(time.time() * 1000)
-    depth_axis = cols[0] == "K"  # mlm has one row and no depth: step 0, no plot
-    metrics = [Metric(f"eval/{task}/{name.strip('|')}", float(row[j]), now_ms, int(row[0]) if depth_axis else 0)
+    depth_axis = cols[0] in ("K", "words")  # mlm has one row and no depth: step 0, no plot; milestones: words seen
+    label = lambda row: f"{row[0]}/" if isinstance(row[0], str) else ""  # noqa: E731 - rows named by a string
+    metrics = [Metric(f"eval/{task}/{label(row)}{name.strip('|')}", float(row[j]), now_ms,
+                      int(row[0]) if depth_axis else 0)
                for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
     log_metric_batches(client, child, metrics)
     client.log_artifact(child, str(out), "eval")
@@ -417,12 +492,16 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
 def build_parser() -> argparse.ArgumentParser:
     """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, or an export")
-    p.add_argument("--task", required=True, choices=TASKS, help="what to measure (docs/evaluation.md)")
+    p.add_argument("--checkpoint", required=True, help="run dir, its checkpoints/ dir, a tag dir, an export, or (the "
+                   "protein tasks) a Hugging Face ESM2 directory or fair-esm .pt read as it is")
+    p.add_argument("--task", required=True, choices=TASKS, help="what to measure (docs/evaluation.md): "
+                   + "; ".join(f"{b.name}: {b.help}" for b in text_tasks().values()))
     p.add_argument("--data", required=True, help="reconstruction: FASTA(.gz) or shard dir; rnagym: CSV or dir; "
-                   "blimp: JSONL or dir; lambada: text or JSONL; proteingym: assay CSV or dir; validation: shard dirs, "
-                   "comma-separated; nrc, ssp, reactivity: the task's file (or folder) or a tools/prepare_task.py "
-                   "shard dir")
+                   "blimp, comps, ewok, entity_tracking, wug_*: JSONL or a folder of them; babylm: "
+                   "evaluation_data/full_eval (or fast_eval); lambada: text or JSONL; proteingym: assay CSV or dir; "
+                   "validation: shard dirs, comma-separated; flip: a landscape's split CSVs (dir) or one; contacts: "
+                   "PDB / mmCIF files (dir) or one; expert_*, memory_motifs: the proteins' FASTA; "
+                   "nrc, ssp, reactivity: the task's file (or folder) or a tools/prepare_task.py shard dir")
     p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
                    "recursive_gpt, 1-8 for eco_rna); capped at 4 x the deepest training depth (a cap never below 8)")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
@@ -430,15 +509,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-sheet", type=Path, default=None, help="RNAGym reference_sheet.csv")
     p.add_argument("--reference", type=Path, default=None, help="proteingym: DMS_substitutions.csv (wild types; "
                    "required for a folder)")
-    p.add_argument("--window", type=int, default=1024, help="proteingym: tokens per window incl. <cls>/<eos> "
-                   "(ProteinGym's optimal window, 1024)")
-    p.add_argument("--batch-size", type=int, default=32, help="proteingym: masked copies per forward pass; mlm: "
-                   "sequences per forward pass")
-    p.add_argument("--spm", type=Path, default=None, help="blimp/lambada: sentencepiece model "
-                   "(default: the export's tokenizer.model, else tokenizer.model beside the training shards)")
-    p.add_argument("--blimp-method", default="full", choices=("full", "one_prefix", "two_prefix"),
-                   help="blimp: score whole sentences (full, default) or the word after a shared prefix "
-                        "(pipeline/eval/blimp.py)")
+    p.add_argument("--window", type=int, default=1024, help="proteingym, flip: tokens per window incl. <cls>/<eos> "
+                   "(ProteinGym's optimal window, 1024; flip's probe cuts longer sequences to it, as ESM's --truncate); "
+                   "contacts: the longest chain + 2; expert_*: windows a protein is read in")
+    p.add_argument("--batch-size", type=int, default=None, help="proteingym, flip: masked copies per forward "
+                   "pass (32); "
+                   "mlm: sequences per forward pass (32); the BabyLM tasks: items per forward pass (64, the BabyLM "
+                   "pipeline's, whose batches it repeats)")
+    p.add_argument("--spm", type=Path, default=None, help="text tasks: sentencepiece model (default: the export's "
+                   "tokenizer.json / tokenizer.model, else tokenizer.model beside the training shards)")
+    p.add_argument("--milestones", action="store_true", help="text tasks: score every word milestone of --checkpoint "
+                   "(a run's milestone checkpoints, or an export's chck_* folders) and plot each metric against "
+                   "words seen (pipeline/eval/milestones.py)")
+    for bench in text_tasks().values():  # each benchmark's own options
+        if bench.options is not None:
+            bench.options(p)
     p.add_argument("--output", type=Path, default=None, help="JSON path (default: TAG_DIR/eval-TASK.json)")
     p.add_argument("--no-mlflow", action="store_true",
                    help="write the JSON only; do not log the result as a run nested in the training's MLflow run")
@@ -450,7 +535,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     try:  # the checks that need no model first: a bad flag fails in a fraction of a second, before torch loads
-        if args.task in ("proteingym", "mlm") and args.depths:  # one depth: a sweep would repeat one number
+        one_depth = args.task in ("proteingym", "mlm") or not getattr(text_tasks().get(args.task), "depth_axis", 1)
+        if one_depth and args.depths:  # one depth: a sweep would repeat one number
             raise ValueError(f"--depths does not apply to --task {args.task} (one forward depth per model)")
         if args.reference is not None and args.task != "proteingym":
             raise ValueError("--reference is for --task proteingym (rnagym: --reference-sheet)")
@@ -463,33 +549,43 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
         if args.output is not None and not args.output.parent.is_dir():
             raise FileNotFoundError(f"{args.output.parent}: --output: no such directory")
-        from pipeline.checkpoint import load_trained_model
+        if args.milestones and args.task not in text_tasks():
+            raise ValueError(f"--milestones is for the text tasks ({', '.join(text_tasks())}), not --task {args.task}")
+        from pipeline.checkpoint import is_foreign_checkpoint, load_foreign_model, load_trained_model
         from pipeline.checkpoint.layout import hold_off_rotation
 
-        hold_off_rotation(args.checkpoint)  # a training rotating the run's checkpoints keeps this one until we exit
-        tag_dir, cfg, _ = locate_checkpoint(args.checkpoint)  # config and client state, no weights yet
-        if depths:
-            check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)
-        require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
-        trained = load_trained_model(tag_dir, trusted=args.trust_checkpoint)
+        if is_foreign_checkpoint(args.checkpoint):  # an ESM2 baseline as it is: no conversion step
+            if args.task not in protein_tasks() or args.milestones:
+                raise ValueError(f"{args.checkpoint}: a foreign checkpoint (Hugging Face directory or fair-esm .pt) "
+                                 f"is evaluated on {', '.join(protein_tasks())}, not --task {args.task}"
+                                 + (" --milestones" if args.milestones else ""))
+            trained = load_foreign_model(args.checkpoint)
+        else:
+            hold_off_rotation(args.checkpoint)  # a training rotating the run's checkpoints keeps this one until we exit
+            if args.milestones:
+                return run_milestones(args, depths, data)
+            tag_dir, cfg, _ = locate_checkpoint(args.checkpoint)  # config and client state, no weights yet
+            if depths:
+                check_depths(depths, cfg, tag_dir / "config.yaml", text=args.depths)
+            require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
+            trained = load_trained_model(tag_dir, trusted=args.trust_checkpoint)
         if args.task not in ("proteingym", "mlm", "validation"):  # these have no depth axis (validation: eval.depths)
             depths = depths or default_depths(trained.cfg)
-        if args.task == "validation":
+        if args.task in text_tasks():
+            result = run_text(trained, args, data, depths)
+        elif args.task == "validation":
             result = run_validation(trained, [Path(x) for x in args.data.split(",")], depths, args.seed)
         elif args.task == "mlm":
-            result = run_mlm(trained, data, args.seed, args.batch_size)
+            result = run_mlm(trained, data, args.seed, args.batch_size or 32)
         elif args.task == "proteingym":
-            result = run_proteingym(proteingym_model(trained), data, args.reference, args.window, args.batch_size)
+            result = run_proteingym(proteingym_model(trained), data, args.reference, args.window,
+                                    args.batch_size or 32, active_params(trained.cfg))
         elif args.task == "reconstruction":
             result = run_reconstruction(trained, data, depths, args.seed)
-        elif args.task == "rnagym":
-            result = run_rnagym(trained, data, depths, args.seed, args.reference_sheet)
-        elif args.task == "blimp":
-            result = run_blimp(trained, data, depths, args.spm, args.blimp_method)
         elif args.task in SWEEPS:  # an adapted model's task (pipeline/eval/task_sweeps.py)
             result = SWEEPS[args.task](trained, data, depths, args.seed)
         else:
-            result = run_lambada(trained, data, depths, args.spm)
+            result = run_rnagym(trained, data, depths, args.seed, args.reference_sheet)
     except (FileNotFoundError, ValueError) as e:  # ConfigError and ShardError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -497,7 +593,8 @@ def main(argv=None) -> int:
         print(f"error: {e.filename or args.data}: {e.strerror or e}", file=sys.stderr)
         return 2
     cols = result["columns"]
-    out = args.output or trained.tag_dir / f"eval-{args.task}.json"
+    home = trained.tag_dir if trained.tag_dir.is_dir() else trained.tag_dir.parent  # a fair-esm .pt: its folder
+    out = args.output or home / f"eval-{args.task}.json"
     if args.task == "proteingym":
         width = max(len(str(r[0])) for r in result["table"])
         print(f"{cols[0]:<{width}} | " + " | ".join(f"{c:>10}" for c in cols[1:]))
@@ -505,14 +602,20 @@ def main(argv=None) -> int:
             print(f"{row[0]:<{width}} | {row[1]:>10d} | " + " | ".join(f"{v:>10.4f}" for v in row[2:]))
         if result["skipped"]:
             print(f"note: not in {args.reference}, not scored: {', '.join(result['skipped'])}", file=sys.stderr)
+        eff = result["efficiency"]
+        print(f"Spearman per billion active parameters: {eff['spearman_per_billion_active']:.4f} ({eff['of']} "
+              f"Spearman {eff['spearman']:.4f} / {eff['active_params']:,} active parameters)")
         print(f"wrote {write_proteingym_scores(result, out)}/")
     elif args.task == "validation":
         width = max(map(len, result["metrics"]))
         print("\n".join(f"{k:<{width}} {v:.6f}" for k, v in result["metrics"].items()))
     else:
-        print(" | ".join(f"{c:>10}" for c in cols))
+        w = max([10] + [len(str(r[0])) for r in result["table"]])  # rows named by a string (a split, a category)
+        print(" | ".join(f"{c:>{w if j == 0 else 10}}" for j, c in enumerate(cols)))
         for row in result["table"]:
-            print(" | ".join(f"{row[0]:>10d}" if j == 0 else f"{v:>10.4f}" for j, v in enumerate(row)))
+            print(" | ".join(f"{row[0]:>{w}}" if j == 0 else f"{v:>10.4f}" for j, v in enumerate(row)))
+    for note in result.get("caveats", ()):  # what a benchmark could not do as asked (flip: AAV indels, ...)
+        print(f"note: {note}", file=sys.stderr)
     if "types_line" in result:
         print(result["types_line"])
     if result.get("skipped_line"):
@@ -528,7 +631,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     print(f"wrote {out}")
-    png = None if args.task == "proteingym" else depth_plot(trained, args.task, result, out, data)
+    png = None if args.task == "proteingym" else task_plot(trained, args.task, result, out, data)
     if png is not None:
         print(f"wrote {png}")
     drawn = [draw(out.with_name(f"{out.stem}-{name}.png"), f"{args.task} of {trained.tag_dir} on {data.name}, seed "

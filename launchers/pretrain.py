@@ -164,9 +164,11 @@ def main(argv=None, *, parse=None, load=None) -> int:
                                    "resumes from the last complete checkpoint", rank_specific=False)
         return 130
     except Exception as e:  # noqa: BLE001 - every rank's fatal error reaches the console, one line each
-        from pipeline.train import CheckpointWriteError, PeerLost, TrainingStopped
+        from pipeline.data.loader import WorkerDied
+        from pipeline.train import CheckpointWriteError, LoaderFailed, PeerLost, TrainingStopped
 
-        explained = isinstance(e, (CheckpointWriteError, TrainingStopped, PeerLost))  # their line says what to do
+        # their line says what happened and what to do
+        explained = isinstance(e, (CheckpointWriteError, TrainingStopped, PeerLost, LoaderFailed, WorkerDied))
         if not explained:
             traceback.print_exc()  # a bug: the stack matters
         message = str(e) if explained else f"{type(e).__name__}: {e}"

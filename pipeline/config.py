@@ -349,25 +349,57 @@ class TrainConfig:
                f"must be a number > 0 or null, got {self.max_hours}")
 
 
+# The BabyLM challenge's checkpoint schedule, in words seen (repeats over epochs counted): every 1M to 10M, every 10M
+# to 100M, every 100M to 1,000M. Entrants publish each as a branch chck_1M, chck_2M, ... (tools/convert_checkpoint.py
+# --milestones). checkpoint.at_words: babylm takes it, babylm/N the same schedule divided by N (babylm/1000: every
+# 1,000 words to 10,000, ...: a demo's milestones), both cut at train.max_words (word_milestones).
+BABYLM_MILESTONES = tuple(m * 1_000_000 for m in (*range(1, 11), *range(20, 101, 10), *range(200, 1001, 100)))
+WORD_PRESET = "babylm"
+
+
+def _word_preset_scale(spec: str) -> int | None:
+    """N of "babylm" (1) or "babylm/N"; None for anything else."""
+    name, sep, scale = spec.partition("/")
+    if name != WORD_PRESET:
+        return None
+    if not sep:
+        return 1
+    return int(scale) if scale.isdigit() and int(scale) >= 1 and 1_000_000 % int(scale) == 0 else None
+
+
 @dataclass
 class CheckpointConfig:
     every_steps: int = 50  # also saved at the end of training
     keep_last: int = 3  # older step checkpoints are deleted; 0 keeps all. Milestones (below) are never deleted
-    at_words: list[int] = field(default_factory=list)  # milestones: save when the running words total first reaches each
+    # milestones: save when the running words total first reaches each; a list, or the challenge's schedule by name
+    # (babylm, babylm/N: BABYLM_MILESTONES above; word_milestones resolves it)
+    at_words: list[int] | str = field(default_factory=list)
     at_steps: list[int] = field(default_factory=list)  # milestones: save at each of these optimizer steps
     # A validation metric (e.g. val/loss, val/loss_K4; its name in metrics.jsonl): every evaluation that improves
     # it saves a checkpoint and points checkpoints/best at it; keep_last never deletes the one best names.
     keep_best: str | None = None
     best_mode: str = "min"  # min (losses) | max (accuracies)
+    # The step waits only while its state is copied to host memory; the files, digests, COMPLETE, latest and
+    # rotation follow in a writer thread, one save at a time (pipeline/checkpoint/background.py). false: the step
+    # waits for the whole save.
+    background: bool = True
 
     def __post_init__(self):
         _check(self.keep_best is None or self.keep_best.startswith("val/"), "checkpoint.keep_best",
                f"must name a validation metric (val/...), got {self.keep_best!r}")
         _check(self.best_mode in ("min", "max"), "checkpoint.best_mode", f"must be min or max, got {self.best_mode!r}")
+        _check(isinstance(self.background, bool), "checkpoint.background", f"must be true or false, got "
+               f"{self.background!r}")
         _check(self.every_steps >= 1, "checkpoint.every_steps", f"must be >= 1, got {self.every_steps}")
         _check(self.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0, got {self.keep_last}")
         _check(all(s >= 1 for s in self.at_steps), "checkpoint.at_steps", f"steps must be >= 1, got {self.at_steps}")
-        _check(all(w >= 1 for w in self.at_words), "checkpoint.at_words", f"word totals must be >= 1, got {self.at_words}")
+        if isinstance(self.at_words, str):
+            _check(_word_preset_scale(self.at_words) is not None, "checkpoint.at_words",
+                   f"a list of word totals, {WORD_PRESET} or {WORD_PRESET}/N with N dividing 1,000,000 (the "
+                   f"challenge's schedule divided by N), got {self.at_words!r}")
+        else:
+            _check(all(w >= 1 for w in self.at_words), "checkpoint.at_words",
+                   f"word totals must be >= 1, got {self.at_words}")
 
 
 @dataclass
@@ -472,6 +504,18 @@ class RunConfig:
 # --------------------------------------------------------------------------------------------------------------------
 # Generic dict -> dataclass conversion with key paths in every error
 # --------------------------------------------------------------------------------------------------------------------
+def word_milestones(cfg) -> list[int]:
+    """checkpoint.at_words as word totals, sorted: the list, or the preset's schedule (BABYLM_MILESTONES divided by
+    N) up to train.max_words when the run has a word budget (the milestones it can reach)."""
+    at = cfg.checkpoint.at_words
+    if not isinstance(at, str):
+        return sorted(set(at))
+    scale = _word_preset_scale(at)
+    words = [w // scale for w in BABYLM_MILESTONES]
+    budget = cfg.train.max_words
+    return [w for w in words if budget is None or w <= budget]
+
+
 def _convert(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if tp is Any:

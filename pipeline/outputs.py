@@ -67,11 +67,17 @@ def has_file(name: str) -> Callable[[Path], bool]:
 
 
 def _marker(directory: Path) -> dict | None:
+    """The ownership marker of ``directory``, or None when it is missing or not one: unreadable, not JSON, nested
+    past the parser's depth, or not {"tool": str, "files": [str, ...]} (a file list holding an object raised a
+    TypeError in publish_dir). A marker that is not one proves nothing: the directory is treated as unmarked."""
     try:
         doc = json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    return doc if isinstance(doc, dict) and isinstance(doc.get("files"), list) else None
+    if not (isinstance(doc, dict) and isinstance(doc.get("tool"), str) and isinstance(doc.get("files"), list)
+            and all(isinstance(f, str) for f in doc["files"])):
+        return None
+    return doc
 
 
 def written_by(tool: str) -> Callable[[Path], bool]:
@@ -84,14 +90,20 @@ def _files(directory: Path) -> list[str]:
                   if (p.is_file() or p.is_symlink()) and p.name != MARKER)
 
 
-def publish_dir(new: Path, out: Path, tool: str) -> list[str]:
+def publish_dir(new: Path, out: Path, tool: str, claimed: Callable[[Path], set[str]] | None = None) -> list[str]:
     """Mark the finished directory ``new`` as ``tool``'s and put it in place of ``out`` (``replace_dir``).
 
     The marker lists every file of ``new``. An existing ``out`` (one ``check_output_dir`` allowed) keeps what its
     own marker does not list: those files are moved into ``new`` first (one the new run also wrote keeps the new
-    one's name and the old one gets ``.previous``). Returns the files kept, for the tool's note."""
-    old = _marker(out) if out.is_dir() else None
-    kept = [] if old is None else [f for f in _files(out) if f not in set(old["files"])]
+    one's name and the old one gets ``.previous``). An ``out`` without a valid marker (written before markers, or its
+    marker damaged) keeps every file but those ``claimed(out)`` names (data_prep: the files its manifests list);
+    without ``claimed`` it keeps every file. Nothing is deleted on the word of a marker or manifest that is not one.
+    Returns the files kept, for the tool's note."""
+    kept = []
+    if out.is_dir():
+        old = _marker(out)
+        mine = set(old["files"]) if old is not None else (claimed(out) if claimed is not None else set())
+        kept = [f for f in _files(out) if f not in mine]
     umask = os.umask(0)
     os.umask(umask)
     for f in _files(new):  # safetensors writes 0600 (its temp file's mode): others may read what the umask allows

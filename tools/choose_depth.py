@@ -32,8 +32,11 @@ sys.path.insert(0, str(REPO))
 from pipeline.eval.cli import check_depths, parse_depths  # noqa: E402
 from pipeline.outputs import write_atomic  # noqa: E402
 
-# task -> (table column of the metric, True when higher is better); the column is launchers/evaluate.py's
-METRIC = {"reconstruction": (1, False), "rnagym": (1, True), "blimp": (1, True), "lambada": (1, True)}
+# task -> (table column of the metric, True when higher is better); the column is launchers/evaluate.py's. The text
+# benchmarks of pipeline/eval/benchmarks.py have their headline metric (accuracy, Spearman's rho, pass@5) in column 1.
+METRIC = {"reconstruction": (1, False), "rnagym": (1, True), "blimp": (1, True), "comps": (1, True),
+          "ewok": (1, True), "entity_tracking": (1, True), "wug_adj": (1, True), "wug_past": (1, True),
+          "lambada": (1, True)}
 
 
 def choose(table: list, column: int, higher: bool, tolerance: float) -> int:
@@ -67,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take the smallest depth within this (absolute) of the best metric (default 0)")
     p.add_argument("--seed", type=int, default=0, help="masks and initial-state table (evaluate.py --seed)")
     p.add_argument("--reference-sheet", type=Path, default=None, help="rnagym: reference_sheet.csv")
-    p.add_argument("--spm", type=Path, default=None, help="blimp/lambada: sentencepiece model")
+    p.add_argument("--spm", type=Path, default=None, help="text tasks: sentencepiece model (default: the export's)")
     return p
 
 
@@ -111,10 +114,11 @@ def main(argv=None) -> int:
             result = evaluate.run_reconstruction(trained, data, depths, args.seed)
         elif args.task == "rnagym":
             result = evaluate.run_rnagym(trained, data, depths, args.seed, args.reference_sheet)
-        elif args.task == "blimp":
-            result = evaluate.run_blimp(trained, data, depths, args.spm, "full")
-        else:
-            result = evaluate.run_lambada(trained, data, depths, args.spm)
+        else:  # a text benchmark of the table, its default options (BLiMP: whole sentences)
+            from pipeline.eval.benchmark import depth_runs
+            from pipeline.eval.benchmarks import TABLE
+
+            result = TABLE[args.task].run(trained, data, depth_runs(trained, depths), args)
         column, higher = METRIC[args.task]
         k = choose(result["table"], column, higher, args.tolerance)
     except (FileNotFoundError, ValueError) as e:  # ConfigError is a ValueError

@@ -151,8 +151,6 @@ def _cell(v) -> str:
 def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, trusted: bool,
                tokenizer: dict | None) -> str:
     """README.md of the export (module docstring)."""
-    from pipeline.families import get_family
-
     step = meta.get("step", "unknown")
     run, uri = meta.get("mlflow_run_id"), meta.get("mlflow_tracking_uri")
     lines = [f"# {cfg.family} export of {tag_dir.parent.parent.name}, step {step}", "",
@@ -214,6 +212,98 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
     return "\n".join(lines + ["```", ""])
 
 
+def write_export(tmp: Path, model, cfg, *, tag_dir: Path, meta: dict, spm: Path | None, tokenizer: dict | None,
+                 dtype: str = "fp32", trusted: bool = False, bar=None, milestone: dict | None = None,
+                 shown: Path | None = None) -> None:
+    """Write the export of ``model`` (a pipeline module of ``cfg``) into the empty directory ``tmp``: the files the
+    module docstring lists. ``tag_dir``/``meta``: the checkpoint it came from and its client state (the card, and
+    export.json's step, world size and MLflow run); ``milestone``: {"target", "words", "step"} of a word-milestone
+    export (export.json "milestone", what launchers/evaluate.py --milestones reads). ``bar``: advanced through the
+    cast, the weights and the small files. ``shown``: the path errors name (the export being published; default
+    ``tmp``): a user never sees the staging directory's name."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    from pipeline import hf  # imports transformers (seconds): callers run their checks first
+    from pipeline.checkpoint import EXPORTED_WEIGHTS
+    from pipeline.config import dump_yaml
+    from pipeline.hf_code import write_modeling_code
+    from pipeline.tasks import training_spec
+
+    step = bar.update if bar is not None else (lambda: None)
+    note = bar.set_postfix_str if bar is not None else (lambda _: None)
+    export = training_spec(cfg).hf_export()  # a task: section: the adapted model's; None: no HF classes
+    hf_cfg = hf.hf_config(cfg) if export is not None else None
+    fmt = hf.export_format(cfg)
+    state = model.state_dict()
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    note(f"casting {len(state)} tensors to {dtype}")
+    for name in list(state):  # cast (floating ones) and contiguous, ready for safetensors
+        t = state[name]
+        state[name] = (t.to(torch_dtype) if t.is_floating_point() else t).contiguous()
+    step()
+    if fmt != "pipeline":
+        state = export.to_foreign(state, cfg.model)  # e.g. transformers' EsmForMaskedLM names
+    note(f"writing {EXPORTED_WEIGHTS}")
+    try:
+        save_file(state, str(tmp / EXPORTED_WEIGHTS), metadata={"format": "pt"})  # "pt": what transformers expects
+    except SafetensorError as e:  # a full disk: safetensors' own error, its reason in Rust's Debug text
+        reason = re.search(r'message: "([^"]+)"', str(e))
+        raise OSError(f"{shown or tmp}: cannot write {EXPORTED_WEIGHTS} ({reason[1] if reason else e}); nothing was "
+                      "exported") from None
+    step()
+    note("config, tokenizer, export.json, README.md")
+    if (tag_dir / "config.yaml").is_file():
+        shutil.copy(tag_dir / "config.yaml", tmp / "config.yaml")
+    else:
+        (tmp / "config.yaml").write_text(dump_yaml(cfg))
+    if hf_cfg is not None:
+        hf_cfg.dtype = "bfloat16" if dtype == "bf16" else "float32"
+        hf_cfg.save_pretrained(str(tmp))  # config.json
+        if fmt == "pipeline" and export.modeling:  # their code and auto_map: loads without this repository
+            write_modeling_code(tmp, export)
+    if spm is not None:
+        shutil.copy(spm, tmp / tokenizer["model"])
+    if export is not None and export.write_tokenizer is not None:  # tokenizer.json & co. for AutoTokenizer
+        export.write_tokenizer(tmp, cfg, spm)
+    keep = {k: meta.get(k) for k in ("step", "world_size", "mlflow_run_id", "mlflow_tracking_uri")}
+    words = (meta.get("cumulative") or {}).get("words")
+    (tmp / "export.json").write_text(json.dumps(
+        {"source": str(tag_dir), **keep, "words": words, "tokenizer": tokenizer, "format": fmt, "dtype": dtype,
+         "hf_model_type": hf_cfg.model_type if hf_cfg is not None else None,
+         "task_depths": dict(getattr(hf_cfg, "task_depths", None) or {}),
+         **({"milestone": milestone} if milestone else {})}, indent=1))
+    (tmp / "README.md").write_text(model_card(tag_dir=tag_dir, cfg=cfg, meta=meta, fmt=fmt, hf_cfg=hf_cfg,
+                                              dtype=dtype, trusted=trusted, tokenizer=tokenizer))
+    step()
+
+
+def export_milestones(tmp: Path, checkpoint: Path, cfg, *, spm, tokenizer, dtype: str, trusted: bool,
+                      out: Path) -> list:
+    """Every word milestone of the run ``checkpoint`` exported as ``tmp/chck_NAME/`` (pipeline/eval/milestones.py:
+    the checkpoint that reached each milestone; a missing one is named on stderr and left out), errors naming
+    ``out/chck_NAME``. Returns the milestones exported."""
+    from pipeline.checkpoint import load_trained_model
+    from pipeline.checkpoint.layout import read_client
+    from pipeline.eval.cli import locate_checkpoint, progress, require_trust
+    from pipeline.eval.milestones import run_milestones
+
+    found, missing = run_milestones(Path(checkpoint))
+    for line in missing:
+        print(f"warning: {line}", file=sys.stderr)
+    for m in progress(found, desc="milestones", unit="export"):
+        require_trust(m.path, trusted)
+        tag_dir, m_cfg, meta = locate_checkpoint(m.path)
+        model = load_trained_model(tag_dir, trusted=trusted).model
+        sub = tmp / m.name
+        sub.mkdir()
+        write_export(sub, model, m_cfg, tag_dir=tag_dir, meta=meta or read_client(tag_dir) or {}, spm=spm,
+                     tokenizer=tokenizer, dtype=dtype, trusted=trusted,
+                     milestone={"target": m.target, "words": m.words, "step": m.step}, shown=out / m.name)
+    return found
+
+
 def build_parser() -> argparse.ArgumentParser:
     """main's command line, apart from main: tests parse the documented commands with it without running them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -231,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: tokenizer.model beside the run's training shards)")
     p.add_argument("--no-tokenizer", action="store_true", help="text families: export without tokenizer.model "
                    "(evaluation then needs --spm)")
+    p.add_argument("--milestones", action="store_true", help="also export every word milestone of the run "
+                   "(checkpoint.at_words) as OUTPUT/chck_1M/, chck_2M/, ... (chck_NK below a million), each a "
+                   "complete export; the --tag checkpoint stays at OUTPUT's top")
     return p
 
 
@@ -250,13 +343,11 @@ def main(argv=None) -> int:
         tmp = staging_dir(out)  # before the long work: a read-only destination is refused at once
         if args.spm is not None and not args.spm.is_file():
             raise FileNotFoundError(f"{args.spm}: --spm: no such file")
-        import torch
-
         from pipeline.checkpoint import EXPORTED_WEIGHTS, is_export, load_trained_model
 
         if not args.checkpoint.exists():
             raise FileNotFoundError(f"{args.checkpoint}: no such checkpoint directory")
-        from pipeline.checkpoint.layout import hold_off_rotation
+        from pipeline.checkpoint.layout import check_intact, hold_off_rotation
 
         hold_off_rotation(args.checkpoint)  # a training rotating the run's checkpoints keeps this one until we exit
         tag_dir, cfg, meta = locate_checkpoint(resolve_checkpoint(args.checkpoint, args.tag))
@@ -267,60 +358,23 @@ def main(argv=None) -> int:
             raise ConfigError(f"{out}: --output holds the checkpoint being exported; --force would delete it")
         spm, tokenizer = find_tokenizer(cfg, args.spm, args.no_tokenizer)  # before any long work
         require_trust(tag_dir, args.trust_checkpoint)  # before anything is unpickled
+        check_intact(tag_dir)  # a damaged checkpoint is refused (and an undigested one said) before the progress bar
         from pipeline import hf  # imports transformers (seconds): after the checks that refuse at once
-        from pipeline.hf_code import write_modeling_code
-        from pipeline.families import get_family
 
-        from pipeline.tasks import training_spec
-
-        export = training_spec(cfg).hf_export()  # None: a family without HF classes, pipeline files only
-        hf_cfg = hf.hf_config(cfg) if export is not None else None
         fmt = hf.export_format(cfg)
-        # Four steps, one total from the start (a total that grew to the tensor count once the checkpoint was read
+        # Five steps, one total from the start (a total that grew to the tensor count once the checkpoint was read
         # made the bar jump back from 25%): the read (one call into zero_to_fp32 or safetensors) and the write of
-        # model.safetensors take the time, the cast between them is quick.
-        bar = progress(total=4, desc="convert", unit="step")
+        # model.safetensors take the time; the cast, the small files and the final rename are quick.
+        bar = progress(total=5, desc="convert", unit="step")
         bar.set_postfix_str("loading the checkpoint")
         trained = load_trained_model(tag_dir, trusted=args.trust_checkpoint)
         bar.update()
-        state = trained.model.state_dict()
-        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-        bar.set_postfix_str(f"casting {len(state)} tensors to {args.dtype}")
-        for name in list(state):  # cast (floating ones) and contiguous, ready for safetensors
-            t = state[name]
-            state[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
-        bar.update()
-        if fmt != "pipeline":
-            state = export.to_foreign(state, cfg.model)  # e.g. transformers' EsmForMaskedLM names
-        bar.set_postfix_str(f"writing {EXPORTED_WEIGHTS}")
-        from safetensors import SafetensorError
-        from safetensors.torch import save_file
-
-        try:
-            save_file(state, str(tmp / EXPORTED_WEIGHTS), metadata={"format": "pt"})  # "pt": what transformers expects
-        except SafetensorError as e:  # a full disk: safetensors' own error, its reason in Rust's Debug text
-            reason = re.search(r'message: "([^"]+)"', str(e))
-            raise OSError(f"{out}: cannot write {EXPORTED_WEIGHTS} ({reason[1] if reason else e}); nothing was "
-                          "exported") from None
-        bar.update()
-        bar.set_postfix_str("config, tokenizer, export.json, README.md")
-        shutil.copy(tag_dir / "config.yaml", tmp / "config.yaml")
-        if hf_cfg is not None:
-            hf_cfg.dtype = "bfloat16" if args.dtype == "bf16" else "float32"
-            hf_cfg.save_pretrained(str(tmp))  # config.json
-            if fmt == "pipeline" and export.modeling:  # their code and auto_map: loads without this repository
-                write_modeling_code(tmp, export)
-        if spm is not None:
-            shutil.copy(spm, tmp / tokenizer["model"])
-        if export is not None and export.write_tokenizer is not None:  # tokenizer.json & co. for AutoTokenizer
-            export.write_tokenizer(tmp, cfg, spm)
-        keep = {k: meta.get(k) for k in ("step", "world_size", "mlflow_run_id", "mlflow_tracking_uri")}
-        (tmp / "export.json").write_text(json.dumps(
-            {"source": str(tag_dir), **keep, "tokenizer": tokenizer, "format": fmt, "dtype": args.dtype,
-             "hf_model_type": hf_cfg.model_type if hf_cfg is not None else None,
-             "task_depths": dict(getattr(hf_cfg, "task_depths", None) or {})}, indent=1))
-        (tmp / "README.md").write_text(model_card(tag_dir=tag_dir, cfg=cfg, meta=meta, fmt=fmt, hf_cfg=hf_cfg,
-                                                  dtype=args.dtype, trusted=args.trust_checkpoint, tokenizer=tokenizer))
+        write_export(tmp, trained.model, cfg, tag_dir=tag_dir, meta=meta, spm=spm, tokenizer=tokenizer,
+                     dtype=args.dtype, trusted=args.trust_checkpoint, bar=bar, shown=out)
+        exported = []
+        if args.milestones:  # one export per word milestone, EXPORT/chck_NAME/ (pipeline/eval/milestones.py)
+            exported = export_milestones(tmp, args.checkpoint, cfg, spm=spm, tokenizer=tokenizer, dtype=args.dtype,
+                                         trusted=args.trust_checkpoint, out=out)
         kept = publish_dir(tmp, out, TOOL)  # an existing export (--force) goes only once the new one is in place
         tmp = None
         bar.update()
@@ -340,6 +394,8 @@ def main(argv=None) -> int:
     state = f" + {buffers:,} buffer values" if buffers else ""  # saved state (ProtLingo's memory usage flags)
     extra = f", {tokenizer['model']}" if spm is not None else ""
     print(f"exported {tag_dir} -> {out} ({n:,} parameters{state}, {args.dtype}, {fmt} names{extra})")
+    for m in exported:
+        print(f"exported {m.path} -> {out / m.name} (milestone {m.target:,} words: {m.words:,} seen at step {m.step})")
     if kept:
         print(kept_note(kept, TOOL), file=sys.stderr)
     return 0

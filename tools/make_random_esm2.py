@@ -14,6 +14,9 @@ import shutil
 import sys
 from pathlib import Path
 
+# this checkout's pipeline, not one installed from another (as every tool here does)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 # (layers, hidden, heads, FFN) of the published ESM2 checkpoints (docs/protlingo.md, "ESM2 backbone sizes")
 SIZES = {"8M": (6, 320, 20, 1280), "35M": (12, 480, 20, 1920), "150M": (30, 640, 20, 2560),
          "650M": (33, 1280, 20, 5120)}

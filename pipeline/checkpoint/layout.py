@@ -16,8 +16,11 @@ client state parses (pipeline/checkpoint/migrate.py).
 ``SHA256SUMS`` (``sha256sum`` format, so ``cd stepNNNNNNNN && sha256sum -c SHA256SUMS`` checks it by hand) holds the
 digest of every other file of the checkpoint, computed when it is marked complete. A file whose bytes changed since
 (bit rot, a bad copy, a disk that returned other bytes) is found before any of it is loaded: torch's zip reader checks
-no CRC, so a flipped byte inside a tensor would otherwise be trained on. Checkpoints from before the digests are
-checked as before (readable archives only).
+no CRC, so a flipped byte inside a tensor would otherwise be trained on. A checkpoint whose client state says it was
+written with digests (format 3 on, pipeline/checkpoint/migrate.py) and whose SHA256SUMS is missing or unreadable is
+damaged like one with a bad digest: deleting the digest file must not turn a checkpoint into an unchecked one. Only a
+checkpoint from before the digests (an older format, no SHA256SUMS) is checked as before (readable archives only),
+and ``digest_note`` says so.
 
 Nothing here writes or deletes outside ``RUN_DIR``.
 """
@@ -29,6 +32,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -77,6 +81,8 @@ def read_json_object(path: Path) -> dict:
                           "checkpoint") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not a checkpoint's JSON (nested too deeply to read)") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a JSON object")
     return doc
@@ -108,18 +114,30 @@ def checkpoint_files(tag_dir: Path) -> list[Path]:
     return sorted(p for p in Path(tag_dir).rglob("*") if p.is_file() and p.name not in (COMPLETE, DIGESTS))
 
 
-def write_digests(tag_dir: Path):
-    lines = [f"{file_sha256(p)}  {p.relative_to(tag_dir).as_posix()}\n" for p in checkpoint_files(tag_dir)]
+def write_digests(tag_dir: Path, known: dict[str, str] | None = None):
+    """SHA256SUMS of every file of the checkpoint; ``known``: {relative path: sha256} of files digested as they were
+    written (the background writer's), the others are read."""
+    known = known or {}
+    lines = []
+    for p in checkpoint_files(tag_dir):
+        name = p.relative_to(tag_dir).as_posix()
+        lines.append(f"{known.get(name) or file_sha256(p)}  {name}\n")
     write_atomic(Path(tag_dir) / DIGESTS, "".join(lines))
 
 
 def read_digests(tag_dir: Path) -> dict[str, str] | None:
-    """{relative path: sha256} from the checkpoint's SHA256SUMS; None for a checkpoint written before digests."""
+    """{relative path: sha256} from the checkpoint's SHA256SUMS; None when there is no such file (a checkpoint written
+    before digests, or one whose digest file is gone: ``damaged_files`` tells them apart). A SHA256SUMS that cannot be
+    read (a directory in its place, no permission, an I/O error) is {"SHA256SUMS": ""}: one damaged entry."""
     f = Path(tag_dir) / DIGESTS
-    if not f.is_file():
+    if not f.exists() and not f.is_symlink():
         return None
+    try:
+        text = f.read_text(errors="replace")
+    except OSError as e:
+        return {DIGESTS: f"unreadable: {e.strerror or type(e).__name__}"}
     out = {}
-    for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         digest, sep, name = line.partition("  ")
         if not sep or len(digest) != 64:
             out[f"{DIGESTS} line {n}"] = ""  # a damaged digest file damages the checkpoint it vouches for
@@ -141,11 +159,17 @@ def damaged_files(tag_dir: Path) -> list[tuple[Path, str]]:
                 pass
         except (zipfile.BadZipFile, OSError):
             bad.append((f, "is damaged (not a readable torch archive: truncated?)"))
-    for name, digest in (read_digests(tag_dir) or {}).items():
+    digests = read_digests(tag_dir)
+    if digests is None and migrate.has_digests(read_client(tag_dir, raw=True) or {}):
+        bad.append((tag_dir / DIGESTS, "is missing (this checkpoint's client_state.json says it was written with "
+                                       "digests, so its files can no longer be checked)"))
+    for name, digest in (digests or {}).items():
         f = tag_dir / name
         if any(f == b for b, _ in bad):
             continue
-        if not digest:
+        if name == DIGESTS:
+            bad.append((f, f"is {digest} (the digests of this checkpoint's files cannot be read)"))
+        elif not digest:
             bad.append((tag_dir / DIGESTS, f"is damaged ({name} is not a digest line)"))
         elif not f.is_file():
             bad.append((f, f"is missing (listed in {DIGESTS})"))
@@ -155,13 +179,30 @@ def damaged_files(tag_dir: Path) -> list[tuple[Path, str]]:
     return bad
 
 
+def digest_note(tag_dir: Path) -> str | None:
+    """The one line said about a checkpoint read without digests: one from before them (no SHA256SUMS, and its client
+    state's format predates format 3), whose files are checked as readable archives only; None otherwise."""
+    tag_dir = Path(tag_dir)
+    if read_digests(tag_dir) is not None or migrate.has_digests(read_client(tag_dir, raw=True) or {}):
+        return None
+    return (f"{tag_dir}: written before checkpoint digests (no {DIGESTS}, client_state.json format "
+            f"{(read_client(tag_dir, raw=True) or {}).get('format', 'absent')}): its files are checked as readable "
+            "archives only")
+
+
 def check_intact(tag_dir: Path):
     """ConfigError naming the first damaged file of checkpoint ``tag_dir`` (``damaged_files``), before a tool or a
-    new run reads it."""
+    new run reads it; a checkpoint from before digests is read with ``digest_note`` on stderr."""
     if bad := damaged_files(tag_dir):
         f, why = bad[0]
         raise ConfigError(f"{f}: {why.removeprefix('is ')}; this checkpoint cannot be trusted: use an earlier one "
                           "(or restore the file)")
+    if (note := digest_note(tag_dir)) and str(tag_dir) not in _noted:
+        _noted.add(str(tag_dir))  # a tool checks before its progress bar starts, and its loader checks again
+        print(f"note: {note}", file=sys.stderr, flush=True)
+
+
+_noted: set[str] = set()  # checkpoints check_intact has said digest_note of, in this process
 
 
 def read_latest(ckpt_dir: Path, pointer: str = LATEST) -> str | None:
@@ -236,9 +277,29 @@ def resume_tag(ckpt_dir: Path, check_files: bool = False) -> tuple[str | None, s
     return chosen, f"{ckpt_dir}: {why}; resuming from the newest complete checkpoint {chosen}"
 
 
-def mark_complete(tag_dir: Path):
-    """Record the digests of every file, then the COMPLETE marker: the marker vouches for the digests too."""
-    write_digests(tag_dir)
+def check_no_links(ckpt_dir: Path) -> None:
+    """ConfigError naming the first symbolic link among ``ckpt_dir`` (RUN_DIR/checkpoints), its checkpoints and its
+    pointer files. Checkpoints are written, rotated and deleted only inside the run directory: a save of the tag a
+    link names, or its rotation, would act on whatever the link points to (and shutil.rmtree refuses a link: it
+    ended a run at its next save with 'Cannot call rmtree on a symbolic link'). Checked before anything starts."""
+    ckpt_dir = Path(ckpt_dir)
+    links = [ckpt_dir] if ckpt_dir.is_symlink() else []
+    if not links and ckpt_dir.is_dir():
+        links = sorted(p for p in ckpt_dir.iterdir() if p.is_symlink() and (tag_step(p.name) >= 0 or p.name in (
+            LATEST, BEST)))
+    if links:
+        link = links[0]
+        raise ConfigError(f"{link}: a symbolic link (to {os.readlink(link)}); a run writes, rotates and deletes its "
+                          "checkpoints only inside its run_dir, never through a link: move what it points to into "
+                          f"{ckpt_dir if link != ckpt_dir else ckpt_dir.parent} (or put the whole run_dir on that "
+                          "filesystem)")
+
+
+def mark_complete(tag_dir: Path, known: dict[str, str] | None = None, fault=lambda name: None):
+    """Record the digests of every file (``known``: those digested as they were written), then the COMPLETE marker:
+    the marker vouches for the digests too. ``fault``: the background writer's fault points (its kill test)."""
+    write_digests(tag_dir, known)
+    fault(DIGESTS)
     write_atomic(tag_dir / COMPLETE, time.strftime("%Y-%m-%dT%H:%M:%S\n"))
 
 

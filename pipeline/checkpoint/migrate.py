@@ -8,7 +8,12 @@ says when its key appeared and what the old behaviour was, and has its own test 
 Format history (``client_state.json["format"]``):
     absent  written before the COMPLETE marker: a checkpoint of this kind counts as complete when its client state
             parses (``complete_without_marker``)
-    2       COMPLETE is written after every rank's shards and the client state (pipeline/checkpoint/layout.py)
+    2       COMPLETE is written after every rank's shards and the client state (pipeline/checkpoint/layout.py);
+            later format-2 checkpoints hold SHA256SUMS too, earlier ones do not, and the two cannot be told apart:
+            a format-2 checkpoint without SHA256SUMS is read as one from before digests (``has_digests``)
+    3       SHA256SUMS is written with every checkpoint, before COMPLETE: a format-3 checkpoint whose digest file is
+            missing or unreadable is damaged (campaign 3 case 1: SHA256SUMS deleted, a weight rotted, and the run
+            resumed on the rotted weight as if the checkpoint predated digests)
 
 Keys added within format 2 (no version bump: each default is the old behaviour exactly):
     zero_stage                      0, as resume always read it: such a checkpoint continues only on its own
@@ -32,12 +37,20 @@ from __future__ import annotations
 import copy
 from typing import Callable
 
-CURRENT_FORMAT = 2  # what io.py writes
+CURRENT_FORMAT = 3  # what io.py writes
+DIGESTS_FORMAT = 3  # the first format whose every checkpoint holds SHA256SUMS
 
 
 def complete_without_marker(client: dict) -> bool:
     """A checkpoint from before the COMPLETE marker (no ``format`` key) is complete when its client state parses."""
     return "format" not in client
+
+
+def has_digests(client: dict) -> bool:
+    """Whether the checkpoint's own client state says it was written with SHA256SUMS (format 3 on): then a missing
+    or unreadable digest file is damage, never a sign of age."""
+    fmt = client.get("format")
+    return isinstance(fmt, int) and not isinstance(fmt, bool) and fmt >= DIGESTS_FORMAT
 
 
 def _zero_stage(c: dict):

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ConfigError, RunConfig, build_config, load_yaml
-from pipeline.families import get_family
+from pipeline.families import FAMILIES, get_family
 from pipeline.checkpoint.layout import check_intact, read_client, resume_tag
 
 EXPORTED_WEIGHTS = "model.safetensors"
@@ -441,6 +441,16 @@ def load_fair_esm(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ConfigError(f"{p}: not a readable torch checkpoint ({str(e).splitlines()[0][:200]})") from None
     if not (isinstance(data, dict) and isinstance(data.get("model"), dict) and isinstance(data.get("cfg"), dict)):
         raise ConfigError(f"{p}: not a fair-esm ESM2 checkpoint (expected the keys 'cfg' and 'model')")
+    regression = p.with_name(p.stem + "-contact-regression.pt")  # fair-esm ships the contact head beside the model
+    if regression.is_file():  # and merges its "model" dict in (esm.pretrained.load_model_and_alphabet_local)
+        try:
+            extra = torch.load(regression, map_location="cpu", weights_only=True)
+        except Exception as e:  # pickle.UnpicklingError (a global), RuntimeError (not a zip): never executed
+            raise ConfigError(f"{regression}: not loaded with weights_only=True ({str(e).splitlines()[0][:200]})") \
+                from None
+        if not (isinstance(extra, dict) and isinstance(extra.get("model"), dict)):
+            raise ConfigError(f"{regression}: not a fair-esm contact regression (expected the key 'model')")
+        data["model"].update(extra["model"])
     cfg = data["cfg"].get("model")
     get = (lambda k: cfg[k]) if isinstance(cfg, dict) else (lambda k: getattr(cfg, k))
     try:
@@ -495,3 +505,32 @@ def load_hf_directory(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if (p / "pytorch_model.bin").is_file():
         return hf_config, torch.load(p / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise ConfigError(f"{p}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def load_foreign_model(path: str | Path) -> TrainedModel:
+    """The model of a foreign checkpoint (:func:`is_foreign_checkpoint`: a Hugging Face ESM2 directory or a fair-esm
+    ``.pt``), as it is, in eval mode: the first family whose ``from_foreign`` reads its config.json builds the model
+    and its ``import_weights`` fills it (ProtLingo: a dense ESM2, the backbone copied). ``client_state`` says where it
+    came from (``foreign_checkpoint``, ``format``); ConfigError naming the path when no family reads it."""
+    p = Path(path)
+    hf_config, state = load_esm2(p)
+    why = []
+    for family in FAMILIES.values():
+        if family.from_foreign is None or family.import_weights is None:
+            continue
+        try:
+            raw = family.from_foreign(hf_config)
+        except ValueError as e:
+            why.append(f"{family.name}: {e}")
+            continue
+        cfg = build_config(raw)
+        model = family.build_model(cfg.model)
+        try:
+            weights = family.import_weights(hf_config, state, cfg.model, model.state_dict())
+        except ValueError as e:
+            raise ConfigError(f"{p}: {e}") from None
+        load_weights_into(model, weights, p)
+        model.eval()
+        return TrainedModel(cfg, model, p, {"foreign_checkpoint": str(p),
+                                            "format": "fair-esm" if p.is_file() else "huggingface"})
+    raise ConfigError(f"{p}: no model family reads this checkpoint ({'; '.join(why) or 'none reads foreign ones'})")

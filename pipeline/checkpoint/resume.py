@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.checkpoint.layout import (COMPLETE, check_intact, checkpoint_tags, damaged_files, is_complete,
-                                        resume_tag)
+from pipeline.checkpoint.layout import (COMPLETE, check_intact, checkpoint_tags, damaged_files, digest_note,
+                                        is_complete, resume_tag)
 from pipeline.checkpoint.read import (check_pickles, check_same_model, is_export, is_foreign_checkpoint,
                                       load_esm2, read_client_state, resolve_tag_dir)
 from pipeline.config import ConfigError, RunConfig, load_yaml
@@ -38,7 +38,8 @@ def find_resume_tag(resume: str, ckpt_dir: Path) -> tuple[str | None, str | None
                               "use --resume auto or another run_dir")
         return None, None
     if resume == "auto":
-        return resume_tag(ckpt_dir, check_files=True)
+        tag, note = resume_tag(ckpt_dir, check_files=True)
+        return tag, _joined(note, digest_note(ckpt_dir / tag) if tag else None)
     tag_dir = Path(resume)
     if not (tag_dir / "client_state.json").is_file():
         raise ConfigError(f"--resume {resume}: not a checkpoint directory (no client_state.json)")
@@ -53,7 +54,12 @@ def find_resume_tag(resume: str, ckpt_dir: Path) -> tuple[str | None, str | None
         # look its MLflow run up in this run's store: starting from another run is --init-from.
         raise ConfigError(f"--resume {resume}: not a checkpoint of this run ({ckpt_dir}); --resume "
                           "continues the same run, --init-from starts a new run from another run's checkpoint")
-    return tag_dir.name, None
+    return tag_dir.name, digest_note(tag_dir)
+
+
+def _joined(*notes: str | None) -> str | None:
+    """Several notes about the checkpoint a run resumes from, as the one line the run prints."""
+    return "; ".join(n for n in notes if n) or None
 
 
 def expert_parallel_size(saved_config: dict) -> int:

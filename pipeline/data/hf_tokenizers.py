@@ -44,9 +44,11 @@ def nucleotide_tokenizer(molecule: str | None, model_max_length: int | None = No
                                    model_input_names=["input_ids", "attention_mask"], **extra)
 
 
-def sentencepiece_tokenizer(model_file: Path):
+def sentencepiece_tokenizer(model_file: Path, model_max_length: int | None = None):
     """A PreTrainedTokenizerFast of a sentencepiece model of data_prep/spm.py (BPE, byte fallback; ids 0 <pad>,
-    1 <s>, 2 </s>, 3 <unk>): the same pieces as sentencepiece's encode, ``<s>`` first."""
+    1 <s>, 2 </s>, 3 <unk>): the same pieces as sentencepiece's encode, ``<s>`` first (``add_bos_token=False`` at
+    load, or setting the attribute, leaves it out; under transformers 5 the attribute reads False until set, since
+    tokenizer.json's template decides). ``model_max_length``: the trained context."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
@@ -60,6 +62,11 @@ def sentencepiece_tokenizer(model_file: Path):
     bos, eos, pad, unk = (pieces[i] for i in (SPM_BOS_ID, SPM_EOS_ID, SPM_PAD_ID, SPM_UNK_ID))
     tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1",
                                                        special_tokens=[(bos, SPM_BOS_ID)])
+    # add_bos_token=True (saved in tokenizer_config.json): <s> first by default, and
+    # from_pretrained(EXPORT, add_bos_token=False) rebuilds the template without it, as transformers' Llama
+    # tokenizers do (lm-evaluation-harness passes it from its model_args: docs/evaluation.md)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
                                    unk_token=unk, model_input_names=["input_ids", "attention_mask"],
+                                   add_bos_token=True, add_eos_token=False,
+                                   **({} if model_max_length is None else {"model_max_length": model_max_length}),
                                    split_special_tokens=True)  # "<unk>" in a text is text, as in sentencepiece

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import copy
 import zlib
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -433,40 +434,111 @@ def _reporting(batches: Iterator[Batch]) -> Iterator:
         yield WorkerError(type(e), str(e))
 
 
+class WorkerDied(RuntimeError):
+    """A DataLoader worker died (killed by the kernel for memory, by a signal) and died again when its loader was
+    restarted; the message is one line naming the worker, its pid and the shard it was reading."""
+
+
+class _Reading:
+    """Which shard each DataLoader worker of this rank reads: one slot of shared memory per worker, made before the
+    workers are forked (they inherit it) and written by each as it opens a shard (streams.reading), so that the rank
+    can still read it once the worker is dead."""
+
+    WIDTH = 1024  # bytes of a path kept
+
+    def __init__(self, workers: int):
+        import multiprocessing
+
+        self.slots = multiprocessing.RawArray("c", workers * self.WIDTH)
+
+    def set(self, worker: int, path) -> None:
+        data = str(path).encode(errors="backslashreplace")[:self.WIDTH - 1]
+        self.slots[worker * self.WIDTH:(worker + 1) * self.WIDTH] = data.ljust(self.WIDTH, b"\0")
+
+    def get(self, worker: int) -> str | None:
+        raw = bytes(self.slots[worker * self.WIDTH:(worker + 1) * self.WIDTH]).split(b"\0")[0]
+        return raw.decode(errors="replace") or None
+
+
 class StreamLoader:
     """Iterator over a ShardStream's microbatches (through DataLoader workers if any) with a live position.
 
     ``state_dict()`` is the position after the last batch handed out; ``load_state_dict()`` (before iterating, or to
     restart) makes the next batch the one that followed it.
+
+    A worker that dies (the kernel's OOM killer, a stray SIGKILL) is named in ``worker_died`` (one line: the worker,
+    its pid, the signal, the shard it was reading) and the loader restarts from the last batch it handed out, whose
+    position is exact, so the step in progress gets the batches it would have had; the training then stops after
+    that step with a checkpoint and says why (pipeline/train/callbacks.py StopOnRequest). A second death raises
+    WorkerDied. torch would raise a dead worker's error from its SIGCHLD handler wherever the main thread is (in the
+    middle of a step's collectives, where no checkpoint can be written); it is read here instead, in ``next``, from
+    torch's own check of its workers while it waits for a batch (every 5 s).
     """
 
     def __init__(self, dataset: ShardStream, num_workers: int):
         self.dataset, self.num_workers = dataset, num_workers
         self._it = None
         self._state = dataset.state_dict()
+        self._reading = _Reading(num_workers) if num_workers else None
+        self.worker_died: str | None = None
 
     def __iter__(self):
         return self
 
     def __next__(self) -> Batch:
-        if self._it is None:
-            self.dataset.load_state_dict(self._state)
-            if self.num_workers == 0:
-                self._it = iter(self.dataset)
-            else:
-                # pin_memory on CUDA hosts: batches arrive page-locked (Batch.pin_memory), so that the step's copy
-                # to the GPU is asynchronous (train_step moves them with non_blocking=True)
-                self._it = iter(DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers,
-                                           prefetch_factor=4, persistent_workers=False,
-                                           worker_init_fn=_ignore_stop_signals,
-                                           pin_memory=torch.cuda.is_available()))
-        batch = next(self._it)
+        while True:
+            if self._it is None:
+                self._start()
+            try:
+                batch = next(self._it)
+            except RuntimeError as e:
+                died = self._dead_worker()
+                if died is None:
+                    raise
+                self._it = None  # the DataLoader and its other workers go with it
+                if self.worker_died is not None:
+                    raise WorkerDied(f"{self.worker_died}; after a restart from the last batch, {died}") from None
+                self.worker_died = died
+                continue  # restart from the last batch handed out: the same batches follow
+            break
         if isinstance(batch, WorkerError):
             self._it = None  # the DataLoader and its workers go with it; a retry restarts from the last batch
             raise batch.error() from None
         self._state["batches_consumed"] += 1
         self._state["streams"][batch.stream] = batch.state
         return batch
+
+    def _start(self):
+        self.dataset.load_state_dict(self._state)
+        if self.num_workers == 0:
+            self._it = iter(self.dataset)
+            return
+        # pin_memory on CUDA hosts: batches arrive page-locked (Batch.pin_memory), so that the step's copy to the
+        # GPU is asynchronous (train_step moves them with non_blocking=True)
+        self._it = iter(DataLoader(self.dataset, batch_size=None, num_workers=self.num_workers, prefetch_factor=4,
+                                   persistent_workers=False, worker_init_fn=partial(_init_worker, self._reading),
+                                   pin_memory=torch.cuda.is_available()))
+        if getattr(self._it, "_worker_pids_set", False):  # no error from torch's SIGCHLD handler (class docstring)
+            from torch.utils.data._utils import signal_handling
+
+            signal_handling._remove_worker_pids(id(self._it))
+            self._it._worker_pids_set = False
+
+    def _dead_worker(self) -> str | None:
+        """One line naming the first dead worker of the running DataLoader (None: none is dead, another error)."""
+        import signal
+
+        for i, w in enumerate(getattr(self._it, "_workers", ())):
+            if w.exitcode is None and w.is_alive():
+                continue
+            code = w.exitcode
+            how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 and
+                   -code in signal.Signals._value2member_map_ else f"exited with status {code}")
+            shard = self._reading.get(i)
+            return (f"data loader worker {i} of rank {self.dataset.rank} (pid {w.pid}) {how} while reading "
+                    + (shard if shard else "its first shard") + (" (killed for memory? see the kernel log, dmesg)"
+                                                                  if code == -signal.SIGKILL else ""))
+        return None
 
     def state_dict(self) -> dict:
         return copy.deepcopy(self._state)
@@ -485,12 +557,16 @@ class StreamLoader:
         return out
 
 
-def _ignore_stop_signals(worker_id: int):
-    """Loader workers ignore SIGTERM/SIGUSR1: a scheduler or DeepSpeed's launch.py signals the whole process tree,
-    and the rank above them must keep its batches coming while it finishes its step and checkpoint (the engine's
+def _init_worker(reading: _Reading, worker_id: int):
+    """A loader worker's start: it names each shard it opens in ``reading`` (StreamLoader names the shard of a dead
+    worker), and ignores SIGTERM/SIGUSR1: a scheduler or DeepSpeed's launch.py signals the whole process tree, and
+    the rank above them must keep its batches coming while it finishes its step and checkpoint (the engine's
     StopRequest). They end with the rank's DataLoader."""
     import signal
 
+    from pipeline.data import streams
+
+    streams.reading = partial(reading.set, worker_id)
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.data.shards import MANIFEST, Manifest, ShardError, parse_manifest
+from pipeline.data.shards import MANIFEST, Manifest, ShardError, check_counts_fit, parse_manifest
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "http", "https")
 EXTRA = "pip install 'bioseq-pretrain[remote]'"  # s3fs and gcsfs; http needs only fsspec and aiohttp
@@ -281,7 +281,7 @@ def open_set(url: str, policy: RetryPolicy = RetryPolicy()) -> RemoteSet:
         prefix = base.rstrip("/") + "/"
         found = {p[len(prefix):]: d for p, d in listing.items() if p.startswith(prefix)}
     sizes, etags = [], []
-    for s in manifest.shards:
+    for i, s in enumerate(manifest.shards):
         d = found.get(s.path)
         if d is None:
             if not http:
@@ -291,6 +291,7 @@ def open_set(url: str, policy: RetryPolicy = RetryPolicy()) -> RemoteSet:
         if d.get("size") is None:
             raise FetchError(f"{join(url, s.path)}: the store gives no size for it (a shard set needs one)")
         sizes.append(int(d["size"]))
+        check_counts_fit(s, i, sizes[-1], murl)
         etags.append(_etag(d))
     return RemoteSet(url, manifest, hashlib.sha256(raw).hexdigest(), tuple(sizes), tuple(etags))
 

@@ -139,6 +139,58 @@ def write_manifest(directory: str | Path, manifest: Manifest) -> Path:
     return path
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# manifest.json's fields: (key, required, check, what it must be). Checked before anything is built from them.
+_MANIFEST_SCHEMA = (("format", True, lambda v: v in FORMATS, f"one of {', '.join(map(repr, FORMATS))}"),
+                    ("source", True, lambda v: isinstance(v, str), "a string"),
+                    ("tokenizer", True, lambda v: isinstance(v, dict), "an object"),
+                    ("shards", True, lambda v: isinstance(v, list), "a list"),
+                    ("layout", False, lambda v: v in LAYOUTS, f"one of {', '.join(LAYOUTS)}"),
+                    ("filtered", False, lambda v: isinstance(v, dict), "an object"),
+                    ("inputs", False, lambda v: isinstance(v, list), "a list"),
+                    ("stats", False, lambda v: isinstance(v, dict), "an object"))
+_SHARD_SCHEMA = (("path", lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+                 ("samples", _count, "an integer >= 0"), ("tokens", _count, "an integer >= 0"),
+                 ("sha256", lambda v: isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v),
+                  "64 lowercase hex digits"))
+
+
+def check_manifest_doc(raw, path: Path) -> None:
+    """ShardError naming ``path`` and the key unless ``raw`` (a parsed manifest.json or job manifest) has the
+    manifest's shape: every key of _MANIFEST_SCHEMA of its type, every shard exactly {path, samples, tokens, sha256}
+    with counts that are integers >= 0 (not bools, not floats). Checked before anything is allocated from a count:
+    a negative, huge or wrongly typed sample count ended in a ValueError, a MemoryError (6.94 EiB) or a TypeError.
+    The counts' bound by the shard files' sizes is ``load_manifest``'s (it stats the files)."""
+    if not isinstance(raw, dict):
+        raise ShardError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    for key, required, ok, want in _MANIFEST_SCHEMA:
+        if key not in raw:
+            if required:
+                raise ShardError(f"{path}: no {key!r} (not a shard manifest)")
+            continue
+        if not ok(raw[key]):
+            raise ShardError(f"{path}: {key} {_shown(raw[key])}, expected {want}")
+    for i, shard in enumerate(raw["shards"]):
+        if not isinstance(shard, dict):
+            raise ShardError(f"{path}: shards[{i}] is {type(shard).__name__}, expected an object")
+        extra = sorted(set(shard) - {k for k, _, _ in _SHARD_SCHEMA})
+        if extra:
+            raise ShardError(f"{path}: shards[{i}] has the unknown key {extra[0]!r}")
+        for key, ok, want in _SHARD_SCHEMA:
+            if key not in shard:
+                raise ShardError(f"{path}: shards[{i}] has no {key!r}")
+            if not ok(shard[key]):
+                raise ShardError(f"{path}: shards[{i}].{key} {_shown(shard[key])}, expected {want}")
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def load_manifest(directory: str | Path) -> Manifest:
     directory = Path(directory)
     path = directory / MANIFEST
@@ -147,27 +199,35 @@ def load_manifest(directory: str | Path) -> Manifest:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no manifest.json in the shard directory (run data_prep first)")
     manifest = parse_manifest(path.read_text(), path)
-    for s in manifest.shards:
-        if not (directory / s.path).is_file():
+    for i, s in enumerate(manifest.shards):
+        p = directory / s.path
+        if not p.is_file():
             raise FileNotFoundError(f"{path}: lists shard {s.path} which is missing")
+        check_counts_fit(s, i, p.stat().st_size, path)
     return manifest
 
 
+def check_counts_fit(s: ShardInfo, i: int, size: int, where) -> None:
+    """ShardError unless shard ``i``'s counts fit its ``size`` bytes: every sample and token takes at least one byte
+    of its tar, a bound that keeps a corrupt count from allocating (local and remote shard sets alike)."""
+    for key in ("samples", "tokens"):
+        if getattr(s, key) > size:
+            raise ShardError(f"{where}: shards[{i}].{key} {getattr(s, key)} is more than shard {s.path} could hold "
+                             f"({size} bytes; each takes at least one)")
+
+
 def parse_manifest(raw: str | bytes, where) -> Manifest:
-    """A manifest from its bytes (``where``, a path or URL, names it in a ShardError): the format, the layout and
-    shard paths that stay inside the shard set are checked here; that the shards exist is the caller's (a local
-    directory, pipeline/data/remote.py for a URL)."""
+    """A manifest from its bytes (``where``, a path or URL, names it in a ShardError): the format and schema
+    (check_manifest_doc) and shard paths that stay inside the shard set are checked here; that the shards exist
+    and can hold their counts is the caller's (a local directory above, pipeline/data/remote.py for a URL)."""
     try:
         raw = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ShardError(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ShardError(f"{where}: not a manifest (a JSON object with a shard list)")
-    if raw.get("format") not in FORMATS:
-        raise ShardError(f"{where}: format {raw.get('format')!r}, expected one of {', '.join(map(repr, FORMATS))}")
+    except RecursionError:
+        raise ShardError(f"{where}: not a shard manifest (JSON nested too deeply to read)") from None
+    check_manifest_doc(raw, where)
     layout = raw.get("layout", "sequences")  # manifests from before clusters existed hold sequences
-    if layout not in LAYOUTS:
-        raise ShardError(f"{where}: layout {layout!r}, expected one of {', '.join(LAYOUTS)}")
     shards = [ShardInfo(**s) for s in raw["shards"]]
     for s in shards:
         if Path(s.path).is_absolute() or ".." in Path(s.path).parts:

@@ -18,6 +18,10 @@ from pipeline.data.shard_reader import (cluster_members, read_cluster_tokens, re
                                         shard_layout, shard_sequences)
 from pipeline.data.shards import MANIFEST, ShardError, load_manifest
 
+# Told the path of each shard a read opens, in a DataLoader worker (pipeline/data/loader.py sets it there), so that
+# the rank can name the shard a worker was reading when the worker dies; None elsewhere.
+reading: Callable[[Path], None] | None = None
+
 # (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}; a transform whose ``reads_meta`` is
 # true (a supervised task's, pipeline/tasks) takes (tokens, rng, the record's meta dict): its labels live there
 SampleTransform = Callable[[np.ndarray, np.random.Generator], dict]
@@ -26,6 +30,8 @@ SampleTransform = Callable[[np.ndarray, np.random.Generator], dict]
 def reads_meta(transform) -> bool:
     """Whether a sample transform takes each record's meta as a third argument (module comment above)."""
     return bool(getattr(transform, "reads_meta", False))
+
+
 _MIX_TAG = 0x6D6978  # "mix": last seed entry of a group's interleaving, apart from every other seed key
 
 
@@ -329,6 +335,8 @@ class SourceStream:
                 self._verified.add(sid)
             return records
         self._check_unchanged(None)
+        if reading is not None:
+            reading(ref.path)
         try:
             records = read(ref.path, expected_samples=int(self.counts[sid]), sha256=sha256, vocab_size=self.vocab_size)
         except (ShardError, OSError) as e:  # a shard rewritten under the run reads as damaged: say what happened

@@ -1,7 +1,8 @@
 """BLiMP-style minimal-pair evaluation (paper 003, Sec. 3; Warstadt et al., 2020), model-agnostic.
 
-A pair is correct when the model gives the good item a strictly higher summed log-probability than the bad one.
-Three comparisons, as in the BLiMP release (each record says which it supports):
+A pair is correct when the model gives the good item a summed log-probability at least as high as the bad one's: a
+tie goes to the first option, the good sentence, as the BabyLM 2025 pipeline (torch.max) and lm-evaluation-harness
+(argmax) decide it. Three comparisons, as in the BLiMP release (each record says which it supports):
 
 * ``full`` (``simple_LM_method``): log P(sentence_good) vs log P(sentence_bad), whole sentences after <s>;
 * ``one_prefix``: log P(one_prefix_word_good | one_prefix_prefix) vs log P(one_prefix_word_bad | same prefix);
@@ -11,7 +12,12 @@ The model enters only through ``score_fn``: a callable mapping a list of ``(cont
 the summed log-probability of each continuation given its context (context "" = start of text). Adapters build one
 from a whole-text scorer ``logprob_fn(list[str]) -> list[float]`` (:func:`from_text_logprob`) or from a causal LM
 and a sentencepiece processor (:func:`model_score_fn`). Accuracy is reported per phenomenon (``UID``) and as the
-macro average over phenomena.
+macro average over phenomena, and per ``field`` and ``linguistics_term``.
+
+Phenomena are named as the BabyLM pipeline names them (read_files.py ``decode_blimp``): a record with ``field`` by its
+``UID``; one without (the BLiMP supplement's files) by its file's name, its field and term "supplement". The ``full``
+method is scored by pipeline/eval/ranked.py, the pipeline's causal backend (the whole sentence through the model's
+tokenizer after ``<s>``); the prefix methods, which the pipeline does not have, by :func:`model_score_fn`.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from pipeline.data.tokenizer import SPM_BOS_ID
+from pipeline.eval.benchmark import Benchmark
 
 METHODS = ("full", "one_prefix", "two_prefix")
 ScoreFn = Callable[[list[tuple[str, str]]], list[float]]
@@ -37,10 +44,22 @@ _FIELDS = {
 @dataclass(frozen=True)
 class MinimalPair:
     uid: str  # phenomenon
-    field: str  # morphology / syntax / semantics / ...
+    field: str  # morphology / syntax / semantics / ... ("supplement" for the supplement's files)
     good: tuple[str, str]  # (context, continuation) scored for the good item
     bad: tuple[str, str]
     where: str  # file:line, for messages
+    term: str = ""  # linguistics_term
+
+
+def phenomenon(rec: dict, where: str) -> tuple[str, str, str]:
+    """(UID, field, linguistics_term) of a record as the BabyLM pipeline names them: a record with ``field`` by
+    its fields, one without by its file's name (the supplement)."""
+    if "field" not in rec:
+        return Path(where.rsplit(":", 1)[0]).stem, "supplement", "supplement"
+    if not isinstance(rec.get("UID"), str):
+        raise ValueError(f"{where}: field 'UID' missing or not a string (a record with 'field' is named by its UID)")
+    field = str(rec["field"])
+    return rec["UID"], "syntax/semantics" if field == "syntax_semantics" else field, str(rec.get("linguistics_term", ""))
 
 
 def read_records(path) -> list[tuple[str, dict]]:
@@ -95,7 +114,7 @@ def select_pairs(records: Sequence[tuple[str, dict]], method: str = "full") -> t
         d["reason"][reason] = d["reason"].get(reason, 0) + 1
 
     for where, rec in records:
-        uid = str(rec.get("UID") or Path(where.rsplit(":", 1)[0]).stem)
+        uid, field, term = phenomenon(rec, where)
         totals[uid] = totals.get(uid, 0) + 1
         if rec.get(flag) is False:
             skip(uid, SKIP_FLAG_FALSE)
@@ -114,7 +133,7 @@ def select_pairs(records: Sequence[tuple[str, dict]], method: str = "full") -> t
         else:
             good = (rec["two_prefix_prefix_good"], rec["two_prefix_word"])
             bad = (rec["two_prefix_prefix_bad"], rec["two_prefix_word"])
-        pairs.append(MinimalPair(uid, str(rec.get("field", "")), good, bad, where))
+        pairs.append(MinimalPair(uid, field, good, bad, where, term))
     for uid, d in skipped.items():
         d["of"] = totals[uid]
     report = {"method": method, "records": sum(d["records"] for d in skipped.values()),
@@ -144,26 +163,58 @@ def describe_skipped(report: dict) -> str:
     return text + " (" + "; ".join(f"{n} records: {why[r]}" for r, n in sorted(reasons.items())) + ")"
 
 
-def evaluate_pairs(pairs: Sequence[MinimalPair], score_fn: ScoreFn) -> dict:
-    """Score every item once and aggregate: {"per_phenomenon": {uid: {accuracy, n, field}}, "macro_accuracy",
-    "micro_accuracy", "n_pairs"}. A tie (equal scores) counts as wrong."""
+def evaluate_pairs(pairs: Sequence[MinimalPair], score_fn: ScoreFn | None = None,
+                   scores: np.ndarray | None = None) -> dict:
+    """Score every item once (``score_fn``, or ``scores`` [n_pairs, 2] already computed: good, bad) and aggregate:
+    {"per_phenomenon": {uid: {accuracy, n, field}}, "macro_accuracy", "micro_accuracy", "n_pairs", "by": {"field":
+    {...}, "linguistics_term": {...}}, "scores", "predictions"} with the BabyLM pipeline's predictions.json form
+    (:func:`pipeline.eval.ranked.predictions`: the chosen sentence, or continuation for the prefix methods). A tie
+    goes to the good sentence (module docstring)."""
+    from pipeline.eval.ranked import choose
+
     if not pairs:
         raise ValueError("no minimal pairs to evaluate")
-    items = [x for p in pairs for x in (p.good, p.bad)]
-    scores = np.asarray(score_fn(items), dtype=np.float64)
-    if scores.shape != (len(items),):
-        raise ValueError(f"score_fn returned {scores.shape} scores for {len(items)} items")
-    correct = scores[0::2] > scores[1::2]  # [n_pairs]
+    if scores is None:
+        items = [x for p in pairs for x in (p.good, p.bad)]
+        flat = np.asarray(score_fn(items), dtype=np.float64)
+        if flat.shape != (len(items),):
+            raise ValueError(f"score_fn returned {flat.shape} scores for {len(items)} items")
+        scores = flat.reshape(len(pairs), 2)
+    chosen = choose(np.asarray(scores, dtype=np.float64))
+    correct = chosen == 0  # [n_pairs]
     per: dict[str, dict] = {}
-    for p, ok in zip(pairs, correct):
+    by: dict[str, dict[str, list[int]]] = {"field": {}, "linguistics_term": {}}
+    preds: dict[str, dict] = {}
+    for p, ok, c in zip(pairs, correct, chosen):
         d = per.setdefault(p.uid, {"correct": 0, "n": 0, "field": p.field})
         d["correct"] += int(ok)
         d["n"] += 1
+        for key, value in (("field", p.field), ("linguistics_term", p.term)):
+            cnt = by[key].setdefault(value, [0, 0])
+            cnt[0] += int(ok)
+            cnt[1] += 1
+        out = preds.setdefault(p.uid, {"predictions": []})["predictions"]
+        out.append({"id": f"{p.uid}_{len(out)}", "pred": (p.good, p.bad)[int(c)][1]})
     for d in per.values():
         d["accuracy"] = d["correct"] / d["n"]
     return {"per_phenomenon": dict(sorted(per.items())),
             "macro_accuracy": float(np.mean([d["accuracy"] for d in per.values()])),
-            "micro_accuracy": float(correct.mean()), "n_pairs": len(pairs)}
+            "micro_accuracy": float(correct.mean()), "n_pairs": len(pairs),
+            "by": {k: {v: c[0] / c[1] for v, c in sorted(vals.items())} for k, vals in by.items()},
+            "scores": np.asarray(scores).tolist(), "chosen": chosen.tolist(), "predictions": preds}
+
+
+def ranked_items(pairs: Sequence[MinimalPair]) -> list:
+    """The ``full`` pairs as ranked-completion items (pipeline/eval/ranked.py): options (good, bad), each scored
+    whole."""
+    from pipeline.eval.ranked import Item
+
+    out = []
+    for p in pairs:
+        if p.good[0] or p.bad[0]:
+            raise ValueError(f"{p.where}: a prefix pair is not a whole-sentence item")
+        out.append(Item((p.good[1], p.bad[1]), (p.good[1], p.bad[1]), p.uid, where=p.where))
+    return out
 
 
 def evaluate_blimp(path, score_fn: ScoreFn, method: str = "full") -> dict:
@@ -255,3 +306,50 @@ def model_score_fn(model, encode: Callable[[str], list[int]], *, bos_id: int = S
         return out
 
     return score
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The benchmark (pipeline/eval/benchmarks.py): launchers/evaluate.py --task blimp
+# ------------------------------------------------------------------------------------------------------------------
+def add_options(p):
+    p.add_argument("--blimp-method", default="full", choices=METHODS,
+                   help="blimp: score whole sentences (full, default: the BabyLM pipeline's scoring) or the word "
+                        "after a shared prefix (pipeline/eval/blimp.py)")
+
+
+def run(trained, data, runs, args) -> dict:
+    """BLiMP (or its supplement) at every depth of ``runs``: the full method through pipeline/eval/ranked.py, the
+    prefix methods through :func:`model_score_fn` on sentencepiece ids."""
+    from pipeline.eval.ranked import hf_tokenizer, model_logits_fn, score_items, spm_encode
+
+    method = getattr(args, "blimp_method", "full")
+    records = read_records(data)
+    pairs, skipped = select_pairs(records, method)
+    if not pairs:
+        raise ValueError(f"{data}: no record supports --blimp-method {method} ({describe_skipped(skipped)})")
+    per_depth = {}
+    if method == "full":
+        items, tok = ranked_items(pairs), hf_tokenizer(trained, getattr(args, "spm", None))
+        for k, d in runs:
+            scores = score_items(items, tok, model_logits_fn(trained.model, d),
+                                 batch_size=getattr(args, "batch_size", None) or 64, desc=f"blimp K={k}")
+            per_depth[str(k)] = evaluate_pairs(pairs, scores=scores)
+    else:
+        encode = spm_encode(trained, getattr(args, "spm", None))
+        for k, d in runs:
+            per_depth[str(k)] = evaluate_pairs(pairs, model_score_fn(trained.model, encode, depth=d,
+                                                                     desc=f"blimp K={k}"))
+    uids = sorted(next(iter(per_depth.values()))["per_phenomenon"])
+    acc = lambda k, u: per_depth[str(k)]["per_phenomenon"][u]["accuracy"]  # noqa: E731
+    return {"method": method, "n_pairs": len(pairs), "n_records": len(records), "skipped": skipped,
+            "skipped_line": describe_skipped(skipped) if skipped["records"] else None,
+            "per_depth": per_depth, "scorer": "minimal_pairs",
+            "table": [(k, per_depth[str(k)]["macro_accuracy"], *(acc(k, u) for u in uids)) for k, _ in runs],
+            "columns": ("K", "macro_accuracy", *uids)}
+
+
+BENCHMARK = Benchmark(name="blimp", help="BLiMP minimal pairs or the BLiMP supplement (a folder of JSONL files): "
+                      "accuracy per phenomenon and the macro average", scorer="minimal_pairs",
+                      metrics=("macro_accuracy",), run=run,
+                      folders=("blimp_filtered", "supplement_filtered", "blimp_fast", "supplement_fast"),
+                      options=add_options, prediction="sentences")

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from pipeline.data.tokenizer import SPM_BOS_ID
+from pipeline.eval.benchmark import Benchmark
 from pipeline.eval.blimp import split_tokens
 
 LogprobsFn = Callable[[list[list[int]]], Sequence[np.ndarray]]
@@ -97,3 +98,21 @@ def model_logprobs_fn(model, *, depth: int | None = None, batch_size: int = 16, 
 
     return lambda seqs: iter_next_token_logprobs(model, seqs, depth=depth, batch_size=batch_size, device=device,
                                                  desc=desc)
+
+
+def run(trained, data, runs, args) -> dict:
+    """pass@5 and accuracy at every depth of ``runs`` (launchers/evaluate.py --task lambada)."""
+    from pipeline.eval.ranked import spm_encode
+
+    encode = spm_encode(trained, getattr(args, "spm", None))
+    passages = read_passages(data)
+    per_depth = {}
+    for k, d in runs:
+        res = evaluate_lambada(passages, encode, model_logprobs_fn(trained.model, depth=d, desc=f"lambada K={k}"), k=5)
+        per_depth[str(k)] = {key: v for key, v in res.items() if key != "per_passage"}
+    return {"passages": len(passages), "per_depth": per_depth, "columns": ("K", "pass@5", "accuracy"),
+            "table": [(k, per_depth[str(k)]["pass_at_k"], per_depth[str(k)]["accuracy"]) for k, _ in runs]}
+
+
+BENCHMARK = Benchmark(name="lambada", help="LAMBADA pass@5 with gold-prefix scoring (text or JSONL)",
+                      scorer="teacher_forced", metrics=("pass@5", "accuracy"), run=run)

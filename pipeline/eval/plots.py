@@ -150,3 +150,33 @@ def _save(fig, plt, path: Path) -> Path:
     plt.close(fig)
     tmp.replace(path)
     return path
+
+
+def plot_curves(columns, rows, title: str, path: Path) -> Path:
+    """A learning-curve figure: every metric column against the first (words seen), one panel each, words on a log
+    axis (the milestones are spaced 1M, 10M, 100M apart), bounded metrics on 0 .. 1 (the y-range rule above).
+    Written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(columns[1:])
+    xs = [float(r[0]) for r in rows]
+    cols = min(3, len(names))
+    nrows = -(-len(names) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.5 * nrows), squeeze=False)
+    for i, name in enumerate(names):
+        ax = axes[i // cols][i % cols]
+        ys = [float(r[i + 1]) for r in rows]
+        ax.plot(xs, ys, marker="o")
+        if len(set(xs)) > 1 and min(xs) > 0:
+            ax.set_xscale("log")
+        # accuracies and correlations (a task folder's headline) live in [-1, 1]: drawn on 0 .. 1, widened below 0
+        ax.set_ylim(*y_limits(ys, all(-1 <= y <= 1 for y in ys), None))
+        ax.set(xlabel=str(columns[0]) + " seen" if columns[0] == "words" else str(columns[0]), ylabel=name)
+        ax.grid(alpha=0.3)
+    for j in range(len(names), nrows * cols):
+        axes[j // cols][j % cols].axis("off")
+    _title(fig, title, cols)
+    return _save(fig, plt, path)

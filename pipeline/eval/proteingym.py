@@ -54,9 +54,13 @@ Metrics per assay, as ``proteingym/performance_DMS_benchmarks.py`` computes them
 * MCC: ``matthews_corrcoef(DMS_score_bin, score >= median(score))`` (the score binarised at its own median,
   ties going to 1).
 
-The aggregate over several assays (:func:`aggregate`) is the plain mean over assays, with the number of assays
-``n`` and NaN metrics left out and counted; the ProteinGym leaderboard instead averages within UniProt ID, then
-within coarse selection type, then over types, which this module does not compute.
+Aggregates over several assays. :func:`aggregate` is the plain mean over assays, with the number of assays ``n``
+and NaN metrics left out and counted. :func:`leaderboard_aggregate` is the leaderboard's number
+(``proteingym/performance_DMS_benchmarks.py`` @ bb685245), from the reference file's ``UniProt_ID`` and
+``coarse_selection_type`` columns: each assay's metric rounded to 3 decimals (the DMS-level table's ``round(3)``),
+averaged within each (UniProt ID, selection type) pair, then within each selection type, then over the types; NaN
+left out at every level (pandas' mean). A protein measured by several assays counts once per type, and each type
+counts equally however many proteins it holds. :func:`efficiency` is paper 002's Table 1 ratio.
 """
 from __future__ import annotations
 
@@ -452,3 +456,51 @@ def evaluate_assays(assays: list[Assay], logits_fn: LogitsFn, *, window: int = M
                                "n_multi": sum(len(s) > 1 for s in a.substitutions)}
         scores[a.dms_id] = res["scores"]
     return {"per_assay": per_assay, "scores": scores, "aggregate": aggregate(per_assay)}
+
+
+LEADERBOARD_COLUMNS = ("UniProt_ID", "coarse_selection_type")
+ROUND = 3  # performance_DMS_benchmarks.py: pandas .round(3) (numpy rounding) of each assay's metrics before any average
+
+
+def leaderboard_aggregate(per_assay: Mapping[str, dict], reference: Mapping[str, dict], reference_path) -> dict:
+    """The ProteinGym leaderboard's average of ``per_assay`` ({DMS_id: metrics}) by the columns of ``reference``
+    (:func:`load_reference`; module docstring): {"spearman", "auc", "mcc": the average over selection types,
+    "by_type": {type: {metric: the type's average, "uniprot_ids": [...]}}, "n_assays", "n_uniprot", "n_types"}.
+    ValueError naming the reference file when it lacks the columns or an assay."""
+    by_id = {row["dms_id"]: row for row in reference.values()}
+    groups: dict[tuple[str, str], list[str]] = {}
+    for dms_id in per_assay:
+        row = by_id.get(dms_id)
+        if row is None:
+            raise ValueError(f"{reference_path}: assay {dms_id} is not listed (the leaderboard average needs its "
+                             "UniProt_ID and coarse_selection_type)")
+        missing = [c for c in LEADERBOARD_COLUMNS if not row.get(c)]
+        if missing:
+            raise ValueError(f"{reference_path}:{row['line']} ({dms_id}): no {missing[0]} (the leaderboard average "
+                             f"groups assays by {' and '.join(LEADERBOARD_COLUMNS)})")
+        groups.setdefault((row["UniProt_ID"], row["coarse_selection_type"]), []).append(dms_id)
+
+    def nanmean(values) -> float:
+        v = np.array([x for x in values if np.isfinite(x)], dtype=np.float64)
+        return float(v.mean()) if len(v) else math.nan
+
+    out: dict = {"by_type": {}}
+    types = sorted({t for _, t in groups})
+    for t in types:
+        pairs = sorted(u for u, tt in groups if tt == t)
+        entry: dict = {"uniprot_ids": pairs}
+        for k in METRICS:
+            per_pair = [nanmean(float(np.round(per_assay[d][k], ROUND)) for d in groups[(u, t)]) for u in pairs]
+            entry[k] = nanmean(per_pair)
+        out["by_type"][t] = entry
+    for k in METRICS:
+        out[k] = nanmean(out["by_type"][t][k] for t in types)
+    out.update(n_assays=len(per_assay), n_uniprot=len({u for u, _ in groups}), n_types=len(types))
+    return out
+
+
+def efficiency(spearman: float, active_params: int) -> float:
+    """Paper 002's Table 1 parameter efficiency: ProteinGym Spearman per billion active parameters (the parameters
+    one token uses: ProtLingoConfig.num_active_params, one of the E routed experts of each MoE layer and the R table
+    rows of each memory layer a token reads; every parameter of a dense model)."""
+    return spearman / (active_params / 1e9)

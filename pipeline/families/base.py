@@ -314,6 +314,10 @@ class Family:
     # fair-esm .pt, read as (config.json dict, Hugging Face state dict)): (config, state, model config, a fresh
     # model's state dict) -> this family's state dict, ValueError naming what does not fit. None: refused.
     import_weights: Callable | None = None
+    # A foreign checkpoint read as a model of this family, as it is (launchers/evaluate.py --checkpoint ESM2_DIR):
+    # (config.json dict of the foreign checkpoint) -> the raw RunConfig dict ({"family", "model", "data"}) whose
+    # model import_weights fills, ValueError when the checkpoint is not one this family reads. None: refused.
+    from_foreign: Callable | None = None
     # An export written in a foreign format (export.json "format", HFExport.foreign): (format, state) -> the state
     # dict under the pipeline's names, ValueError when it does not fit. None: pipeline-format exports only.
     read_export: Callable | None = None

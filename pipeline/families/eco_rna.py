@@ -84,8 +84,9 @@ def sandwich_block_bytes(m, a: int, fused_norm: bool = True) -> float:
     their product); the mask SDPA makes from the key mask (one element a token); in fp32 the four norms' and the QK
     norms' rstd and SDPA's log-sum-exp (tests/pipeline/test_memory_model.py holds it to the saved tensors)."""
     d, H, Hkv = m.d_model, m.n_heads, m.n_kv_heads
-    plain = norm_extra(fused_norm, a) * (4 * d + d + m.d_kv)  # the four norms of d, the QK norms of d and d_kv
-    return (9 * d + 3 * m.d_kv + 4 * m.d_ff + 1) * a + (4 + 2 * H + Hkv) * 4 + plain
+    d_kv = Hkv * m.head_dim  # from the block's own fields: any config with sandwich blocks (a toy family's too)
+    plain = norm_extra(fused_norm, a) * (4 * d + d + d_kv)  # the four norms of d, the QK norms of d and d_kv
+    return (9 * d + 3 * d_kv + 4 * m.d_ff + 1) * a + (4 + 2 * H + Hkv) * 4 + plain
 
 
 def _activations(cfg, a: int, k_max: float | None) -> Activations:

@@ -50,7 +50,9 @@ _COMMON = dict(objective_cls=causal_lm.CausalLMObjectiveConfig, make_transform=c
 
 RECURSIVE_GPT = register_family(Family(
     name="recursive_gpt", config_cls=RecursiveGPTConfig, build_model=RecursiveGPT,
-    depth=Depth(selectable=True, trained=recurrence_depth, sweep=lambda cfg: [cfg.model.recurrence]),
+    # evaluation and the export default to the depth the run trained at (objective.train_depth, else R)
+    depth=Depth(selectable=True, trained=recurrence_depth, sweep=lambda cfg: [recurrence_depth(cfg)[0]],
+                default=lambda cfg: recurrence_depth(cfg)[0]),
     # the shared block runs R times, every one differentiated; each step's norms once
     scaling=Scaling(activations=_decoder_activations(lambda cfg, k_max: k_max or recurrence_depth(cfg)[0]),
                     depth_law=lambda cfg, rows: (float(cfg.model.recurrence), [(cfg.model.recurrence, 1.0)]),

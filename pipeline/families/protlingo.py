@@ -7,7 +7,8 @@ import math
 from pipeline.data.protein_tokenizer import PAD_ID as ESM_PAD_ID
 from pipeline.families.base import (Activations, Depth, Family, MaskedLMInference, Proxies, Scaling, esm_tokenizer,
                                     layer_count, norm_extra, objective_validation, register_family)
-from pipeline.models.protlingo import EsmBlock, ProtLingo, ProtLingoConfig, hf_to_protlingo, state_from_esm2
+from pipeline.models.protlingo import (EsmBlock, ProtLingo, ProtLingoConfig, config_from_hf, hf_to_protlingo,
+                                      state_from_esm2)
 from pipeline.objectives import protlingo as objective
 
 ESM_FORMAT = "esm"  # export.json "format" of a dense ProtLingo written as transformers' EsmForMaskedLM
@@ -20,6 +21,20 @@ def read_export(fmt: str, state: dict) -> dict:
         raise ValueError(f"export format {fmt!r} is not one ProtLingo writes (pipeline or {ESM_FORMAT})")
     n_layers = len({k.split(".")[3] for k in state if k.startswith("esm.encoder.layer.")})
     return hf_to_protlingo(state, n_layers)
+
+
+def foreign_run_config(hf_config: dict) -> dict:
+    """An ESM2 checkpoint (Hugging Face config.json, or fair-esm's hyperparameters read as one) as a dense ProtLingo:
+    its backbone, no MoE and no memory, the context ESM2 was trained with (1,024 tokens, <cls>/<eos> included)."""
+    import dataclasses
+
+    try:
+        model = config_from_hf(hf_config)
+    except KeyError as e:
+        raise ValueError(f"config.json has no {e} (not an ESM2 config)") from None
+    free = set(type(model).RESUME_FREE)
+    return {"family": "protlingo", "model": {k: v for k, v in dataclasses.asdict(model).items() if k not in free},
+            "data": {"context_length": min(1024, int(hf_config.get("max_position_embeddings", 1026)) - 2)}}
 
 
 def residue_ids():
@@ -86,6 +101,7 @@ PROTLINGO = register_family(Family(
     # "rows_addressed": the rows this rank's training forwards ever read (a buffer)
     validate=objective_validation(objective.loss, objective.plan, "mlm_loss", training_state=("/rows_addressed",)),
     import_weights=state_from_esm2,  # ESM2 (HF or fair-esm), upcycled exactly
+    from_foreign=foreign_run_config,  # ESM2 evaluated as it is (a dense ProtLingo)
     read_export=read_export, depth=Depth(trained=layer_count),
     # ESM2 layers (GELU MLP; an MoE layer runs the shared and one routed expert, together d_ff); the head is tied
     # to the embedding (a second use of its weight)

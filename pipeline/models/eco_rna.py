@@ -592,7 +592,7 @@ def token_bucket(n: int, quantum: int) -> int:
     of a half-octave grid (2^k and 3 x 2^(k-2), from quantum / 16 up), so that the wavefront's few-row calls do not
     pay a whole quantum. A bucket is its own bucket, and larger counts never get smaller ones. The objective sets
     quantum = the microbatch's token budget / objective.token_buckets: a run meets a few dozen sizes whatever its
-    rows' lengths and depths (55 over 100 steps at 40 buckets), for about 4 % more core tokens and 2 % more FLOPs
+    rows' lengths and depths (47 over 100 steps at 40 buckets), for about 4 % more core tokens and 2 % more FLOPs
     (docs/performance.md, "Token buckets")."""
     if n <= 0:
         return 0

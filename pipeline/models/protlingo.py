@@ -264,6 +264,7 @@ class RoutingInfo:
     aux: torch.Tensor  # scalar L_aux = E sum_e f_e P_e
     z: torch.Tensor  # scalar L_z = mean logsumexp^2
     counts: torch.Tensor  # [E] tokens routed to each expert (detached)
+    expert: torch.Tensor | None = None  # [T] the expert each real token ran through, in real_index order (detached)
 
 
 class _ExpertList(nn.Module):
@@ -295,11 +296,16 @@ class UpcycledMoE(nn.Module):
     def experts(self) -> nn.ModuleList:
         return self.deepspeed_moe.experts.deepspeed_experts
 
-    def route(self, x: torch.Tensor):
-        """x [T, d] -> (expert [T] long, weight [T] (1.0, with the gradient of log p_e), RoutingInfo)."""
+    def route(self, x: torch.Tensor, forced: torch.Tensor | None = None):
+        """x [T, d] -> (expert [T] long, weight [T] (1.0, with the gradient of log p_e), RoutingInfo).
+
+        ``forced`` [T] long (a routing override, Fig. 4b): where >= 0 that expert replaces the top-1 (weight still 1
+        forward), -1 keeps it. None: the training path, the same operations as without overrides."""
         logits = F.linear(x.float(), self.router.weight.float())  # [T, E] in fp32
         logp = torch.log_softmax(logits, -1)
         expert = logits.argmax(-1)
+        if forced is not None:
+            expert = torch.where(forced >= 0, forced, expert)
         logp_e = logp.gather(1, expert[:, None]).squeeze(1)
         weight = torch.exp(logp_e - logp_e.detach())  # straight-through: exactly 1 forward
         T = x.shape[0]
@@ -310,7 +316,7 @@ class UpcycledMoE(nn.Module):
             z = torch.logsumexp(logits, -1).pow(2).mean()
         else:
             aux = z = logits.sum() * 0  # keeps the router in the graph on a rank without tokens
-        return expert, weight, RoutingInfo(aux, z, counts.detach())
+        return expert, weight, RoutingInfo(aux, z, counts.detach(), expert.detach())
 
     def compute_experts(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """x [T, d], expert [T] -> routed_{expert_t}(x_t) [T, d]. The method expert parallelism replaces."""
@@ -320,16 +326,18 @@ class UpcycledMoE(nn.Module):
             out = out.index_add(0, idx, mlp(x.index_select(0, idx)))  # every expert runs, on zero rows too
         return out
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, real_index: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor, real_index: torch.Tensor | None = None,
+                forced: torch.Tensor | None = None):
         """x [B, L, d] (normalized FFN input), token_mask [B, L] bool -> (y [B, L, d], RoutingInfo).
 
         Only real tokens are routed; padding gets the shared expert alone (its output is never read). ``real_index``
         [T]: the flat positions of the real tokens (the objective copies them from the host batch); without it they
-        are read from the mask, one device read a layer (a boolean index's size is data-dependent)."""
+        are read from the mask, one device read a layer (a boolean index's size is data-dependent). ``forced``
+        [B, L] long: a routing override (:meth:`route`; -1 keeps the router's choice), None in training."""
         B, L, d = x.shape
         idx = real_index if real_index is not None else token_mask.reshape(-1).nonzero().squeeze(1)  # [T]
         flat = x.reshape(B * L, d).index_select(0, idx)  # [T, d]
-        expert, weight, info = self.route(flat)
+        expert, weight, info = self.route(flat, None if forced is None else forced.reshape(B * L).index_select(0, idx))
         routed = self.compute_experts(flat, expert) * weight[:, None].to(flat.dtype)
         y = self.shared(x).reshape(B * L, d).index_add(0, idx, routed)  # the shared expert everywhere, + routed
         return y.view(B, L, d), info
@@ -428,11 +436,11 @@ class EsmBlock(nn.Module):
         self.ffn_norm = nn.LayerNorm(d, eps=cfg.layer_norm_eps)
         self.ffn = UpcycledMoE(cfg) if moe else FFN(d, cfg.d_ff)
 
-    def forward(self, h, rope, key_mask, real_index=None):
+    def forward(self, h, rope, key_mask, real_index=None, forced=None):
         h = h + self.attn(self.attn_norm(h), rope, key_mask)
         u = self.ffn_norm(h)
         if isinstance(self.ffn, UpcycledMoE):
-            y, info = self.ffn(u, key_mask, real_index)
+            y, info = self.ffn(u, key_mask, real_index, forced)
             return h + y, info
         return h + self.ffn(u), None
 
@@ -477,6 +485,27 @@ class ProtLingoOutput:
     memory: dict  # block index -> MemoryInfo
 
 
+def token_experts(info: RoutingInfo, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The expert each position of a [B, L] batch ran through at one MoE block: [B, L] long, -1 at padding. The
+    layer's real tokens are the mask's True positions in row-major order (the real_index every caller passes)."""
+    out = torch.full(attention_mask.shape, -1, dtype=torch.long, device=info.expert.device)
+    return out.view(-1).index_copy(0, attention_mask.reshape(-1).nonzero().squeeze(1), info.expert).view(
+        attention_mask.shape)
+
+
+def check_route_override(override: dict, cfg: ProtLingoConfig, shape) -> None:
+    """ValueError naming the first block or value of a routing override that cannot apply (ProtLingo.forward)."""
+    for block, forced in override.items():
+        if block not in cfg.moe_layers:
+            raise ValueError(f"route_override: block {block} is not an MoE block (model.moe_layers {cfg.moe_layers})")
+        if tuple(forced.shape) != tuple(shape) or forced.is_floating_point():
+            raise ValueError(f"route_override[{block}]: an integer tensor of the tokens' shape {list(shape)} is "
+                             f"needed, got {forced.dtype} {list(forced.shape)}")
+        if forced.numel() and (int(forced.min()) < -1 or int(forced.max()) >= cfg.num_experts):
+            raise ValueError(f"route_override[{block}]: expert ids must be in -1..{cfg.num_experts - 1} "
+                             "(-1 keeps the router's choice)")
+
+
 class ProtLingo(nn.Module):
     def __init__(self, cfg: ProtLingoConfig):
         super().__init__()
@@ -516,11 +545,17 @@ class ProtLingo(nn.Module):
         return {"memory_tables": {f"memory.{i}.tables" for i in self.memory}}
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor,
-                real_index: torch.Tensor | None = None) -> ProtLingoOutput:
+                real_index: torch.Tensor | None = None,
+                route_override: dict[int, torch.Tensor] | None = None) -> ProtLingoOutput:
         """tokens, attention_mask: [B, L] (mask True at real tokens, rows right-padded) -> ProtLingoOutput.
         ``real_index`` [T] long on the device: the flat positions of the real tokens, which the MoE layers route
-        (given, nothing in the forward reads the device; else read once from the mask)."""
+        (given, nothing in the forward reads the device; else read once from the mask).
+
+        ``route_override`` {MoE block: forced [B, L] long}: positions >= 0 run through that expert instead of the
+        top-1, -1 keep it (Fig. 4b's intervention); None is the unmodified forward, bit for bit."""
         cfg = self.cfg
+        if route_override is not None:
+            check_route_override(route_override, cfg, tokens.shape)
         real = attention_mask.bool()
         residue = real & (tokens != cfg.cls_token_id) & (tokens != cfg.eos_token_id)
         h = self.embed(tokens, real)
@@ -531,7 +566,7 @@ class ProtLingo(nn.Module):
         for i, layer in enumerate(self.layers):
             if str(i) in self.memory:
                 h, memory[i] = self.memory[str(i)](h, residue, real)
-            h, info = layer(h, rope, real, real_index)
+            h, info = layer(h, rope, real, real_index, None if route_override is None else route_override.get(i))
             if info is not None:
                 routing[i] = info
         logits = self.head(self.final_norm(h), self.embed.weight)

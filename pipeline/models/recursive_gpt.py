@@ -330,13 +330,20 @@ class RecursiveGPT(_Decoder):
         """tokens, attention_mask: [B, L] (mask True at real tokens, right-padded); depth R' >= 1 (default R);
         document_ids, position_ids: [B, L] for packed rows (attention stays within a document, positions restart).
         Returns next-token logits [B, L, V]: position t predicts token t + 1 from tokens <= t."""
+        return self.head(self.features(tokens, attention_mask, depth, document_ids, position_ids))
+
+    def features(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 depth: int | None = None, document_ids: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-normed hidden states [B, L, H] the head reads (forward's arguments): an HF base model's
+        last_hidden_state (pipeline/families/modeling_gpt.py)."""
         depth = self.cfg.recurrence if depth is None else int(depth)
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         h, rope, key_mask = self._inputs(tokens, attention_mask, position_ids)
         for r in range(depth):
             h = self.block(h, self.step_norms(r), rope, key_mask, document_ids)
-        return self.head(self.final_norm(h))
+        return self.final_norm(h)
 
 
 class StandardGPT(_Decoder):
@@ -356,9 +363,15 @@ class StandardGPT(_Decoder):
                 depth: int | None = None, document_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Same interface as RecursiveGPT; ``depth`` must be None or n_layers (a standard stack has one depth)."""
+        return self.head(self.features(tokens, attention_mask, depth, document_ids, position_ids))
+
+    def features(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 depth: int | None = None, document_ids: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-normed hidden states [B, L, H] the head reads (RecursiveGPT.features)."""
         if depth is not None and int(depth) != self.cfg.n_layers:
             raise ValueError(f"a standard decoder runs its {self.cfg.n_layers} layers, got depth {depth}")
         h, rope, key_mask = self._inputs(tokens, attention_mask, position_ids)
         for block, norms in zip(self.blocks, self.norms):
             h = block(h, norms, rope, key_mask, document_ids)
-        return self.head(self.final_norm(h))
+        return self.final_norm(h)

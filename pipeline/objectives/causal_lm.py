@@ -5,9 +5,17 @@ Samples are sentencepiece token records (uint16 shards written by ``python -m da
 ``input_ids = framed[:-1]``, ``labels = framed[1:]``, so position t is trained to predict token t + 1.
 
 Per microbatch the loss is the summed token cross-entropy S over the m supervised (non-padding) positions; the engine
-divides by the step's global count, giving the mean next-token loss. ``totals["words"]`` counts the words among the
-targets (sentencepiece pieces that start a word, "▁..."), read from the ``tokenizer.model`` the data_prep job copies
-beside the shards, so a run can log words seen, the unit of the BabyLM budgets (10M / 100M words).
+divides by the step's global count, giving the mean next-token loss. ``totals["words"]`` counts words seen as the
+BabyLM challenge counts them, the whitespace-separated words of the training text (Python's ``str.split``), repeats
+over epochs counted: a word counts once when any of its characters is among the microbatch's targets. Every token of a
+record is a target exactly once per time the record is drawn (the shift above), so one epoch of uncropped records
+counts exactly the words of the text (tests/pipeline/objectives/test_word_count.py); a record cropped to the context
+counts the words it keeps, one cut by the crop once. The count is read from the pieces of the ``tokenizer.model`` the
+data_prep job copies beside the shards (:func:`word_tables`): a target begins a word where a non-space character
+follows a space, the start of the document (<s>) or, across the token boundary, a token that ends in a space.
+Counted on the host per microbatch (integers), summed over the accumulation microbatches and the ranks in float64
+(exact below 2^53) by the step, kept in the checkpoint's running totals, so a resumed run continues the count
+exactly.
 """
 from __future__ import annotations
 
@@ -54,9 +62,9 @@ def plan(batch, cfg, *, step: int, stream: int, index: int) -> Plan:
     words = None
     if cfg.objective.count_words:
         path = spm_model_path(cfg)
-        table = word_start_table(str(path))
-        if table is not None:
-            words = count_words(batch.labels, table)
+        tables = word_tables(str(path))
+        if tables is not None:
+            words = count_words(batch.input_ids, batch.labels, tables)
         elif cfg.train.max_words is not None or cfg.checkpoint.at_words:
             raise ConfigError(f"train.max_words / checkpoint.at_words: word counting needs {path}")
     return Plan(supervised=batch.num_supervised, padded=not bool(batch.attention_mask.all()), words=words)
@@ -87,24 +95,82 @@ def spm_model_path(cfg) -> Path:
     return (Path(next(iter(braceexpand(spec)))).parent if is_url_pattern(spec) else Path(spec)) / SPM_NAME
 
 
+# Unicode whitespace outside ASCII, as UTF-8 bytes: spelled in byte pieces when the vocabulary lacks the character
+# (str.split splits on them, so the count must too)
+_WIDE_SPACES = tuple(c.encode() for c in map(chr, range(0x80, 0x3001)) if c.isspace())
+
+
 @functools.lru_cache(maxsize=4)
-def word_start_table(model_path: str) -> torch.Tensor | None:
-    """bool [V]: True for pieces that begin a word ("▁..."); None without a model file."""
+def word_tables(model_path: str) -> tuple[torch.Tensor, ...] | None:
+    """Per piece of a sentencepiece model [V]: (words that begin inside it: space -> non-space transitions after its
+    first character, long; whether its first character is a non-space, bool; whether it ends in a space or is a
+    special token, bool: what follows it starts fresh; its byte for a byte piece <0xNN>, else -1). "▁" is a space;
+    a byte piece is a non-space unless it is ASCII whitespace or part of a wider whitespace character's bytes, which
+    :func:`count_words` reads from the sequence. None without a model file."""
     path = Path(model_path)
     if not path.is_file():
         return None
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(path))
-    return torch.tensor([sp.id_to_piece(i).startswith("\u2581") for i in range(sp.get_piece_size())])
+    inner, starts, ends, byte = [], [], [], []
+    for i in range(sp.get_piece_size()):
+        piece = sp.id_to_piece(i)
+        byte.append(int(piece[3:-1], 16) if sp.is_byte(i) else -1)
+        if sp.is_control(i):  # <pad>, <s>, </s>: no text; what follows starts a new word
+            inner.append(0)
+            starts.append(False)
+            ends.append(True)
+            continue
+        if sp.is_byte(i):
+            text = chr(byte[-1]) if byte[-1] < 0x80 else "x"
+        elif sp.is_unknown(i):
+            text = "x"  # one unknown character
+        else:
+            text = piece.replace("\u2581", " ")
+        space = [c.isspace() for c in text]
+        inner.append(sum(1 for a, b in zip(space, space[1:]) if a and not b))
+        starts.append(not space[0])
+        ends.append(space[-1])
+    return torch.tensor(inner), torch.tensor(starts), torch.tensor(ends), torch.tensor(byte)
 
 
-def count_words(labels: torch.Tensor, table: torch.Tensor) -> int:
-    """Words among the supervised targets [B, L]: pieces that start a word (sentencepiece's dummy prefix gives a
-    line's first word its "▁" too; specials and a crop's leading word fragment do not count)."""
-    valid = (labels != IGNORE_INDEX) & (labels >= 0) & (labels < len(table))
-    ids = labels.clamp(min=0, max=len(table) - 1)
-    return int((table.to(labels.device)[ids] & valid).sum())
+def _wide_space_bytes(seq: torch.Tensor, byte: torch.Tensor) -> torch.Tensor:
+    """bool [B, L]: the positions of ``seq`` (token ids) that are byte pieces spelling a non-ASCII whitespace
+    character (_WIDE_SPACES)."""
+    b = byte[seq]  # [B, L], -1 where not a byte piece
+    out = torch.zeros_like(seq, dtype=torch.bool)
+    L = seq.shape[1]
+    for spelled in _WIDE_SPACES:
+        n = len(spelled)
+        if n > L:
+            continue
+        hit = torch.ones(seq.shape[0], L - n + 1, dtype=torch.bool)
+        for j, v in enumerate(spelled):
+            hit &= b[:, j:L - n + 1 + j] == v
+        for j in range(n):
+            out[:, j:L - n + 1 + j] |= hit
+    return out
+
+
+def count_words(input_ids: torch.Tensor, labels: torch.Tensor, tables) -> int:
+    """Words among the supervised targets [B, L] (module docstring): per target, the words beginning inside its
+    piece, plus one when its piece begins with a non-space and the token before it (``input_ids`` at the same
+    position: the shift) ends in a space or is special (<s> opens every record, and a crop's first target counts
+    the word it cuts into once)."""
+    inner, starts, ends, byte = tables
+    V = len(inner)
+    valid = (labels != IGNORE_INDEX) & (labels >= 0) & (labels < V)
+    tgt = labels.clamp(min=0, max=V - 1)
+    prev = input_ids.clamp(min=0, max=V - 1)
+    n_inner, begins, after_space = inner[tgt], starts[tgt], ends[prev]
+    if bool((byte[tgt] >= 0x80).any()):  # wide whitespace spelled in bytes: read from the sequence itself
+        seq = torch.cat([prev[:, :1], tgt], 1)  # framed[t] = input_ids[t]; framed[t + 1] = labels[t]
+        wide = _wide_space_bytes(seq, byte)
+        begins = begins & ~wide[:, 1:]
+        after_space = after_space | wide[:, :-1]
+    n = n_inner + (begins & after_space).long()
+    return int((n * valid).sum())
 
 
 def loss(model, batch, cfg, p: Plan) -> LossOutput:

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, word_milestones
 from pipeline.profiling import StepProfiler
 from pipeline.train.step import all_reduce_host
-from pipeline.train.stop import TrainingStopped
+from pipeline.train.stop import LoaderFailed, TrainingStopped
 from pipeline import validation
 
 
@@ -389,7 +389,10 @@ class SaveCadence(Callback):
     survives keep_last)."""
 
     def on_fit_start(self, trainer):
-        self.words = trainer.state.cumulative.get("words", 0.0)  # words consumed before the current step
+        # Words consumed before the current step: the restored total on resume, so a milestone saved before the kill
+        # (words <= total) is not saved again and one the kill came before is saved at the step that crosses it
+        self.words = trainer.state.cumulative.get("words", 0.0)
+        self.milestones = word_milestones(trainer.cfg)
 
     def save_reasons(self, trainer, rec):
         step, c = trainer.state.step, trainer.cfg.checkpoint
@@ -397,7 +400,7 @@ class SaveCadence(Callback):
         reasons = set()
         if step % c.every_steps == 0 or step == trainer.cfg.train.max_steps:
             reasons.add("periodic")
-        if any(before < w <= self.words for w in c.at_words) or step in c.at_steps:
+        if any(before < w <= self.words for w in self.milestones) or step in c.at_steps:
             reasons.add("milestone")
         return reasons
 
@@ -418,16 +421,28 @@ class Budget(Callback):
 
 class StopOnRequest(Callback):
     """SIGTERM / SIGUSR1, the launcher's death, train.max_hours on any rank (pipeline/train/stop.py): every rank
-    stops after the same step, checkpointed."""
+    stops after the same step, checkpointed. A DataLoader worker that died on any rank (its loader restarted and
+    finished the step: pipeline/data/loader.py StreamLoader) stops every rank the same way, and then the run fails
+    (LoaderFailed, exit 1) with one line naming the worker, the shard it was reading and the checkpoint."""
+
+    DIED = 2.0  # the flag of a rank whose loader lost a worker (above a stop request's 1.0: MAX says which)
 
     def stop_reason(self, trainer, rec):
         trainer.collective = f"the stop-flag all-reduce after step {trainer.state.step}"
-        flag = all_reduce_host([float(trainer.stop.requested())], torch.float32, trainer.device, dist.ReduceOp.MAX)
+        died = getattr(trainer.data, "worker_died", None)
+        local = self.DIED if died else float(trainer.stop.requested())
+        flag = all_reduce_host([local], torch.float32, trainer.device, dist.ReduceOp.MAX)
+        if flag[0] >= self.DIED:
+            self.failure = died or "a data loader worker of another rank died (its error line names it)"
+            return "a data loader worker died"
         return (trainer.stop.reason or "a stop request on another rank") if flag[0] else None
 
     def on_stop(self, trainer):
+        saved = trainer.checkpointer.last_saved or "not written (non-finite step)"
+        if getattr(self, "failure", None):
+            raise LoaderFailed(f"{self.failure}; the loader restarted from its position and finished step "
+                               f"{trainer.state.step}, checkpoint {saved}; the same command resumes")
         if trainer.rank == 0:
-            saved = trainer.checkpointer.last_saved or "not written (non-finite step)"
             print(f"stopping at step {trainer.state.step}: {trainer.stopped_by}; checkpoint {saved}; the same "
                   "command resumes", flush=True)
 

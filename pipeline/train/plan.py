@@ -15,13 +15,15 @@ from pathlib import Path
 
 import torch
 
+from pipeline.checkpoint.layout import check_no_links
 from pipeline.checkpoint.read import check_pickles, read_client_state
 from pipeline.checkpoint.resume import check_init_source, check_reshard, check_resume_config, find_resume_tag
 from pipeline.checkpoint.read import load_state_dict
 from pipeline.config import ConfigError, RunConfig, load_yaml
 from pipeline.data.compat import check_shards_fit
 from pipeline.data.loader import ShardStream
-from pipeline.data.remote import CacheSettings, RetryPolicy, fingerprint, is_remote
+from pipeline.data.remote import CacheSettings, RetryPolicy, fingerprint, is_remote, manifest_of
+from pipeline.data.shards import ShardError
 from pipeline.data.streams import (Source, StreamLayout, is_url_pattern, reshard_states, resolve_shards,
                                    saved_layout)
 from pipeline.ds_config import load_ds_config, resolve_ds_config
@@ -29,6 +31,15 @@ from pipeline.tasks import training_spec
 from pipeline.parallel import check_parallelism
 from pipeline.train.memory import resolve_auto, training_device
 from pipeline import validation
+
+
+def _shards(spec) -> list:
+    """The shards a shard set's manifest lists, local or remote ([] when it has none to read: named by the checks
+    that read the data)."""
+    try:
+        return manifest_of(spec).shards
+    except (OSError, ShardError):
+        return []
 
 
 class RunPlan:
@@ -52,6 +63,7 @@ class RunPlan:
         for p in (self.run_dir, *self.run_dir.parents):  # a file where the run directory (or a parent) belongs
             if p.exists() and not p.is_dir():
                 raise ConfigError(f"run_dir: {p} exists and is not a directory; choose another run_dir")
+        check_no_links(self.ckpt_dir)
         # resume_note: set when resume falls back from what 'latest' names
         self.resume_tag, self.resume_note = find_resume_tag(resume, self.ckpt_dir)
         self.trust_checkpoint = trust_checkpoint
@@ -179,12 +191,34 @@ class RunPlan:
         if cfg.optim.warmup_steps > cfg.train.max_steps:
             out.append(f"optim.warmup_steps ({cfg.optim.warmup_steps:,}) exceeds train.max_steps "
                        f"({cfg.train.max_steps:,}): the learning rate never reaches optim.lr")
+        out += self._leaks()
+        return out
+
+    def _leaks(self) -> list[str]:
+        """Validation shards that are training shards: the same shard set (directory or URL), or shards whose content
+        is (the same sha256 in both manifests; a byte-identical copy of the training shards under another path gave
+        no warning). Records repacked into other shards are not seen here: data_prep's --val-fraction split keeps a
+        record on one side by its id."""
         where = lambda s: s.rstrip("/") if is_remote(s) else Path(s).resolve()  # noqa: E731
-        train_dirs = {where(spec): key for key, spec in self.shard_specs() if not is_url_pattern(spec)}
+        train_dirs, digests, out = {}, {}, []
+        for key, spec in self.shard_specs():
+            if is_url_pattern(spec):
+                continue
+            train_dirs[where(spec)] = key
+            for s in _shards(spec):
+                digests.setdefault(s.sha256, (key, spec))
         for d in self.val_dirs:
             if where(d) in train_dirs:
                 out.append(f"data.val_shards: {d} is also {train_dirs[where(d)]}: validation would "
                            "measure training data, not held-out data")
+                continue
+            shards = _shards(d)
+            shared = [s for s in shards if s.sha256 in digests]
+            if shared:
+                key, spec = digests[shared[0].sha256]
+                out.append(f"data.val_shards: {len(shared)} of the {len(shards)} shards of {d} are shards of {key} "
+                           f"({spec}) byte for byte (the same sha256 in both manifests, e.g. {shared[0].path}): "
+                           "validation would measure training data, not held-out data")
         return out
 
     def _check_step_fits(self, world_size: int):

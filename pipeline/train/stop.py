@@ -18,6 +18,11 @@ class TrainingStopped(RuntimeError):
     """The run stopped itself with a non-zero exit (divergence); the message says why and what is kept."""
 
 
+class LoaderFailed(RuntimeError):
+    """A DataLoader worker died: the run finished the step (its loader restarted from the exact position), wrote a
+    checkpoint and stopped with a non-zero exit; the message names the worker, the shard and the checkpoint."""
+
+
 class PeerLost(RuntimeError):
     """A collective failed because another rank is gone (its node died, was killed, or the network failed)."""
 

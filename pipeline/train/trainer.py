@@ -35,7 +35,7 @@ from pipeline.train.plan import RunPlan
 from pipeline.train.resolved import line as resolved_line, resolved_settings
 from pipeline.train.ranks import check_ranks_agree
 from pipeline.train.step import train_step
-from pipeline.train.stop import MidStep, StopMidStep, StopRequest, TrainingStopped, peer_lost
+from pipeline.train.stop import LoaderFailed, MidStep, StopMidStep, StopRequest, TrainingStopped, peer_lost
 
 # Running totals over the whole run (all ranks), logged as total/<name>
 CUMULATIVE = ("samples", "tokens", "supervised_tokens", "words", "flops", "row_iterations", "skipped", "nonfinite")
@@ -201,8 +201,10 @@ class Trainer:
                 if stopping is not None:
                     stopping.on_stop(self)
                     break
+            self.checkpointer.wait()  # the last save whole (or its failure raised) before the run reports its end
             status = "FINISHED" if self.stopped_by in ("train.max_steps", "budget") else "KILLED"
         except BaseException as e:
+            self._settle_save(e)
             lost = self._failed(e)
             if lost is None:
                 raise
@@ -230,6 +232,7 @@ class Trainer:
                                    milestone="milestone" in reasons, best="best" in reasons)
         if not stopping:
             return None
+        self.checkpointer.wait()  # the run stops: its checkpoint whole before it is named
         cb, self.stopped_by = stopping[0]
         return cb
 
@@ -329,9 +332,20 @@ class Trainer:
                   f"last complete checkpoint is {self.checkpointer.latest()}; the same command resumes from it",
                   flush=True)
 
+    def _settle_save(self, e: BaseException):
+        """A failing run still completes the background save in flight (an earlier step's, whole in host memory) or
+        records its failure, unless the failure is that save's own or a second Ctrl-C (leave now: the incomplete
+        checkpoint is skipped by resume, ``latest`` names the one before)."""
+        checkpointer = getattr(self, "checkpointer", None)
+        if checkpointer is None or isinstance(e, (KeyboardInterrupt, CheckpointWriteError)):
+            return
+        failed = checkpointer.settle()
+        if failed and self.rank == 0:
+            print(f"warning: the checkpoint in flight when the run failed: {failed}", flush=True)
+
     def _failed(self, e: BaseException):
         """Note why the run failed; the PeerLost to raise instead of ``e`` when a peer rank is gone, else None."""
-        lost = not isinstance(e, (CheckpointWriteError, TrainingStopped)) and lost_peer(e)
+        lost = not isinstance(e, (CheckpointWriteError, TrainingStopped, LoaderFailed)) and lost_peer(e)
         self.stopped_by = ("the loss of another rank" if lost else "divergence" if isinstance(e, TrainingStopped)
                            else "data that could not be fetched" if isinstance(e, FetchError)
                            else f"an error ({type(e).__name__})")

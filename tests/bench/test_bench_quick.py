@@ -69,6 +69,10 @@ SMALLER = {
         # 3 steps, one validation at the last (the step-time median leaves the first 2 out)
         Smoke("bench/validation.py", ("--steps", "3", "--every", "3"), ("VAL.overhead", "VAL.per_eval")),
     ],
+    "bench/checkpoint_stall.py": [  # the demo Eco-RNA, not the 80M: 2 launches of 2 ranks (both save modes)
+        Smoke("bench/checkpoint_stall.py", ("--config", "eco_rna_demo", "--ranks", "2", "--steps", "4", "--every",
+                                            "2"), ("CKPT.stall2", "CKPT.loss2"), quick=False, slow=True),
+    ],
     "bench/compiled.py": [  # the host figures, one timed step (COMPILE over 100 steps: tests/pipeline/test_compile_blocks.py)
         Smoke("bench/compiled.py", ("--skip-compile", "--host-steps", "1"), ("HOST.step", "HOST.token")),
     ],
@@ -103,6 +107,8 @@ ELSEWHERE = {
     "bench/depth_study.py": "tests/bench/test_depth_study.py::test_tiny_study_trains_both_models_with_the_real_launcher",
     "bench/depth_task.py": "tests/bench/test_bench_quick.py::test_depth_task_tiny_study_runs_end_to_end",
     "bench/comm_volume.py": "tests/tools/test_scaling.py::test_predicted_volume_is_the_counted_volume",
+    # the full run needs a checkout of the BabyLM pipeline (BABYLM_PIPELINE); its argument check runs everywhere
+    "bench/babylm_pipeline.py": "tests/bench/test_babylm_pipeline.py::test_predictions_identical_to_the_pipeline",
 }
 
 

@@ -7,7 +7,7 @@ from conftest import REPO, TINY
 from prewarmed import run_python
 
 from pipeline.config import dump_yaml, load_config
-from pipeline.checkpoint.layout import CHECKPOINT_FORMAT
+from pipeline.checkpoint.layout import CHECKPOINT_FORMAT, mark_complete
 from pipeline.data.streams import resolve_shards
 
 PRETRAIN = str(REPO / "launchers" / "pretrain.py")
@@ -110,14 +110,15 @@ def test_streams_not_dividing_and_nodes_not_dividing_exit_2(sample_shards, tmp_p
 
 
 def fake_checkpoint(run_dir, cfg, step: int, world_size: int = 1):
-    """The files resume reads before DeepSpeed starts: client_state.json, config.yaml, COMPLETE and latest."""
+    """The files resume reads before DeepSpeed starts: client_state.json, config.yaml, SHA256SUMS, COMPLETE and
+    latest."""
     tag = f"step{step:08d}"
     tag_dir = run_dir / "checkpoints" / tag
     tag_dir.mkdir(parents=True)
     client = {"format": CHECKPOINT_FORMAT, "step": step, "world_size": world_size, "zero_stage": 2, "config": cfg.to_dict()}
     (tag_dir / "client_state.json").write_text(json.dumps(client))
     (tag_dir / "config.yaml").write_text(dump_yaml(cfg))
-    (tag_dir / "COMPLETE").write_text("done\n")
+    mark_complete(tag_dir)  # the digests, then COMPLETE: a checkpoint of the current format has both
     (run_dir / "checkpoints" / "latest").write_text(tag)
     return tag_dir
 

@@ -16,7 +16,8 @@ CASES = {"min_length": (["--min-length", "30"], 10, 30), "max_length": (["--max-
          "dedup": (["--dedup"], False, True), "replace_invalid": (["--replace-invalid", "N"], None, "N"),
          "window": (["--window", "64"], None, 64), "stride": (["--window", "64", "--stride", "32"], None, 32),
          "window_tail": (["--window", "64", "--window-tail", "drop"], None, None),
-         "val_fraction": (["--val-fraction", "0.2"], None, 0.2)}
+         "val_fraction": (["--val-fraction", "0.2"], None, 0.2),
+         "max_record_length": (["--max-record-length", "5000"], 1_000_000_000, 5000)}
 OTHER_SOURCES = {"text_column": "babylm", "uniref90_members": "uniref", "clusters": "uniref"}
 
 
@@ -25,7 +26,7 @@ def job_cli_options() -> dict:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     return {name: {a.dest for a in p._actions if a.dest != "help"} for name, p in sub.choices.items()
-            if name not in ("merge", "train-spm", "synthetic-hops")}
+            if name not in ("merge", "train-spm", "synthetic-hops", "upload")}
 
 
 def test_every_job_option_is_compared_or_has_a_reason():

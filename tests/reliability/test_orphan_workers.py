@@ -101,14 +101,15 @@ def test_a_refused_second_run_touches_nothing_of_the_first(tmp_path):
     assert running, "the first run ended before the second was refused: the test proves nothing"
     assert second.returncode != 0 and "Traceback" not in second.stderr, second.stderr
     (line,) = [ln for ln in second.stderr.splitlines() if ln.strip()]
-    assert f"{out} is being written by another data_prep --workers run (pid {first.pid} on " in line, line
+    assert (f"{out} is being written by another data_prep run (data_prep rnacentral --workers 2, pid {first.pid} on "
+            in line), line
     assert first.returncode == 0, err1
     lone = subprocess.run([*cmd[:7], str(tmp_path / "lone"), *cmd[8:]], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert lone.returncode == 0, lone.stderr
     got, want = (json.loads((d / "manifest.json").read_text()) for d in (out, tmp_path / "lone"))
     assert [s["sha256"] for s in got["shards"]] == [s["sha256"] for s in want["shards"]]
-    assert not list(tmp_path.glob(".*.workers.lock"))
+    assert not list(tmp_path.glob(".*.lock"))  # the output's lock (data_prep/common.py lock_path) is gone
 
 
 def test_workers_that_cannot_run_python_code_die_with_their_parent(tmp_path):
@@ -147,7 +148,7 @@ def test_workers_that_cannot_run_python_code_die_with_their_parent(tmp_path):
         while time.monotonic() - t0 < 5 and not all(gone(w.pid) for w in workers):
             time.sleep(0.05)
         assert all(gone(w.pid) for w in workers), "a worker outlived its parent"
-        for path in [tmp_path / ".out.workers.lock", *staging.glob(".job*/.lock")]:
+        for path in [tmp_path / ".out.data_prep.lock", *staging.glob(".job*/.lock")]:
             with open(path) as f:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: still held by an orphan
     finally:

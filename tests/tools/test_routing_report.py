@@ -59,13 +59,17 @@ def test_routing_report_of_an_export(tmp_path, capsys):
         assert per_expert.sum() == pytest.approx(layer["residues"])
         for acid, row in layer["usage_by_amino_acid"].items():
             assert abs(sum(row) - 1) < 1e-9, acid
+    # the paper's across-layer summary: the mean of the per-block normalized entropies, and E to that power
+    mean = (doc["moe_layers"]["0"]["normalized_entropy"] + doc["moe_layers"]["1"]["normalized_entropy"]) / 2
+    assert doc["mean_normalized_entropy"] == pytest.approx(mean) and doc["mean_effective_experts"] == pytest.approx(
+        math.exp(mean * math.log(4)))
     mem = doc["memory_layers"]["1"]
     assert 0 < mem["rows_addressed"] <= mem["table_rows"] and mem["exact_addresses"] in (True, False)
     captured = capsys.readouterr()
-    assert "MoE block 0: normalized entropy" in captured.out
+    assert "MoE block 0: normalized entropy" in captured.out and "mean over 2 MoE blocks:" in captured.out
     # the forwards' bar on stderr, complete: every residue of the 40 proteins counted once
     n = doc["residues"]
     assert "routing report: 100%" in captured.err and f" {n}/{n} " in captured.err, captured.err[-500:]
-    # convert_checkpoint's bar (the export above) keeps one total from its first frame to its last: 4 steps
+    # convert_checkpoint's bar (the export above) keeps one total from its first frame to its last (its 5 steps)
     frames = re.findall(r"convert:\s+\d+%\|[^|]*\| (\d+)/(\d+)", captured.err)
-    assert len(frames) >= 2 and {total for _, total in frames} == {"4"} and frames[-1] == ("4", "4"), frames
+    assert len(frames) >= 2 and {total for _, total in frames} == {"5"} and frames[-1] == ("5", "5"), frames

@@ -21,7 +21,7 @@ def test_hand_made_pair_with_known_logprobs(tmp_path):
     """A fake model with fixed sentence log-probabilities: accuracy per phenomenon and macro average by hand."""
     known = {"The cat sleeps.": -10.0, "The cat sleep.": -12.5,  # good wins
              "Dogs bark.": -7.0, "Dogs barks.": -6.0,  # bad wins
-             "She saw herself.": -9.0, "She saw himself.": -9.0}  # tie: counts as wrong
+             "She saw herself.": -9.0, "She saw himself.": -9.0}  # tie: goes to the good sentence, as both harnesses
     f = write(tmp_path / "p.jsonl", [
         {"sentence_good": "The cat sleeps.", "sentence_bad": "The cat sleep.", "UID": "agreement", "field": "m"},
         {"sentence_good": "Dogs bark.", "sentence_bad": "Dogs barks.", "UID": "agreement", "field": "m"},
@@ -35,8 +35,9 @@ def test_hand_made_pair_with_known_logprobs(tmp_path):
 
     res = evaluate_blimp(f, from_text_logprob(logprob_fn))
     assert res["per_phenomenon"]["agreement"]["accuracy"] == 0.5
-    assert res["per_phenomenon"]["anaphor"]["accuracy"] == 0.0
-    assert res["macro_accuracy"] == 0.25 and res["micro_accuracy"] == pytest.approx(1 / 3) and res["n_pairs"] == 3
+    assert res["per_phenomenon"]["anaphor"]["accuracy"] == 1.0
+    assert res["macro_accuracy"] == 0.75 and res["micro_accuracy"] == pytest.approx(2 / 3) and res["n_pairs"] == 3
+    assert [p["pred"] for p in res["predictions"]["agreement"]["predictions"]] == ["The cat sleeps.", "Dogs barks."]
     assert len(calls) == 1  # full sentences need no context scores
 
 

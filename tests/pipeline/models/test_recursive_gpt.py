@@ -236,12 +236,6 @@ def test_causal_lm_transform_loss_and_backward(tmp_path):
     assert not missing
 
 
-def test_count_words_counts_word_initial_targets():
-    table = torch.tensor([False, False, False, False, True, False, True])  # ids 4 and 6 start words
-    labels = torch.tensor([[4, 5, 6, 2], [6, 5, -100, -100]])
-    assert causal_lm.count_words(labels, table) == 3
-
-
 @pytest.mark.parametrize("family", ["recursive", "standard"])
 def test_packed_row_equals_documents_run_alone(family):
     """A packed row [doc A | doc B | pad] gives each document the logits it gets alone (masking and positions)."""
