@@ -731,7 +731,11 @@ def build_config(raw: dict) -> RunConfig:
     family = get_family(family_name)
     model = from_dict(family.config_cls, raw.pop("model", {}) or {}, prefix="model.")
     objective = from_dict(family.objective_cls, raw.pop("objective", {}) or {}, prefix="objective.")
-    task = _task_config(raw.pop("task", None))
+    task = raw.pop("task", None)
+    if task is not None:  # the task's config dataclass (pipeline/tasks/base.py)
+        from pipeline.tasks import task_section
+
+        task = task_section(task, from_dict)
     raw["family"] = family_name
     hints = typing.get_type_hints(RunConfig)
     names = {f.name for f in dataclasses.fields(RunConfig)}
@@ -745,27 +749,12 @@ def build_config(raw: dict) -> RunConfig:
     _check(not cfg.data.pack or family.packable, "data.pack",
            f"family {family_name} is a masked LM with per-sequence losses and bidirectional attention; "
            "packing is for the causal LMs (set data.pack: false)")
-    if task is None:
-        family.check_config(cfg)
-    else:  # the adapted model's spec: the family's checks and the task's (pipeline/tasks/base.py)
+    if task is not None:  # the adapted model's spec: the family's checks and the task's (pipeline/tasks/base.py)
         from pipeline.tasks import training_spec
 
-        training_spec(cfg).check_config(cfg)
+        family = training_spec(cfg)
+    family.check_config(cfg)
     return cfg
-
-
-def _task_config(raw):
-    """The ``task:`` section as its task's config dataclass (pipeline/tasks), None without one."""
-    if raw is None:
-        return None
-    from pipeline.tasks import TASKS, get_task
-
-    if not isinstance(raw, dict):
-        raise ConfigError(f"task: expected a mapping, got {raw!r}")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"task.name: required, one of {', '.join(sorted(TASKS))}")
-    return from_dict(get_task(name).config_cls, raw, prefix="task.")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

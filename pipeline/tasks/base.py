@@ -214,6 +214,17 @@ def init_state(cfg, build_model: Callable, source_config: dict, load: Callable) 
     return {**fresh, **merged}
 
 
+def task_section(raw, from_dict) -> TaskConfig:
+    """A run config's ``task:`` section as its task's config dataclass, read by pipeline/config.py's ``from_dict``
+    (passed in: the config layer sits above this one)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"task: expected a mapping, got {raw!r}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"task.name: required, one of {', '.join(sorted(TASKS))}")
+    return from_dict(get_task(name).config_cls, raw, prefix="task.")
+
+
 def training_spec(cfg):
     """The Family spec a run config trains and loads: its family's, or with a ``task:`` section the adapted model's
     (:func:`adapted_family`)."""
@@ -232,4 +243,4 @@ def crop_note(count: int, total: int, window: int, crop: bool) -> str:
 
 
 __all__ = ["BACKBONE_MODES", "Record", "Task", "TaskConfig", "TaskTransform", "TASKS", "adapted_family",
-           "frame_labels", "get_task", "register_task", "training_spec"]
+           "frame_labels", "get_task", "register_task", "task_section", "training_spec"]
