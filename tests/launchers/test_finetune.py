@@ -190,3 +190,25 @@ def test_refusals_are_one_line(tmp_path):
                         str(REPO / "ds_configs/zero2.json"), "--config", str(config), "--dry-run"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "task: missing" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", ["finetune_nrc_demo", "finetune_ssp_demo"])
+def test_the_demo_configs_take_their_backbone_from_the_quickstart_run(name, tmp_path):
+    """launchers/configs/finetune_*_demo.yaml (scripts/adapt_demo.sh) as launchers/finetune.py reads them: family,
+    model, objective (the depth law the backbone adapts at) and the window from a checkpoint of the quickstart's
+    config, the task's own keys kept; the secondary-structure demo's --max-length 126 is that window's residues."""
+    sys.path.insert(0, str(REPO))
+    from launchers import finetune
+    from pipeline.config import dump_yaml, load_config
+
+    pre = load_config(REPO / "launchers" / "configs" / "eco_rna_demo.yaml")
+    source = tmp_path / "step00000100"
+    source.mkdir()
+    (source / "client_state.json").write_text("{}")
+    (source / "config.yaml").write_text(dump_yaml(pre))
+    cfg = finetune.task_config(name, [f"train.init_from={source}", f"run_dir={tmp_path / 'run'}"])
+    assert cfg.task.name == name.split("_")[1] and cfg.task.backbone == "full"
+    assert (cfg.family, cfg.model, cfg.objective) == (pre.family, pre.model, pre.objective)
+    assert cfg.data.context_length == pre.data.context_length == 128
+    assert cfg.optim.lr_scale["head"] > 1  # the head faster than the backbone
+    assert "--max-length 126" in (REPO / "scripts" / "adapt_demo.sh").read_text()
