@@ -26,10 +26,10 @@ import functools
 import json
 import json.decoder
 import json.scanner
-import math
 from pathlib import Path
 
 from pipeline.config import ConfigError, RunConfig, read_config_text
+from pipeline.config_files import check_finite
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -264,17 +264,6 @@ def _suggest(key: str, known) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _check_finite(value, path: str, key: str = ""):
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{path}: {key.rstrip('.') or 'value'}: expected a finite number, got {value}")
-    if isinstance(value, dict):
-        for k, v in value.items():
-            _check_finite(v, path, f"{key}{k}.")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            _check_finite(v, path, f"{key.rstrip('.')}[{i}].")
-
-
 def _check_object(value, path: str, key: str):
     if not isinstance(value, dict):
         raise ConfigError(f"{path}: {key}: expected an object, got {json.dumps(value)}")
@@ -303,7 +292,7 @@ def check_ds_config(raw, path: str) -> dict:
     """The checks of :func:`load_ds_config` on an already parsed config (ConfigError naming ``path`` and the key)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be an object")
-    _check_finite(raw, path)
+    check_finite(raw, where=path)
     tables = known_keys()
     for key in raw:
         if key in ENGINE_OWNED:

@@ -276,6 +276,22 @@ class Tracker:
         except Exception as e:
             self._warn_once("artifact", f"log_artifact {path}: {_short(e)}")
 
+    def log_run_inputs(self, run_dir: Path, train: list, val: list):
+        """A new run's config.yaml, ds_config.json and local training manifests as artifacts, its training and
+        validation shard sets as dataset inputs. ``train``: (the mixture source's name or None, shard set) pairs;
+        ``val``: shard sets. A set is named by its source, else by its directory (shard_set_name)."""
+        from pipeline.data.remote import is_remote
+        from pipeline.data.streams import is_url_pattern
+
+        self.log_artifact(run_dir / "config.yaml")
+        self.log_artifact(run_dir / "ds_config.json")
+        for name, spec in train:
+            if not is_url_pattern(spec) and not is_remote(spec):
+                self.log_artifact(Path(spec) / "manifest.json", f"data/{name}" if name else "data")
+            self.log_dataset(name or shard_set_name(spec), spec, "training")
+        for d in val:
+            self.log_dataset(shard_set_name(d), d, "validation")
+
     def log_dataset(self, name: str, spec: str | Path, context: str):
         """A shard directory (or URL pattern) as an MLflow dataset input of the run, ``context`` "training" or
         "validation": the source is the directory, the digest the first 16 hex digits of its manifest.json's sha256
@@ -637,3 +653,10 @@ class Tracker:
                 self._warn_once(f"{what}:{_code(e)}", f"{self.uri} refused {what} ({_short(e)}); dropped")
                 return
             raise
+
+
+def shard_set_name(spec: str) -> str:
+    """A data set's name for MLflow: the shard directory's name, with its parent's for the train/ and val/ that
+    ``data_prep --val-fraction`` writes (``rfam/train``, not ``train``); the last path part of a URL or pattern."""
+    p = Path(str(spec).rstrip("/"))
+    return f"{p.parent.name}/{p.name}" if p.name in ("train", "val") and p.parent.name else p.name

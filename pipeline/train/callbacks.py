@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipeline import commands
 from pipeline.config import ConfigError, word_milestones
 from pipeline.profiling import StepProfiler
 from pipeline.train.step import all_reduce_host
@@ -333,8 +334,39 @@ class Console(Callback):
 
     def on_fit_end(self, trainer, status):
         if trainer.rank == 0:
-            print(trainer.summary(status, trainer.state.step - self.start_step,
-                                  time.perf_counter() - self.started), flush=True)
+            print(run_summary(trainer, status, trainer.state.step - self.start_step,
+                              time.perf_counter() - self.started), flush=True)
+
+
+def run_summary(trainer, status: str, steps_this_attempt: int, seconds: float) -> str:
+    """The run's last lines: how far it got, where its checkpoints and tracking live, how to export it."""
+    c, s, ckpt_dir = trainer.state.cumulative, trainer.state, trainer.checkpointer.ckpt_dir
+    latest = trainer.checkpointer.latest(None)
+    best = f"{s.best[0]:.4f} at step {s.best[1]}" if s.best else "n/a"
+    final = f"{s.last_loss:.4f}" if steps_this_attempt else "n/a (no step this attempt)"
+    m, sec = divmod(int(seconds), 60)
+    took = f"{m // 60}h{m % 60:02d}m{sec:02d}s" if m >= 60 else f"{m}m{sec:02d}s"
+    lines = [
+        f"==== run {trainer.run_dir} {status.lower()}: step {s.step}/{trainer.cfg.train.max_steps} "
+        f"(stopped by {trainer.stopped_by}), {steps_this_attempt} steps in {took} ====",
+        f"loss: final {final}, best {best} | tokens {c.get('tokens', 0):.4g} | samples "
+        f"{c.get('samples', 0):.4g} | skipped steps {c.get('skipped', 0):.0f} | non-finite steps "
+        f"{c.get('nonfinite', 0):.0f}",
+        f"checkpoints: {ckpt_dir} (latest {latest or 'none'})",
+    ]
+    fetched = getattr(trainer, "fetch_totals", None)
+    if fetched is not None:  # remote shard sets (callbacks.RemoteData), this attempt
+        lines.append(f"data fetched: {megabytes(fetched['fetched_bytes'])} in {fetched['fetches']:.0f} shards "
+                     f"(all ranks), {fetched['cache_hits']:.0f} cache hits, {fetched['retries']:.0f} retries, "
+                     f"{fetched['wait_s']:.1f} s waiting on the network; cache {trainer.plan.cache.directory}")
+    if latest:
+        lines.append(f"export: {commands.python()} tools/convert_checkpoint.py --checkpoint {trainer.run_dir} "
+                     f"--output exports/{trainer.run_dir.name}")
+    if trainer.tracker.uri:
+        lines.append(f"mlflow: run {trainer.tracker.run_id} in {trainer.tracker.uri} "
+                     f"({commands.mlflow()} ui --backend-store-uri {trainer.tracker.uri})")
+    lines.append(f"log: {trainer.run_dir / 'train.log'}, metrics: {trainer.run_dir / 'metrics.jsonl'}")
+    return "\n".join(lines)
 
 
 def _fetch_note(rec: dict) -> str:

@@ -202,6 +202,20 @@ def training_device():
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
 
 
+def claim_device(world: int):
+    """Take this process's training device: LOCAL_RANK's GPU (made current), else the CPU with the host's cores
+    shared among the node's ranks (unless OMP_NUM_THREADS says otherwise: oversubscribing halves the speed)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", torch.cuda.current_device())
+    if "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    return torch.device("cpu")
+
+
 def resolve_auto(cfg, family, *, world: int, ds_config: dict, saved: dict | None = None, device=None):
     """(``cfg`` with train.max_tokens_per_microbatch: auto resolved, the Microbatch), module docstring. ``saved``:
     the client state of the checkpoint a run resumes: its resolved budget is kept (the data order depends on it)

@@ -11,25 +11,23 @@ from __future__ import annotations
 import math
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from pipeline import commands
 from pipeline.checkpoint.io import Checkpointer, CheckpointWriteError, TrainState, parent_tags
 from pipeline.checkpoint.layout import RunDirLock
 from pipeline.checkpoint.read import load_state_dict, load_weights_into
 from pipeline.config import ConfigError, RunConfig
 from pipeline.data.loader import make_loader
-from pipeline.data.remote import FetchError, is_remote
-from pipeline.data.streams import is_url_pattern
+from pipeline.data.remote import FetchError
 from pipeline.distributed import (all_gather_object, broadcast_object, init_distributed, lost_peer,
                                   set_collective_timeout, shutdown_distributed)
 from pipeline.parallel import optimizer_groups, parallelize
 from pipeline.run_log import current as current_run_log
 from pipeline.tracking.tracker import Tracker
-from pipeline.train.callbacks import Callback, default_callbacks, megabytes
+from pipeline.train.callbacks import Callback, default_callbacks
+from pipeline.train.memory import claim_device
 from pipeline.train.optim import lean_overflow_check, lr_factor, make_optimizer, param_groups, schedule_horizon
 from pipeline.train.plan import RunPlan
 from pipeline.train.resolved import line as resolved_line, resolved_settings
@@ -77,7 +75,7 @@ class Trainer:
             print(f"warning: {w}", flush=True)
         self.stop = StopRequest(self.cfg.train.max_hours)
         self.stop.install()
-        self.device = self._device()
+        self.device = claim_device(self.world)
         self.mid_step = MidStep(self.stop, self.cfg.train.heartbeat_seconds, self.rank, self.device)
 
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
@@ -119,8 +117,11 @@ class Trainer:
         self.tracker = Tracker(self.cfg, self.run_dir, self.rank, run_id,
                                self.state.step if plan.resume_tag else None, tags=parent,
                                params={f"resolved.{k}": v for k, v in self.resolved.items()})
-        if not plan.resume_tag:
-            self._log_inputs()
+        if not plan.resume_tag:  # a new run's config, ds_config and data as MLflow artifacts and dataset inputs
+            sources = self.cfg.data.sources
+            self.tracker.log_run_inputs(self.run_dir, list(zip([s.name for s in sources] or [None],
+                                                               (spec for _, spec in plan.shard_specs()))),
+                                        plan.val_dirs)
         self.dataset = plan.build_dataset(self.rank)
         if plan.resumed_loader is not None:  # the exact position of this rank's streams (dealt to this world size)
             self.dataset.load_state_dict(plan.resumed_loader[self.rank])
@@ -141,15 +142,6 @@ class Trainer:
         if error:
             raise ConfigError(error)
 
-    def _device(self) -> torch.device:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            return torch.device("cuda", torch.cuda.current_device())
-        if "OMP_NUM_THREADS" not in os.environ:  # ranks on one host share its cores; oversubscribing halves speed
-            local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or self.world)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-        return torch.device("cpu")
-
     def _start_point(self, weights_only: bool) -> tuple[str | None, dict | None]:
         """Continue the run's checkpoint, or start from train.init_from: (MLflow run id to continue, parent tags)."""
         plan = self.plan
@@ -164,19 +156,6 @@ class Trainer:
             print(f"initialized from {plan.init_source} "
                   f"({'weights' if weights_only else 'weights and optimizer moments'})", flush=True)
         return None, parent_tags(plan.init_source, self.cfg.train.init_from_optimizer)
-
-    def _log_inputs(self):
-        """A new run's config, ds_config and data manifests as MLflow artifacts; its training and validation shards
-        as MLflow dataset inputs (named by the mixture's source, else by the shard directory)."""
-        self.tracker.log_artifact(self.run_dir / "config.yaml")
-        self.tracker.log_artifact(self.run_dir / "ds_config.json")
-        sources = self.cfg.data.sources
-        for (_, spec), name in zip(self.plan.shard_specs(), [s.name for s in sources] or [""]):
-            if not is_url_pattern(spec) and not is_remote(spec):
-                self.tracker.log_artifact(Path(spec) / "manifest.json", f"data/{name}" if sources else "data")
-            self.tracker.log_dataset(name or _shard_dir_name(spec), spec, "training")
-        for d in self.plan.val_dirs:
-            self.tracker.log_dataset(_shard_dir_name(d), d, "validation")
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def fit(self):
@@ -354,36 +333,6 @@ class Trainer:
         return peer_lost(e, self.collective, self.state.step + 1, self.cfg.train.collective_timeout,
                          self.checkpointer.latest())
 
-    def summary(self, status: str, steps_this_attempt: int, seconds: float) -> str:
-        """The run's last lines: how far it got, where its checkpoints and tracking live, how to export it."""
-        c, s, ckpt_dir = self.state.cumulative, self.state, self.checkpointer.ckpt_dir
-        latest = self.checkpointer.latest(None)
-        best = f"{s.best[0]:.4f} at step {s.best[1]}" if s.best else "n/a"
-        final = f"{s.last_loss:.4f}" if steps_this_attempt else "n/a (no step this attempt)"
-        m, sec = divmod(int(seconds), 60)
-        took = f"{m // 60}h{m % 60:02d}m{sec:02d}s" if m >= 60 else f"{m}m{sec:02d}s"
-        lines = [
-            f"==== run {self.run_dir} {status.lower()}: step {s.step}/{self.cfg.train.max_steps} "
-            f"(stopped by {self.stopped_by}), {steps_this_attempt} steps in {took} ====",
-            f"loss: final {final}, best {best} | tokens {c.get('tokens', 0):.4g} | samples "
-            f"{c.get('samples', 0):.4g} | skipped steps {c.get('skipped', 0):.0f} | non-finite steps "
-            f"{c.get('nonfinite', 0):.0f}",
-            f"checkpoints: {ckpt_dir} (latest {latest or 'none'})",
-        ]
-        fetched = getattr(self, "fetch_totals", None)
-        if fetched is not None:  # remote shard sets (callbacks.RemoteData), this attempt
-            lines.append(f"data fetched: {megabytes(fetched['fetched_bytes'])} in {fetched['fetches']:.0f} shards "
-                         f"(all ranks), {fetched['cache_hits']:.0f} cache hits, {fetched['retries']:.0f} retries, "
-                         f"{fetched['wait_s']:.1f} s waiting on the network; cache {self.plan.cache.directory}")
-        if latest:
-            lines.append(f"export: {commands.python()} tools/convert_checkpoint.py --checkpoint {self.run_dir} "
-                         f"--output exports/{self.run_dir.name}")
-        if self.tracker.uri:
-            lines.append(f"mlflow: run {self.tracker.run_id} in {self.tracker.uri} "
-                         f"({commands.mlflow()} ui --backend-store-uri {self.tracker.uri})")
-        lines.append(f"log: {self.run_dir / 'train.log'}, metrics: {self.run_dir / 'metrics.jsonl'}")
-        return "\n".join(lines)
-
 
 def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_change: bool = False, *,
         trust_checkpoint: bool = False, allow_data_change: bool = False) -> Trainer:
@@ -412,9 +361,3 @@ def run(cfg: RunConfig, ds_config_path: str, resume: str = "auto", allow_config_
     shutdown_distributed()
     return trainer
 
-
-def _shard_dir_name(spec: str) -> str:
-    """A data set's name for MLflow: the shard directory's name, with its parent's for the train/ and val/ that
-    ``data_prep --val-fraction`` writes (``rfam/train``, not ``train``); the last path part of a URL pattern."""
-    p = Path(str(spec).rstrip("/"))
-    return f"{p.parent.name}/{p.name}" if p.name in ("train", "val") and p.parent.name else p.name

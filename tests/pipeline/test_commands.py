@@ -38,7 +38,7 @@ def test_python_and_mlflow_are_the_running_environment(tmp_path, monkeypatch):
 
 
 def test_training_summary_prints_the_running_interpreter(tmp_path, monkeypatch):
-    from pipeline.train.trainer import Trainer
+    from pipeline.train.callbacks import run_summary
 
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "runs" / "demo"
@@ -47,7 +47,7 @@ def test_training_summary_prints_the_running_interpreter(tmp_path, monkeypatch):
         checkpointer=SimpleNamespace(ckpt_dir=run_dir / "checkpoints", latest=lambda default=None: "step00000003"),
         cfg=SimpleNamespace(train=SimpleNamespace(max_steps=3)), stopped_by="the budget", run_dir=run_dir,
         tracker=SimpleNamespace(uri="sqlite:///runs/demo/mlflow.db", run_id="abc"))
-    text = Trainer.summary(fake, "finished", 3, 5.0)
+    text = run_summary(fake, "finished", 3, 5.0)
     python = str(Path(os.path.abspath(sys.executable)))
     assert f"export: {python} tools/convert_checkpoint.py --checkpoint {run_dir}" in text, text
     assert f"({Path(python).parent / 'mlflow'} ui --backend-store-uri sqlite:///runs/demo/mlflow.db)" in text, text
