@@ -6,7 +6,7 @@ cannot import this repository (its own modules are refused on import), and check
 nRC: AutoModelForSequenceClassification, the classes it gives two sequences at K = 1 and 4. Secondary structure:
 AutoModelForTokenClassification on TS0's sequences that fit the window, batched as the sweep batched them, pair
 probabilities above 0.5 pooled over every sequence's L x L cells: the F1, precision and recall at K = 4 must be the
-sweep's. Only torch, transformers and the standard library are used here.
+sweep's. Only torch, transformers (and its dependency yaml) and the standard library are used here.
 """
 import csv
 import importlib.abc
