@@ -47,6 +47,11 @@ eval.depths (--depths overrides), seeded by --seed (training uses eval.seed, 0 b
 mlm (pipeline/eval/mlm.py): held-out masked-LM loss, perplexity and accuracy of a protein masked LM (paper 002's
 ablation metric) on a FASTA or shard directory, each sequence masked once by the training transform (seeded).
 
+nrc, ssp, reactivity (pipeline/eval/task_sweeps.py): a checkpoint adapted to that task (launchers/finetune.py) swept
+over K with its weights, head, inputs and initial-state table fixed: accuracy and per-class accuracy, strict
+full-matrix micro-F1 with precision and recall (and a per-sequence view, OUT_STEM-structure-cases.png), or AUC,
+macro-F1 and MAE averaged over DMS and 2A3; docs/adaptation.md.
+
 The protein benchmarks of pipeline/eval/benchmarks.py (flip, contacts, expert_specialization, expert_intervention,
 memory_motifs) declare their readers, options, metrics and plots in their own modules; proteingym also reports the
 leaderboard's average (with --reference) and Spearman per billion active parameters. --checkpoint may also
@@ -77,6 +82,7 @@ from pipeline.eval.cli import TRUST_FLAG, TRUST_HELP, check_depths, locate_check
 from pipeline.eval.cli import require_trust  # noqa: E402
 from pipeline.outputs import write_atomic  # noqa: E402
 from pipeline.tracking.eval_runs import log_metric_batches, mlflow_target, start_eval_run  # noqa: E402
+from pipeline.eval.task_sweeps import SWEEPS  # noqa: E402 - adapted models: nrc, ssp, reactivity (docs/adaptation.md)
 
 # The text benchmarks (BLiMP and its supplement, COMPS, EWoK, Entity Tracking, the wug tasks, LAMBADA, and babylm: every
 # BabyLM folder at once) come from pipeline/eval/benchmarks.py's table: their runs, options and metrics are declared
@@ -90,7 +96,7 @@ def text_tasks() -> dict:
     return TABLE
 
 
-TASKS = OWN_TASKS + tuple(text_tasks())
+TASKS = OWN_TASKS + tuple(SWEEPS) + tuple(text_tasks())
 
 
 def default_depths(cfg) -> list[int]:
@@ -461,7 +467,7 @@ def depth_plot(trained, task: str, result: dict, out: Path, data: Path) -> Path 
 
 
 def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
-                  png: Path | None = None) -> tuple[str, str] | None:
+                  png: Path | None = None, figures: list = ()) -> tuple[str, str] | None:
     """In a run nested under the checkpoint's training run (:func:`start_eval_run`), when its store is reachable:
     eval/TASK/METRIC with step = K, the JSON and ``png`` (the metric-vs-depth plot, :func:`depth_plot`). Returns
     (evaluation run id, training run id)."""
@@ -482,8 +488,9 @@ def log_to_mlflow(trained, task: str, result: dict, out: Path, data: Path,
                for row in rows for j, name in enumerate(cols) if j > 0 and np.isfinite(row[j])]
     log_metric_batches(client, child, metrics)
     client.log_artifact(child, str(out), "eval")
-    if png is not None:
-        client.log_artifact(child, str(png), "eval")
+    for f in [png, *figures]:
+        if f is not None:
+            client.log_artifact(child, str(f), "eval")
     client.set_terminated(child)
     return child, run_id
 
@@ -499,7 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "blimp, comps, ewok, entity_tracking, wug_*: JSONL or a folder of them; babylm: "
                    "evaluation_data/full_eval (or fast_eval); lambada: text or JSONL; proteingym: assay CSV or dir; "
                    "validation: shard dirs, comma-separated; flip: a landscape's split CSVs (dir) or one; contacts: "
-                   "PDB / mmCIF files (dir) or one; expert_*, memory_motifs: the proteins' FASTA")
+                   "PDB / mmCIF files (dir) or one; expert_*, memory_motifs: the proteins' FASTA; "
+                   "nrc, ssp, reactivity: the task's file (or folder) or a tools/prepare_task.py shard dir")
     p.add_argument("--depths", default=None, help="e.g. 1-8 or 1,2,4,8 (default: the trained R for "
                    "recursive_gpt, 1-8 for eco_rna); capped at 4 x the deepest training depth (a cap never below 8)")
     p.add_argument(TRUST_FLAG, action="store_true", help=TRUST_HELP)
@@ -580,6 +588,8 @@ def main(argv=None) -> int:
                                     args.batch_size or 32, active_params(trained.cfg))
         elif args.task == "reconstruction":
             result = run_reconstruction(trained, data, depths, args.seed)
+        elif args.task in SWEEPS:  # an adapted model's task (pipeline/eval/task_sweeps.py)
+            result = SWEEPS[args.task](trained, data, depths, args.seed)
         else:
             result = run_rnagym(trained, data, depths, args.seed, args.reference_sheet)
     except (FileNotFoundError, ValueError) as e:  # ConfigError and ShardError are ValueErrors
@@ -616,6 +626,7 @@ def main(argv=None) -> int:
         print(result["types_line"])
     if result.get("skipped_line"):
         print(result["skipped_line"])
+    figures = result.pop("figures", {})  # a task's own figures, drawn beside the JSON below
     result.update(task=args.task, checkpoint=str(trained.tag_dir), data=str(data), seed=args.seed, depths=depths)
     if args.task == "proteingym":
         result.update(reference=str(args.reference) if args.reference else None)
@@ -629,9 +640,13 @@ def main(argv=None) -> int:
     png = None if args.task == "proteingym" else task_plot(trained, args.task, result, out, data)
     if png is not None:
         print(f"wrote {png}")
+    drawn = [draw(out.with_name(f"{out.stem}-{name}.png"), f"{args.task} of {trained.tag_dir} on {data.name}, seed "
+                  f"{args.seed}: {name} against core iterations K") for name, draw in figures.items()]
+    for f in drawn:
+        print(f"wrote {f}")
     if not args.no_mlflow:
         log = log_proteingym_to_mlflow(trained, result, out, data) if args.task == "proteingym" else \
-            log_to_mlflow(trained, args.task, result, out, data, png)
+            log_to_mlflow(trained, args.task, result, out, data, png, drawn)
         if log:
             print(f"logged to MLflow run {log[0]} (nested in training run {log[1]})")
     return 0

@@ -43,13 +43,27 @@ sys.path.insert(0, str(REPO))
 DEFAULT_CONFIG = REPO / "launchers" / "configs" / "eco_rna_demo.yaml"
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
+    p = parser or build_parser()
+    args = p.parse_args(argv)
+    if not args.dry_run and (args.world_size is not None or args.nproc_per_node is not None):
+        p.error("--world-size and --nproc-per-node plan a run: they go with --dry-run (a training takes its world "
+                "size from the launcher)")
+    return args
+
+
+def build_parser(description: str = __doc__, config_help: str | None = None) -> argparse.ArgumentParser:
+    """The training command line (``config_help``: a --config that is required, with this help, as
+    launchers/finetune.py has it)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ds_config", "--ds-config", dest="ds_config", required=True,
                    help="DeepSpeed JSON config (ds_configs/zero{1,2,3}.json)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG),
-                   help="run config YAML, or the name of one in launchers/configs (eco_rna_80m) as the tools take it "
-                        "(default: the Eco-RNA demo)")
+    if config_help is None:
+        p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                       help="run config YAML, or the name of one in launchers/configs (eco_rna_80m) as the tools take "
+                            "it (default: the Eco-RNA demo)")
+    else:
+        p.add_argument("--config", required=True, help=config_help)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.max_steps=200 (repeatable)")
     p.add_argument("--resume", default="auto",
@@ -78,11 +92,7 @@ def parse_args(argv=None):
                    help="with --dry-run: M ranks per node (default: LOCAL_WORLD_SIZE or LOCAL_SIZE from the launcher, "
                         "else all ranks on one node)")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    args = p.parse_args(argv)
-    if not args.dry_run and (args.world_size is not None or args.nproc_per_node is not None):
-        p.error("--world-size and --nproc-per-node plan a run: they go with --dry-run (a training takes its world "
-                "size from the launcher)")
-    return args
+    return p
 
 
 def _positive(text: str) -> int:
@@ -108,7 +118,17 @@ def planned_world(world_size: int | None, nproc_per_node: int | None, env=os.env
     return world, local, ", ".join(flags) if flags else "from the launcher's environment"
 
 
-def main(argv=None) -> int:
+def run_config(config: str, overrides: list[str]):
+    """The run config of --config (a path, or a name of launchers/configs) with --set overrides applied."""
+    from pipeline.config import load_config
+    from pipeline.eval.cli import resolve_config
+
+    return load_config(resolve_config(config), overrides)
+
+
+def main(argv=None, *, parse=None, load=None) -> int:
+    """The training command; launchers/finetune.py is this with its own ``parse`` (command line) and ``load`` (how
+    --config and --set become the run config: the backbone's sections from the checkpoint it starts from)."""
     rank = int(os.environ.get("RANK", "0"))
     from pipeline import run_log
 
@@ -116,18 +136,16 @@ def main(argv=None) -> int:
     from pipeline.distributed import name_cpu_accelerator
 
     name_cpu_accelerator()  # before DeepSpeed is imported: no "Setting accelerator to CPU" line per rank on CPU
-    args = parse_args(argv)
+    args = (parse or parse_args)(argv)
     if args.dry_run and rank != 0:
         return 0  # under a launcher rank 0 alone plans, for every rank; the others would print the same
-    from pipeline.config import ConfigError, load_config
+    from pipeline.config import ConfigError
     from pipeline.data.shards import ShardError
 
     try:
         # --init-from is train.init_from (validated with the rest); JSON quoting keeps any path a YAML string.
         extra = [f"train.init_from={json.dumps(args.init_from)}"] if args.init_from is not None else []
-        from pipeline.eval.cli import resolve_config
-
-        cfg = load_config(resolve_config(args.config), [*args.overrides, *extra])
+        cfg = (load or run_config)(args.config, [*args.overrides, *extra])
         from pipeline import train
 
         if args.dry_run:

@@ -476,6 +476,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # Supervised adaptation (docs/adaptation.md): the task's config dataclass (pipeline/tasks), None for pretraining
+    task: Any = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -611,6 +613,11 @@ def build_config(raw: dict) -> RunConfig:
     family = get_family(family_name)
     model = from_dict(family.config_cls, raw.pop("model", {}) or {}, prefix="model.")
     objective = from_dict(family.objective_cls, raw.pop("objective", {}) or {}, prefix="objective.")
+    task = raw.pop("task", None)
+    if task is not None:  # the task's config dataclass (pipeline/tasks/base.py)
+        from pipeline.tasks import task_section
+
+        task = task_section(task, from_dict)
     raw["family"] = family_name
     hints = typing.get_type_hints(RunConfig)
     names = {f.name for f in dataclasses.fields(RunConfig)}
@@ -618,12 +625,16 @@ def build_config(raw: dict) -> RunConfig:
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown config key (known: {', '.join(sorted(names))})")
     kwargs = {k: _convert(v, hints[k], k) for k, v in raw.items() if k != "family"}
-    cfg = RunConfig(family=family_name, model=model, objective=objective, **kwargs)
+    cfg = RunConfig(family=family_name, model=model, objective=objective, task=task, **kwargs)
     # A masked LM's losses are per sequence (paper 000, Eq. 7-10) and its attention is bidirectional: packing would
     # let documents attend to each other. Only the causal LMs mask attention per packed document.
     _check(not cfg.data.pack or family.packable, "data.pack",
            f"family {family_name} is a masked LM with per-sequence losses and bidirectional attention; "
            "packing is for the causal LMs (set data.pack: false)")
+    if task is not None:  # the adapted model's spec: the family's checks and the task's (pipeline/tasks/base.py)
+        from pipeline.tasks import training_spec
+
+        family = training_spec(cfg)
     family.check_config(cfg)
     return cfg
 

@@ -43,8 +43,9 @@ def load_pretrained(path: str | Path, device: str | torch.device = "cpu"):
     if not (d / "config.yaml").is_file():
         raise ConfigError(f"{d}: no config.yaml beside {EXPORTED_WEIGHTS}")
     cfg = build_config(load_yaml(d / "config.yaml"))
-    family = get_family(cfg.family)
-    model = family.build_model(cfg.model)
+    from pipeline.tasks import training_spec  # an adapted model (a task: section) is its backbone and head
+
+    model = training_spec(cfg).build_model(cfg.model)
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError) as e:

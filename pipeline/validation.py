@@ -27,7 +27,7 @@ import torch.distributed as dist
 from pipeline.config import RunConfig
 from pipeline.data.batch import collate
 from pipeline.data.compat import check_shards_fit
-from pipeline.data.streams import set_sequences
+from pipeline.data.streams import reads_meta, set_records, set_sequences
 from pipeline.data.shards import MANIFEST
 from pipeline.errors import ConfigError
 from pipeline.eval.reconstruction import heldout_samples
@@ -65,13 +65,15 @@ def heldout_batches(cfg: RunConfig, family: Family, dirs: list[str], cache=None)
     """The validation set as collated batches (the same on every rank and every evaluation); ``cache``: where the
     shards of a remote set are fetched to (RunPlan.cache)."""
     limit = cfg.eval.max_samples
+    transform = family.make_transform(cfg)
+    read = set_records if reads_meta(transform) else set_sequences  # a task's records carry their labels
     seqs = []
     for d in dirs:
-        seqs += set_sequences(d, None if limit is None else limit - len(seqs), cache)
+        seqs += read(d, None if limit is None else limit - len(seqs), cache)
     seqs = seqs[:limit] if limit is not None else seqs
     if not seqs:
         raise ConfigError(f"data.val_shards: {', '.join(dirs)} hold no sequence")
-    samples = heldout_samples(seqs, family.make_transform(cfg), cfg.eval.seed)
+    samples = heldout_samples(seqs, transform, cfg.eval.seed)
     size = cfg.eval.batch_size
     return [collate(samples[i:i + size], pad_id=family.pad_id) for i in range(0, len(samples), size)]
 

@@ -1,6 +1,6 @@
 """The package layers, lowest first: core (pipeline.errors, pipeline.outputs, pipeline.commands,
 pipeline.config_files) -> data (pipeline.data, data_prep) ->
-models -> objectives -> families -> config (pipeline.config, pipeline.ds_config) -> train, checkpoint, tracking
+models -> objectives -> families, tasks -> config (pipeline.config, pipeline.ds_config) -> train, checkpoint, tracking
 (the rest of pipeline) -> launchers, tools, bench. No module imports a higher layer and no modules import each other
 in a circle. The graph is read from the AST, module-level and function-local imports alike: a function-local import
 hides a circle from Python, not from this test."""
@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("pipeline", "data_prep", "launchers", "tools", "bench")
 LAYERS = [("pipeline.errors", 0), ("pipeline.outputs", 0), ("pipeline.commands", 0), ("pipeline.config_files", 0),
           ("pipeline.data", 1), ("data_prep", 1),
-          ("pipeline.models", 2), ("pipeline.objectives", 3), ("pipeline.families", 4), ("pipeline.config", 5),
+          ("pipeline.models", 2), ("pipeline.objectives", 3), ("pipeline.families", 4), ("pipeline.tasks", 4),
+          ("pipeline.config", 5),
           ("pipeline.ds_config", 5), ("pipeline", 6), ("launchers", 7), ("tools", 7), ("bench", 7)]
 
 

@@ -151,8 +151,6 @@ def _cell(v) -> str:
 def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, trusted: bool,
                tokenizer: dict | None) -> str:
     """README.md of the export (module docstring)."""
-    from pipeline.families import get_family
-
     step = meta.get("step", "unknown")
     run, uri = meta.get("mlflow_run_id"), meta.get("mlflow_tracking_uri")
     lines = [f"# {cfg.family} export of {tag_dir.parent.parent.name}, step {step}", "",
@@ -165,7 +163,9 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
                      f"- data manifest ({name}): `{path}` not found at export time (no hash)")
     if tokenizer and tokenizer.get("sha256"):
         lines.append(f"- tokenizer: `{tokenizer.get('model')}` sha256 `{tokenizer['sha256']}`")
-    export = get_family(cfg.family).hf_export()
+    from pipeline.tasks import training_spec
+
+    export = training_spec(cfg).hf_export()  # an adapted model's (a task: section), else the family's
     card, usage = export.card(hf_cfg) if export is not None and fmt == "pipeline" else ([], [])
     lines += card
     lines += ["", "## Evaluation results found beside the checkpoint", ""]
@@ -196,6 +196,8 @@ def model_card(*, tag_dir: Path, cfg, meta: dict, fmt: str, hf_cfg, dtype: str, 
                   "from transformers import AutoModelForCausalLM, AutoTokenizer",
                   "model = AutoModelForCausalLM.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)",
                   "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)", *usage]
+    elif export is not None and not export.example:  # no fill-mask example (an adapted model): its own lines
+        lines += list(usage)
     elif export is not None:
         lines += ["from transformers import pipeline",
                   "fill = pipeline(\"fill-mask\", model=\"EXPORT_DIR\", trust_remote_code=True)",
@@ -226,12 +228,12 @@ def write_export(tmp: Path, model, cfg, *, tag_dir: Path, meta: dict, spm: Path 
     from pipeline import hf  # imports transformers (seconds): callers run their checks first
     from pipeline.checkpoint import EXPORTED_WEIGHTS
     from pipeline.config import dump_yaml
-    from pipeline.families import get_family
     from pipeline.hf_code import write_modeling_code
+    from pipeline.tasks import training_spec
 
     step = bar.update if bar is not None else (lambda: None)
     note = bar.set_postfix_str if bar is not None else (lambda _: None)
-    export = get_family(cfg.family).hf_export()  # None: a family without HF classes, pipeline files only
+    export = training_spec(cfg).hf_export()  # a task: section: the adapted model's; None: no HF classes
     hf_cfg = hf.hf_config(cfg) if export is not None else None
     fmt = hf.export_format(cfg)
     state = model.state_dict()

@@ -381,7 +381,9 @@ def load_trained_model(path: str | Path, trusted: bool = False) -> TrainedModel:
     """The model of a run, checkpoint or export, in eval mode (``trusted``: --trust-checkpoint, load_state_dict)."""
     tag_dir = resolve_tag_dir(path)
     cfg = build_config(load_yaml(tag_dir / "config.yaml"))
-    model = get_family(cfg.family).build_model(cfg.model)
+    from pipeline.tasks import training_spec  # an adapted model (a task: section) is its backbone and head
+
+    model = training_spec(cfg).build_model(cfg.model)
     load_weights_into(model, load_state_dict(tag_dir, trusted), tag_dir)
     model.eval()
     return TrainedModel(cfg, model, tag_dir, {} if is_export(tag_dir) else read_client_state(tag_dir))

@@ -177,6 +177,14 @@ def read_cluster_tokens(path: Path, expected_samples: int | None = None, *, sha2
     return _read(Path(path), expected_samples, clusters=True, meta=False, sha256=sha256, vocab_size=vocab_size)
 
 
+def read_records(path: Path, expected_samples: int | None = None, *, sha256: str | None = None,
+                 vocab_size: int | None = None) -> list[tuple[str, np.ndarray, dict]]:
+    """:func:`read_tokens` with each sample's meta.json decoded, (key, tokens, meta) in file order: the loader's read
+    of a source whose transform needs the meta (a supervised task's labels, pipeline/tasks), with the same checks."""
+    return [(key, tokens, meta) for key, tokens, _, meta in
+            _read(Path(path), expected_samples, clusters=False, meta=True, sha256=sha256, vocab_size=vocab_size)]
+
+
 def read_shard(path: str | Path, expected_samples: int | None = None) -> list[tuple[str, np.ndarray, dict]]:
     """All samples of one shard as (key, tokens, meta), in file order; tokens keep their stored unsigned dtype.
 

@@ -14,16 +14,24 @@ import numpy as np
 
 from pipeline import commands
 from pipeline.data.remote import CacheSettings, Remote, ShardCache, is_remote, open_set
-from pipeline.data.shard_reader import (cluster_members, read_cluster_tokens, read_tokens, shard_layout,
-                                        shard_sequences)
+from pipeline.data.shard_reader import (cluster_members, read_cluster_tokens, read_records, read_shard, read_tokens,
+                                        shard_layout, shard_sequences)
 from pipeline.data.shards import MANIFEST, ShardError, load_manifest
 
 # Told the path of each shard a read opens, in a DataLoader worker (pipeline/data/loader.py sets it there), so that
 # the rank can name the shard a worker was reading when the worker dies; None elsewhere.
 reading: Callable[[Path], None] | None = None
 
-# (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}
+# (tokens uint8 [n], rng) -> {"input_ids": int64 [L], "labels": int64 [L]}; a transform whose ``reads_meta`` is
+# true (a supervised task's, pipeline/tasks) takes (tokens, rng, the record's meta dict): its labels live there
 SampleTransform = Callable[[np.ndarray, np.random.Generator], dict]
+
+
+def reads_meta(transform) -> bool:
+    """Whether a sample transform takes each record's meta as a third argument (module comment above)."""
+    return bool(getattr(transform, "reads_meta", False))
+
+
 _MIX_TAG = 0x6D6978  # "mix": last seed entry of a group's interleaving, apart from every other seed key
 
 
@@ -130,6 +138,29 @@ def set_sequences(spec: str, limit: int | None = None, cache: CacheSettings | No
                         for t in cluster_members(tokens, offsets)]
             else:
                 out += [t for _, t in read_tokens(path, ref.samples, sha256=ref.sha256)]
+        finally:
+            shard_cache.release(ref.remote)
+    return out if limit is None else out[:limit]
+
+
+def set_records(spec: str, limit: int | None = None, cache: CacheSettings | None = None) -> list[tuple]:
+    """:func:`set_sequences` with each record's meta: [(tokens, meta)] in manifest order (a supervised task's held-out
+    set, whose labels are in the meta). Sequence layouts only."""
+    out: list[tuple] = []
+    if is_remote(spec) and cache is None:
+        raise ShardError(f"{spec}: a remote shard set is read through a shard cache (data.cache_dir)")
+    for ref in resolve_shards(spec):
+        if limit is not None and len(out) >= limit:
+            break
+        if ref.layout != "sequences":
+            raise ShardError(f"{spec}: holds {ref.layout}; a task's records are sequences with labels")
+        if ref.remote is None:
+            out += [(t, m) for _, t, m in read_shard(ref.path, ref.samples)]
+            continue
+        shard_cache = ShardCache.get(cache)
+        path = shard_cache.acquire(ref.remote)
+        try:
+            out += [(t, m) for _, t, m in read_records(path, ref.samples, sha256=ref.sha256)]
         finally:
             shard_cache.release(ref.remote)
     return out if limit is None else out[:limit]
@@ -269,6 +300,9 @@ class SourceStream:
                              "read by drawing a member; cluster sampling (data.cluster_sampling) is off")
         self.key, self.layout = key, layout
         self.transform, self.id_prefix = source.transform or transform, id_prefix
+        self.with_meta = reads_meta(self.transform)  # a task's labels: each record's meta goes to the transform
+        if self.with_meta and self.clusters:
+            raise ShardError(f"{self.spec}: holds UniRef50 clusters; a supervised task reads sequence records")
         if len(self.shards) < layout.streams:
             raise ShardError(f"{self.spec}: {len(self.shards)} shards < {layout.streams} loader streams "
                              f"({layout.describe()}); reshard with a smaller --shard-size or use fewer streams")
@@ -288,7 +322,7 @@ class SourceStream:
         """Shard ``sid``'s records, checked (counts, member names, token ids; the digest on its first read here)."""
         ref = self.shards[sid]
         sha256 = ref.sha256 if self.verify and sid not in self._verified else None
-        read = read_cluster_tokens if self.clusters else read_tokens
+        read = read_cluster_tokens if self.clusters else read_records if self.with_meta else read_tokens
         if ref.remote is not None:  # fetched whole into the cache (size and digest checked), read as a local file
             cache = ShardCache.get(self.cache)
             path = cache.acquire(ref.remote)
@@ -353,8 +387,9 @@ class SourceStream:
                         sample = self.transform(tokens[int(offsets[m]):int(offsets[m + 1])], rng)
                         sample["sample_id"] = f"{self.id_prefix}{self.shards[sid].name}/{key}@{epoch}#{m}"
                     else:
-                        key, tokens = records[sid][j]
-                        sample = self.transform(tokens, rng)
+                        key, tokens = records[sid][j][:2]
+                        sample = (self.transform(tokens, rng, records[sid][j][2]) if self.with_meta  # a task's
+                                  else self.transform(tokens, rng))  # labels: (key, tokens, meta) records
                         sample["sample_id"] = f"{self.id_prefix}{self.shards[sid].name}/{key}@{epoch}"
                     sample["source"] = self.name
                     yield sample

@@ -2,9 +2,10 @@
 with or without MLflow) and a run's validation curves (``RUN_DIR/validation.png``, pipeline/validation.py).
 
 The y-range rule is a pure function, :func:`y_limits`, so it is tested without pixels: a metric bounded in [0, 1]
-(accuracy, AUC, |MCC|, |Spearman|, pass@k) is drawn on 0 .. 1, so a gain reads at its true size; any other (a loss)
-spans at least ``MIN_SPAN_REL`` of its level and ``MIN_SPAN_ABS``, so the 0.0003 nats between K = 1 and K = 8 of a
-model that does not use depth stays a flat line instead of a cliff across the whole panel.
+(accuracy, AUC, |MCC|, |Spearman|, pass@k, F1, precision, recall) is drawn on 0 .. 1, so a gain reads at its true
+size; any other (a loss) spans at least ``MIN_SPAN_REL`` of its level and ``MIN_SPAN_ABS``, so the 0.0003 nats
+between K = 1 and K = 8 of a model that does not use depth stays a flat line instead of a cliff across the whole
+panel.
 
 Chance (:func:`chance_levels`) is what a guess that ignores the input reaches on the same supervised tokens: the
 most frequent target (accuracy) and the entropy of the targets' frequencies (loss, nats). On the synthetic depth task
@@ -20,11 +21,12 @@ from pathlib import Path
 MIN_SPAN_ABS = 0.05  # nats: below this a loss panel is widened around its data
 MIN_SPAN_REL = 0.1  # of the panel's level (|middle|): 0.14 nats at a loss of 1.4
 PAD = 0.05  # of the span, above and below the data
-BOUNDED = ("accuracy", "auc", "mcc", "spearman", "pass@")
+BOUNDED = ("accuracy", "auc", "mcc", "spearman", "pass@", "f1", "precision", "recall")
 
 
 def is_bounded(name: str) -> bool:
-    """Whether a metric name is one of the [0, 1] kind (accuracy, AUC, |MCC|, |Spearman|, pass@k)."""
+    """Whether a metric name is one of the [0, 1] kind (accuracy, AUC, |MCC|, |Spearman|, pass@k, F1, precision,
+    recall)."""
     return any(b in name.lower() for b in BOUNDED)
 
 
@@ -100,7 +102,7 @@ def plot_validation(history: list[dict], train: list[tuple[int, float]], path: P
     def keys(prefix):
         return sorted({k for rec in history for k in rec if k.startswith(prefix)},
                       key=lambda k: (len(k), k))  # val/loss_K2 before val/loss_K16
-    losses, accs = keys("val/loss"), keys("val/accuracy")
+    losses, accs = keys("val/loss"), keys("val/accuracy") or keys("val/f1")  # a structure task's F1
     if not losses:
         return None
     import matplotlib

@@ -17,10 +17,12 @@ from pipeline.objectives.masking import IGNORE_INDEX
 
 
 def heldout_samples(sequences: list, transform, seed: int) -> list[dict]:
-    """Crop + frame + corrupt each sequence (uint8 ids) once, with an rng owned by (seed, index)."""
+    """Crop + frame + corrupt each sequence (uint8 ids) once, with an rng owned by (seed, index). A transform that
+    reads each record's meta (a supervised task's, pipeline/tasks) takes (tokens, meta) records."""
     out = []
-    for i, tokens in enumerate(sequences):
-        s = transform(tokens, np.random.default_rng([seed, i]))
+    for i, item in enumerate(sequences):
+        rng = np.random.default_rng([seed, i])
+        s = transform(item[0], rng, item[1]) if getattr(transform, "reads_meta", False) else transform(item, rng)
         s["sample_id"] = str(i)
         out.append(s)
     return out

@@ -140,8 +140,10 @@ def load_reference_sheet(path) -> dict[str, dict]:
 class Assay:
     """One RNAGym assay with its substitutions flattened for vectorised scoring.
 
-    N = kept variants (rows with a finite DMS_score), M = total substitutions over them, L = len(wt).
-    The wild-type row, when present and scored, is a variant with no substitutions (its F is 0).
+    N = kept variants (rows with a mutant and a finite DMS_score), M = total substitutions over them, L = len(wt).
+    A wild-type row (empty mutant) is not a variant: it only offers its sequence as the wild type, and is counted in
+    ``wt_rows`` (RNAGym's own scorer drops it: ``performance_fitness.py``, ``df.dropna(subset=["mutant"])``, the empty
+    mutant being read as NaN). ``assay_from_mutants`` (scoring outside a benchmark) keeps "" as the wild type itself.
     """
     dms_id: str
     path: Path
@@ -156,6 +158,7 @@ class Assay:
     sub_to: np.ndarray           # [M] int64 token id of the substituted base
     dropped: int = 0             # rows skipped because DMS_score was missing / not finite
     notes: tuple[str, ...] = field(default_factory=tuple)
+    wt_rows: int = 0             # wild-type rows (empty mutant): not scored, as RNAGym drops them
 
     @property
     def n_variants(self) -> int:
@@ -276,8 +279,9 @@ def load_assay(path, sheet: Mapping[str, Mapping] | None = None, dms_id: str | N
     Then every kept row is validated against that wild type: same length, the wild-type base at each listed
     position equals the mutation's ``from`` base, the variant carries the ``to`` base, and the variant equals
     the wild type at every position it does not list. Any violation is a ValueError naming file, line and
-    mutation. Rows whose DMS_score is missing/NaN are dropped (counted in ``dropped``) before validation,
-    except that a wild-type row's sequence still serves as a wild-type candidate.
+    mutation. Rows whose DMS_score is missing/NaN are dropped (counted in ``dropped``) before validation. A wild-type
+    row (empty mutant) is never a scored variant (counted in ``wt_rows``, as RNAGym's scorer drops it); its sequence
+    serves as a wild-type candidate.
     """
     path = Path(path)
     dms_id = dms_id or path.stem
@@ -287,7 +291,7 @@ def load_assay(path, sheet: Mapping[str, Mapping] | None = None, dms_id: str | N
     variants = []        # (line, mutant string, [(from, pos0, to)], sequence) for rows with finite scores
     scores = []
     wt_rows: list[tuple[int, str]] = []
-    dropped = 0
+    dropped = n_wt = 0
     for line, row in rows:
         where = f"{path}: row {line - 1} (line {line})"
         mutant = (row["mutant"] or "").strip()
@@ -296,8 +300,11 @@ def load_assay(path, sheet: Mapping[str, Mapping] | None = None, dms_id: str | N
             y = _parse_score(row["DMS_score"])
         except ValueError:
             raise ValueError(f"{where}: DMS_score {row['DMS_score']!r} is not a number") from None
-        if not mutant and seq:
-            wt_rows.append((line, seq))
+        if not mutant:  # the wild-type row: a wild-type candidate, never a scored variant (RNAGym drops it)
+            n_wt += 1
+            if seq:
+                wt_rows.append((line, seq))
+            continue
         if not math.isfinite(y):
             dropped += 1
             continue
@@ -308,8 +315,10 @@ def load_assay(path, sheet: Mapping[str, Mapping] | None = None, dms_id: str | N
         scores.append(y)
     if dropped:
         notes.append(f"dropped {dropped} row(s) with a missing DMS_score")
+    if n_wt:
+        notes.append(f"{n_wt} wild-type row(s) (empty mutant) not scored, as RNAGym's scorer drops them")
     if not variants:
-        raise ValueError(f"{path}: no rows with a finite DMS_score")
+        raise ValueError(f"{path}: no variant row (a mutant with a finite DMS_score)")
 
     # Consensus wild type implied by the variants: the most common "variant with its mutations reverted".
     # A corrupted row is a minority, so it does not move the consensus and validation below names it.
@@ -382,7 +391,7 @@ def load_assay(path, sheet: Mapping[str, Mapping] | None = None, dms_id: str | N
                  sub_variant=np.asarray(sub_variant, dtype=np.int64),
                  sub_pos=np.asarray(sub_pos, dtype=np.int64),
                  sub_from=ids_from, sub_to=ids_to,
-                 dropped=dropped, notes=tuple(notes))
+                 dropped=dropped, notes=tuple(notes), wt_rows=n_wt)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -614,7 +623,7 @@ def score_assays(assays: Mapping[str, Assay], sheet: Mapping[str, Mapping],
                              # assay's mutations unfavourable on average), so a report can show which way F points.
                              "score_mean": float(f.mean()),
                              "n_variants": assay.n_variants, "dropped": assay.dropped,
-                             "wt_source": assay.wt_source}
+                             "wt_rows": assay.wt_rows, "wt_source": assay.wt_source}
         scores[dms_id] = f
     agg = aggregate(per_assay, sheet)
     return {"per_assay": per_assay, "per_type": agg["per_type"], "aggregate": agg["overall"],

@@ -76,6 +76,30 @@ class MaskedLMInference:
     prepare: Callable = lambda cfg, seed: None  # noqa: E731
 
 
+# ---- supervised adaptation (pipeline/tasks) ------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Adaptation:
+    """How the family's backbone feeds a task head (pipeline/tasks; pipeline/models/heads.py: TaskModel and the
+    backbone contract it relies on).
+
+    width: model config -> d, the width of the features a head reads.
+    forward: (model: a TaskModel or its engine, Batch, RunConfig, plan) -> TaskOutput: the training forward, each row
+        at the depth the family's plan drew (Eco-RNA: the right-aligned wavefront of the objective's depth law, its
+        initial state drawn from the plan).
+    eval_state: (RunConfig, attention mask [B, L], seed) -> the initial state [B, L, d] every depth of a sweep
+        starts from (Eco-RNA: the seed-fixed evaluation table), or None for a family without one.
+    hf: "module:NAME" of the HFExport of adapted models (Hugging Face classes with the task head), or None.
+    flops: (RunConfig, plan, Batch, first: bool) -> the backbone's training FLOPs of a microbatch (its rows' own
+        depths; with ``first`` the readout of the first iteration too); task heads are not counted.
+    """
+
+    width: Callable
+    forward: Callable
+    eval_state: Callable = lambda cfg, mask, seed: None  # noqa: E731
+    hf: str | None = None
+    flops: Callable = lambda cfg, plan, batch, first: 0.0  # noqa: E731
+
+
 # ---- the scaling model (tools/scaling.py) ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Activations:
@@ -187,7 +211,7 @@ class HFExport:
 
     config_cls: the PreTrainedConfig subclass of config.json (its ``model_type`` is registered with AutoConfig).
     models: ((transformers Auto class name, model class), ...) registered with those Auto classes.
-    architectures: config.json's "architectures".
+    architectures: config.json's "architectures", or RunConfig -> them (an adapted model's class follows its task).
     config_kwargs: (RunConfig, depth) -> extra config fields (Eco-RNA: num_loops, the evaluation table, the
         tokenizer); ``depth`` is Depth.default unless the caller chose one.
     foreign: (RunConfig) -> (format name, a transformers config) when the model is written in another library's
@@ -204,7 +228,7 @@ class HFExport:
 
     config_cls: type
     models: tuple
-    architectures: tuple
+    architectures: tuple | Callable
     config_kwargs: Callable = lambda cfg, depth: {}  # noqa: E731
     foreign: Callable = lambda cfg: None  # noqa: E731
     to_foreign: Callable | None = None
@@ -216,7 +240,8 @@ class HFExport:
 
     def config(self, cfg, depth: int | None = None):
         """The transformers config of a RunConfig's model."""
-        return self.config_cls.from_model_config(cfg.model, architectures=list(self.architectures),
+        arch = self.architectures(cfg) if callable(self.architectures) else self.architectures
+        return self.config_cls.from_model_config(cfg.model, architectures=list(arch),
                                                  **self.config_kwargs(cfg, depth))
 
     @property
@@ -312,13 +337,25 @@ class Family:
     # The CPU proxies' hooks (Proxies: the narrow twin, the SHAPES model, the core module); the default counts the
     # config's own model at its own widths.
     proxies: Proxies = Proxies()
+    # Supervised adaptation (Adaptation: the features a task head reads); None: the family cannot be adapted.
+    adapt: Adaptation | None = None
+    # (RunConfig, the init source's config.yaml as a dict, () -> its full state dict) -> the whole state dict a run
+    # starts from when its model is more than the source's (a task model from a pretraining checkpoint: the head
+    # fresh from the run's seed), or None to load the source's own weights (pipeline/train/plan.py). A task's spec
+    # sets it (pipeline/tasks/base.py).
+    init_state: Callable | None = None
 
     def hf_export(self) -> HFExport | None:
         """The family's HFExport (imported on first call), or None."""
-        if self.hf is None:
-            return None
-        module, _, attr = self.hf.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return load_hf(self.hf)
+
+
+def load_hf(ref: str | None) -> HFExport | None:
+    """The HFExport a spec names by ``"module:NAME"`` (imported on first use: module docstring), or None."""
+    if ref is None:
+        return None
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def objective_validation(loss: Callable, plan: Callable, loss_stat: str, training_state: tuple = ()) -> Callable:

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from pipeline.families.base import (Activations, Depth, Family, MaskedLMInference, Proxies, Scaling, norm_extra,
-                                    nucleotide_tokenizer, register_family)
+from pipeline.families.base import (Activations, Adaptation, Depth, Family, MaskedLMInference, Proxies, Scaling,
+                                    norm_extra, nucleotide_tokenizer, register_family)
 from pipeline.models.eco_rna import Core, EcoRNA, EcoRNAConfig, Readout, Stack, initial_state
 from pipeline.models.fixed_depth import FixedDepthConfig, FixedDepthMLM
 from pipeline.models.layers import SandwichBlock
@@ -174,7 +174,12 @@ ECO_RNA = register_family(Family(
     # compiled: the core step (injection, 3 blocks, N_r; called K_max times a microbatch), the prelude, the readout
     compiled=(Core, Stack, Readout),
     # SHAPES.core: the core's input, whose rows the right-aligned wavefront changes at every step
-    proxies=Proxies(narrow=narrow_twin, shapes=shapes_model, core=(Core,), meta=True), **_COMMON))
+    proxies=Proxies(narrow=narrow_twin, shapes=shapes_model, core=(Core,), meta=True),
+    # task heads read the coda features N_o(C(W_o s^(K))), each row at its drawn depth in training (the objective's
+    # depth law, or objective.depth_law: fixed) and from the evaluation table in sweeps (docs/adaptation.md)
+    adapt=Adaptation(width=lambda m: m.d_model, forward=objective.task_forward, eval_state=objective.eval_state,
+                     hf="pipeline.families.eco_rna_hf:TASK_EXPORT", flops=objective.task_flops),
+    **_COMMON))
 
 # The matched fixed-depth control (A.6): same data, masking and loss code; depth fixed, auxiliary terms off. No HF
 # classes: its export holds the pipeline's files only.

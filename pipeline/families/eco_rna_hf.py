@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pipeline.families.base import HFExport
 from pipeline.families.eco_rna import training_depth
-from pipeline.families.modeling_eco_rna import EcoRNAConfig, EcoRNAForMaskedLM, EcoRNAModel
+from pipeline.families.modeling_eco_rna import (EcoRNAConfig, EcoRNAForMaskedLM, EcoRNAForSequenceClassification,
+                                                EcoRNAForTokenClassification, EcoRNAModel, EcoRNATaskConfig)
 
 
 def config_kwargs(cfg, depth: int | None) -> dict:
@@ -36,3 +37,36 @@ EXPORT = HFExport(config_cls=EcoRNAConfig, models=(("AutoModel", EcoRNAModel), (
                   architectures=("EcoRNAForMaskedLM",), modeling="pipeline.families.modeling_eco_rna",
                   config_kwargs=config_kwargs, card=card, write_tokenizer=write_tokenizer,
                   example="ACGUAGC<mask>UUAGGC")
+
+
+# ---- adapted models (docs/adaptation.md): the backbone and its task head ----------------------------------------------
+_AUTO = {"SequenceClassifier": EcoRNAForSequenceClassification, "PairHead": EcoRNAForTokenClassification,
+         "ReactivityHead": EcoRNAForTokenClassification}
+
+
+def task_config_kwargs(cfg, depth: int | None) -> dict:
+    """config_kwargs and the task's head (its config's ``head``: what builds it) and output names."""
+    labels = cfg.task.outputs()
+    named = {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}} if labels else {}
+    return {**config_kwargs(cfg, depth), "task": cfg.task.name, "head": cfg.task.head(cfg.model.d_model), **named}
+
+
+def task_card(hf_cfg) -> tuple[list, list]:
+    cls = _AUTO[hf_cfg.head["name"]]
+    auto = "AutoModelForSequenceClassification" if cls is EcoRNAForSequenceClassification else \
+        "AutoModelForTokenClassification"
+    return ([f"- task: {hf_cfg.task} ({hf_cfg.head['name']}); default depth (config.json num_loops): "
+             f"{hf_cfg.num_loops} core iterations, any other at each call; initial state: the evaluation table, seed "
+             f"{hf_cfg.state_seed}"],
+            [f"from transformers import {auto}, AutoTokenizer",
+             f"model = {auto}.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)",
+             "tokenizer = AutoTokenizer.from_pretrained(\"EXPORT_DIR\", trust_remote_code=True)",
+             "out = model(**tokenizer([\"GGCUAGCUCAGUUGG\"], return_tensors=\"pt\"), num_loops=4)  # out.logits"])
+
+
+TASK_EXPORT = HFExport(config_cls=EcoRNATaskConfig,
+                       models=(("AutoModelForSequenceClassification", EcoRNAForSequenceClassification),
+                               ("AutoModelForTokenClassification", EcoRNAForTokenClassification)),
+                       architectures=lambda cfg: (_AUTO[cfg.task.head(cfg.model.d_model)["name"]].__name__,),
+                       modeling="pipeline.families.modeling_eco_rna", config_kwargs=task_config_kwargs,
+                       card=task_card, write_tokenizer=write_tokenizer)

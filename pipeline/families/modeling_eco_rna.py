@@ -1,6 +1,9 @@
 """Eco-RNA's Hugging Face classes: EcoRNAConfig ("eco_rna"), EcoRNAForMaskedLM (AutoModelForMaskedLM) and EcoRNAModel
-(AutoModel). Registered by pipeline/hf.py, and shipped in every export with the modules they import
-(pipeline/hf_code.py), so that the export loads where this repository is not installed:
+(AutoModel); for adapted models (docs/adaptation.md) EcoRNATaskConfig ("eco_rna_task"),
+EcoRNAForSequenceClassification (AutoModelForSequenceClassification: nRC) and EcoRNAForTokenClassification
+(AutoModelForTokenClassification: per-token outputs, a pair head's or a reactivity head's). Registered by
+pipeline/hf.py, and shipped in every export with the modules they import (pipeline/hf_code.py), so that the export
+loads where this repository is not installed:
 
     from transformers import AutoModelForMaskedLM
     model = AutoModelForMaskedLM.from_pretrained("exports/eco_rna_demo", trust_remote_code=True)
@@ -14,11 +17,13 @@ The deterministic convention (what ``launchers/evaluate.py`` does, so HF logits 
 from __future__ import annotations
 
 import torch
-from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput
+from transformers.modeling_outputs import (BaseModelOutput, MaskedLMOutput, SequenceClassifierOutput,
+                                          TokenClassifierOutput)
 
 from pipeline.families.hf_base import PipelineConfig, Wrapped, cross_entropy
 from pipeline.models.eco_rna import EcoRNA, initial_state, state_table
 from pipeline.models.eco_rna import EcoRNAConfig as ModelConfig
+from pipeline.models.heads import TaskModel, build_head
 
 
 class EcoRNAConfig(PipelineConfig):
@@ -124,3 +129,79 @@ class EcoRNAForMaskedLM(EcoRNAPreTrainedModel):
         if return_dict is False:
             return tuple(t for t in (loss, logits, hidden) if t is not None)
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=hidden)
+
+
+# ---- adapted models: the backbone and a task head (pipeline/models/heads.py TaskModel) -----------------------------
+class EcoRNATaskConfig(EcoRNAConfig):
+    """EcoRNAConfig's fields plus the task head: ``task`` (its name) and ``head`` ({"name": a class of
+    pipeline.models.heads, "kwargs": its arguments, "first": whether it reads the first-iteration features});
+    ``id2label`` names the head's outputs (nRC classes, reactivity probes)."""
+
+    model_type = "eco_rna_task"
+
+    def __init__(self, task: str = "", head: dict | None = None, **kwargs):
+        self.task = task
+        self.head = dict(head or {})
+        super().__init__(**kwargs)
+
+
+class EcoRNATaskPreTrainedModel(Wrapped):
+    """The adapted model: the pipeline's TaskModel (``backbone.*`` and ``head.*``, the training's names); its depth
+    is selectable at every call (``num_loops``, default config.num_loops) from the evaluation initial state, as
+    ``launchers/evaluate.py --task`` sweeps it."""
+
+    config_class = EcoRNATaskConfig
+    main_input_name = "input_ids"
+    head_names: tuple = ()  # the heads this class serves (a head of another kind is refused at load)
+
+    def __init__(self, config: EcoRNATaskConfig):
+        super().__init__(config)
+        if config.head.get("name") not in self.head_names:
+            raise ValueError(f"{type(self).__name__} serves {' and '.join(self.head_names)} heads; this model's "
+                             f"head is {config.head.get('name')!r} (task {config.task!r}): load it with the Auto "
+                             "class its config.json's architectures names")
+        self._adopt(TaskModel(EcoRNA(config.model_config()), build_head(config.head["name"], config.head["kwargs"]),
+                              first=bool(config.head.get("first"))))
+        self._tables = {}
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.backbone.embed
+
+    def predict(self, input_ids, attention_mask=None, num_loops=None) -> torch.Tensor:
+        """The head's output with every row at depth K = num_loops (default config.num_loops)."""
+        K = self.config.num_loops if num_loops is None else int(num_loops)
+        if K < 1:
+            raise ValueError(f"num_loops: must be >= 1, got {K}")
+        mask = self._mask(input_ids, attention_mask)
+        n = max(self.config.context_length, mask.shape[1])
+        if n not in self._tables:
+            self._tables[n] = state_table(self.net.backbone.cfg, n, self.config.state_seed)
+        s0 = initial_state(self.net.backbone.cfg, mask, table=self._tables[n]).to(self.backbone.embed.weight.device)
+        return self.net.at_depths(input_ids, mask, [K], s0)[K]
+
+
+class EcoRNAForSequenceClassification(EcoRNATaskPreTrainedModel):
+    head_names = ("SequenceClassifier",)
+
+    def forward(self, input_ids, attention_mask=None, num_loops=None, labels=None, return_dict=None, **kwargs):
+        """-> SequenceClassifierOutput(loss: cross-entropy against ``labels`` [B], logits [B, num_labels])."""
+        logits = self.predict(input_ids, attention_mask, num_loops)
+        loss = cross_entropy(logits, labels)
+        if return_dict is False:
+            return tuple(t for t in (loss, logits) if t is not None)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+class EcoRNAForTokenClassification(EcoRNATaskPreTrainedModel):
+    """Per-token outputs: the pair head's logits [B, L, L] (token i's row holds its logits of pairing with every
+    token; sigmoid > 0.5 is a predicted pair) or the reactivity head's values [B, L, P] (id2label names the
+    probes)."""
+
+    head_names = ("PairHead", "ReactivityHead")
+
+    def forward(self, input_ids, attention_mask=None, num_loops=None, return_dict=None, **kwargs):
+        logits = self.predict(input_ids, attention_mask, num_loops)
+        if return_dict is False:
+            return (logits,)
+        return TokenClassifierOutput(logits=logits)

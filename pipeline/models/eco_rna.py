@@ -212,13 +212,17 @@ class AdaptiveOutput:
 
 @dataclass
 class EcoRNAOutput:
-    logits: torch.Tensor  # [B, L, V] readout of each row's terminal state s^(K_i)
+    logits: torch.Tensor | None  # [B, L, V] readout of each row's terminal state s^(K_i); None with head=False
     state: torch.Tensor  # [B, L, d] s^(K_i)
     prev_state: torch.Tensor  # [B, L, d] s^(K_i - 1) for rows with K_i >= 2
     anchor_logits: torch.Tensor | None  # [n_a, L, V] no-grad readout of s^(K_a) for rows ``anchor_rows``
     anchor_rows: torch.Tensor | None  # [n_a] rows with K_i > K_a
     row_iterations: int  # executed core row-applications, = sum_i K_i
     core_calls: int  # wavefront steps, = k_max
+    # head=False (task heads, pipeline/models/heads.py): the coda features h = N_o(C(W_o s)) the tied head would read,
+    # [B, L, d], and with an anchor depth the no-grad features of s^(K_a) of the anchor rows, [n_a, L, d]
+    features: torch.Tensor | None = None
+    anchor_features: torch.Tensor | None = None
 
 
 class TiedEmbedding(nn.Module):
@@ -339,6 +343,13 @@ class EcoRNA(nn.Module):
         core calls and one prelude instead of sum(depths) core calls and len(depths) preludes. For depth sweeps
         (evaluation); it neither needs nor disables autograd.
         """
+        return {k: self.embed(h, as_head=True)
+                for k, h in self.features_at_depths(tokens, attention_mask, depths, init_state).items()}
+
+    def features_at_depths(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths,
+                           init_state: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{K: coda features h = N_o(C(W_o s^(K))) [B, L, d]} for each K in ``depths``, from one trajectory: what
+        :meth:`logits_at_depths` reads out before the tied head (the input of the task heads' depth sweeps)."""
         wanted = sorted({int(k) for k in depths})
         if not wanted or wanted[0] < 1:
             raise ValueError(f"depths must be >= 1, got {list(depths)}")
@@ -348,7 +359,7 @@ class EcoRNA(nn.Module):
         for t in range(1, wanted[-1] + 1):
             s = self.core(s, e, rope, key_mask)
             if t in wanted:
-                out[t] = self.embed(self.readout(s, rope, key_mask), as_head=True)
+                out[t] = self.readout(s, rope, key_mask)
         return out
 
     def adaptive(self, tokens: torch.Tensor, attention_mask: torch.Tensor, init_state: torch.Tensor, tol: float,
@@ -394,7 +405,7 @@ class EcoRNA(nn.Module):
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, depths, init_state: torch.Tensor, *,
                 k_max: int | None = None, backward_window: int | None = None,
                 anchor_depth: int | None = None, host_mask: torch.Tensor | None = None,
-                token_quantum: int | None = None) -> "EcoRNAOutput":
+                token_quantum: int | None = None, head: bool = True) -> "EcoRNAOutput":
         """Right-aligned depth wavefront (paper A.2).
 
         tokens, attention_mask: [B, L] (mask True at real tokens); depths: int or [B] long, K_i >= 1;
@@ -405,7 +416,8 @@ class EcoRNA(nn.Module):
         computes its token indices; without it the packed layout copies attention_mask back (one device read).
         Given depths and host_mask on the host, forward reads nothing back from the device. ``token_quantum``: on the
         packed layout, every block call runs on a multiple of this many tokens (the objective's token_buckets), so
-        that a run meets a bounded set of shapes; outputs unchanged.
+        that a run meets a bounded set of shapes; outputs unchanged. ``head=False``: the output holds the coda features
+        (``features``, and ``anchor_features`` for the anchor rows) instead of the tied head's logits (task heads).
 
         Row i is active at step t iff t > k_max - K_i, so every row ends at step k_max after exactly K_i core
         applications. Rows are sorted by depth (descending) so the active rows are always a prefix: the core runs on
@@ -435,22 +447,22 @@ class EcoRNA(nn.Module):
         if self.unpadded(tokens):
             host_mask = attention_mask.cpu() if host_mask is None else host_mask
             return self._forward_packed(tokens, host_mask.bool()[order_host], anchor_rows, init_state, order,
-                                        schedule, token_quantum)
+                                        schedule, token_quantum, head)
         e, rope, key_mask = self._prelude(tokens, attention_mask)
         mask_s = key_mask[order]
         extent = list(range(B + 1))  # a unit is a row
         s, prev, anchor, row_iterations = self._wavefront(init_state.to(e.dtype)[order], e[order], schedule, extent,
                                                           lambda n: (rope, mask_s[:n]))
         inverse = torch.argsort(order)
-        logits = self.embed(self.readout(s, rope, mask_s), as_head=True)[inverse]
+        read = (lambda h: self.embed(h, as_head=True)) if head else (lambda h: h)  # noqa: E731
+        logits = read(self.readout(s, rope, mask_s))[inverse]
         anchor_logits = None
         if anchor is not None:
             sorted_rows = inverse[anchor_rows]  # all below n_a: the anchor rows are a prefix of the sorted rows
             with torch.no_grad():  # readout called on every rank, even with no eligible row (ZeRO-3 symmetry)
-                anchor_logits = self.embed(self.readout(anchor[sorted_rows], rope, mask_s[sorted_rows]),
-                                           as_head=True)
-        return EcoRNAOutput(logits=logits, state=s[inverse], prev_state=prev[inverse], anchor_logits=anchor_logits,
-                            anchor_rows=anchor_rows, row_iterations=row_iterations, core_calls=k_max)
+                anchor_logits = read(self.readout(anchor[sorted_rows], rope, mask_s[sorted_rows]))
+        return _output(head, logits, anchor_logits, state=s[inverse], prev_state=prev[inverse],
+                       anchor_rows=anchor_rows, row_iterations=row_iterations, core_calls=k_max)
 
     def unpadded(self, tokens: torch.Tensor) -> bool:
         """Whether forward runs on packed real tokens for inputs on ``tokens``' device (EcoRNAConfig.unpad)."""
@@ -463,7 +475,7 @@ class EcoRNA(nn.Module):
         return backend == "auto" and tokens.is_cuda and (flash_available() or torch_varlen_available(probe))
 
     def _forward_packed(self, tokens, mask_s, anchor_rows, init_state, order, schedule,
-                        quantum: int | None = None) -> "EcoRNAOutput":
+                        quantum: int | None = None, head: bool = True) -> "EcoRNAOutput":
         """forward on the packed layout: the real tokens of the depth-sorted rows end to end, [T, d]. ``mask_s``:
         [B, L] bool on the host, the sorted rows' attention mask (the token indices are host arithmetic, copied to
         the device and never read back).
@@ -511,7 +523,8 @@ class EcoRNA(nn.Module):
             t = t[:index.shape[0]]
             return t.new_zeros(rows * L, *t.shape[1:]).index_copy(0, index, t).view(rows, L, *t.shape[1:])
 
-        logits = unpack(self.embed(self.readout(s, *context(B)), as_head=True))  # s: [T_b, d]
+        read = (lambda h: self.embed(h, as_head=True)) if head else (lambda h: h)  # noqa: E731
+        logits = unpack(read(self.readout(s, *context(B))))  # s: [T_b, d]
         anchor_logits = None
         if anchor is not None:
             n_a = len(anchor_rows)  # the anchor rows are the first n_a sorted rows
@@ -519,10 +532,10 @@ class EcoRNA(nn.Module):
             slot = torch.empty(B, dtype=torch.long, device=dev)  # sorted row -> its output row
             slot[torch.argsort(order)[anchor_rows]] = torch.arange(n_a, device=dev)
             with torch.no_grad():  # readout called on every rank, even with no eligible row (ZeRO-3 symmetry)
-                a_logits = self.embed(self.readout(anchor, *context(n_a)), as_head=True)  # [span(n_a), V]
+                a_logits = read(self.readout(anchor, *context(n_a)))  # [span(n_a), V or d]
             anchor_logits = unpack(a_logits, slot[row[:T_a]] * L + pos[:T_a], n_a)
-        return EcoRNAOutput(logits=logits, state=unpack(s), prev_state=unpack(prev), anchor_logits=anchor_logits,
-                            anchor_rows=anchor_rows, row_iterations=row_iterations, core_calls=schedule[1])
+        return _output(head, logits, anchor_logits, state=unpack(s), prev_state=unpack(prev),
+                       anchor_rows=anchor_rows, row_iterations=row_iterations, core_calls=schedule[1])
 
     def _wavefront(self, s0, e, schedule, extent, context, span=None):
         """The right-aligned schedule over depth-sorted rows, in either layout -> (s, prev, anchor, row_iterations).
@@ -564,6 +577,14 @@ class EcoRNA(nn.Module):
                 lo, hi = sum(k > k_hit for k in ks), sum(k >= k_hit for k in ks)
                 anchor[extent[lo]:extent[hi]] = state[extent[lo]:extent[hi]].detach()
         return state, prev, anchor, row_iterations
+
+
+def _output(head: bool, terminal: torch.Tensor, anchor: torch.Tensor | None, **rest) -> EcoRNAOutput:
+    """The forward's output: the terminal and anchor readouts as logits (the tied head applied) or, with
+    head=False, as coda features."""
+    if head:
+        return EcoRNAOutput(logits=terminal, anchor_logits=anchor, **rest)
+    return EcoRNAOutput(logits=None, anchor_logits=None, features=terminal, anchor_features=anchor, **rest)
 
 
 def token_bucket(n: int, quantum: int) -> int:

@@ -248,6 +248,34 @@ def recurrent_loss(model, batch, cfg, p: Plan) -> LossOutput:
     return LossOutput(S + m * aux, m, stats, totals)
 
 
+def task_forward(model, batch, cfg, p: Plan):
+    """A task model (pipeline/models/heads.py TaskModel, or its engine) with every row at the depth the plan drew,
+    from the initial state drawn as :func:`recurrent_loss` draws it: the same wavefront, backward window and ranks'
+    synchronized K_max. Returns the model's TaskOutput."""
+    obj = cfg.objective
+    s0 = p.init_state if p.init_state is not None else p.draw_state(
+        cfg.model, batch.attention_mask, _compute_dtype(model), obj.state_on_device)
+    return model(batch.input_ids, batch.attention_mask, [int(k) for k in p.depths], s0.to(batch.input_ids.device),
+                 k_max=p.sync_max["k_max"], backward_window=obj.backward_window, host_mask=p.host_mask,
+                 token_quantum=token_quantum(cfg))
+
+
+def task_flops(cfg, p: Plan, batch, first: bool) -> int:
+    """FLOPs of :func:`task_forward`'s backbone, as the pretraining counts them (EcoRNAConfig.train_flops: each row's
+    own depth, the backward window), with the no-grad readout of the first iteration for the rows deeper than 1 when
+    the head reads it (``first``)."""
+    ks = [int(k) for k in p.depths]
+    return cfg.model.train_flops(ks, batch.input_ids.shape[1], cfg.objective.backward_window,
+                                 sum(k > 1 for k in ks) if first else 0)
+
+
+def eval_state(cfg, attention_mask: torch.Tensor, seed: int) -> torch.Tensor:
+    """The initial state [B, L, d] of every depth of a sweep: the seed-fixed, position-indexed evaluation table
+    (zero at padding), as the reconstruction and RNAGym sweeps use it."""
+    table = state_table(cfg.model, cfg.data.context_length, seed)
+    return initial_state(cfg.model, attention_mask.cpu(), table=table).to(attention_mask.device)
+
+
 def token_quantum(cfg) -> int | None:
     """The packed layout's call sizes are multiples of this (objective.token_buckets): the microbatch's token
     budget (train.max_tokens_per_microbatch, else micro_batch_size x context_length) / token_buckets; None: off."""

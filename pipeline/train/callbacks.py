@@ -215,7 +215,7 @@ class Validation(Callback):
         val["val/time_share"] = self.seconds / max(train_seconds + self.seconds, 1e-9)
         if trainer.rank == 0:
             shown = " | ".join(f"{k.removeprefix('val/')} {v:.4f}" for k, v in val.items()
-                               if k.startswith(("val/loss", "val/accuracy", "val/perplexity")))
+                               if k.startswith(("val/loss", "val/accuracy", "val/perplexity", "val/f1")))
             print(f"validation at step {step}: {shown} | {val['val/seconds']:.1f} s "
                   f"({100 * val['val/time_share']:.1f}% of the run's time)", flush=True)
             self.history.append({"step": step, **val})

@@ -64,6 +64,7 @@ def param_groups(model: torch.nn.Module, optim) -> list[dict]:
                           f"(it has: {', '.join(sorted(named_groups)) or 'none'})")
     named = list(model.named_parameters())
     stray = sorted((exempt | set().union(*named_groups.values())) - {n for n, _ in named})
+    named = [(n, p) for n, p in named if p.requires_grad]  # a frozen backbone (task.backbone: frozen) has no state
     if stray:
         raise ValueError(f"no_weight_decay / lr_groups name unknown parameters {stray[:3]}")
     group_of = {n: g for g, names in named_groups.items() for n in names}

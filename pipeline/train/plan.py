@@ -18,7 +18,8 @@ import torch
 from pipeline.checkpoint.layout import check_no_links
 from pipeline.checkpoint.read import check_pickles, read_client_state
 from pipeline.checkpoint.resume import check_init_source, check_reshard, check_resume_config, find_resume_tag
-from pipeline.config import ConfigError, RunConfig
+from pipeline.checkpoint.read import load_state_dict
+from pipeline.config import ConfigError, RunConfig, load_yaml
 from pipeline.data.compat import check_shards_fit
 from pipeline.data.loader import ShardStream
 from pipeline.data.remote import CacheSettings, RetryPolicy, fingerprint, is_remote, manifest_of
@@ -26,7 +27,7 @@ from pipeline.data.shards import ShardError
 from pipeline.data.streams import (Source, StreamLayout, is_url_pattern, reshard_states, resolve_shards,
                                    saved_layout)
 from pipeline.ds_config import load_ds_config, resolve_ds_config
-from pipeline.families import get_family
+from pipeline.tasks import training_spec
 from pipeline.parallel import check_parallelism
 from pipeline.train.memory import resolve_auto, training_device
 from pipeline import validation
@@ -53,7 +54,7 @@ class RunPlan:
         (--allow-data-change): resume although the shard directories' manifests differ from the ones the checkpoint
         trained on; the loader then starts the new data from its beginning."""
         self.cfg = cfg
-        self.family = get_family(cfg.family)
+        self.family = training_spec(cfg)  # the family's spec, or an adapted model's (a task: section)
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.resume = resume
@@ -121,6 +122,12 @@ class RunPlan:
         self.init_source, self.foreign_state = (
             check_init_source(cfg, self.family, world_size, self.zero_stage, trust_checkpoint)
             if cfg.train.init_from and not self.resume_tag else (None, None))
+        if self.init_source is not None and self.foreign_state is None and self.family.init_state is not None:
+            # a model that is more than its source (a task head on a pretrained backbone): the whole state to start
+            # from, or None when the source already holds every tensor
+            src = self.init_source
+            self.foreign_state = self.family.init_state(cfg, load_yaml(src / "config.yaml"),
+                                                        lambda: load_state_dict(src, trust_checkpoint))
 
     @property
     def finished(self) -> bool:

@@ -286,3 +286,34 @@ def test_a_broken_command_fails(tmp_path):
     assert len(found) == 4, found
     assert found[0].startswith("page.md:4:") and "no_such_tool.py does not exist" in found[0]
     assert "--no-such-flag" in found[1] and "--ds_config" in found[2] and "--bogus" in found[3]
+
+
+def script_commands(path: Path) -> list[tuple[int, str]]:
+    """(line, command) of every command a shell script runs (not its comments): project files invoked directly,
+    through ``$PY`` or through scripts/launch.sh, continuations joined."""
+    picked: list[tuple[int, str]] = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        if picked and picked[-1][1].rstrip().endswith("\\") and picked[-1][0] == number - 1:
+            picked.append((number, text))
+        elif _starts_command(text.replace('"$PY"', "$PY")):
+            picked.append((number, text))
+    return _join(picked)
+
+
+@pytest.mark.parametrize("script", ["scripts/adapt_demo.sh"])
+def test_a_demo_scripts_own_commands_parse(script):
+    """The commands scripts/adapt_demo.sh runs (the comment lines are checked above) parse with their tools' parsers,
+    the fine-tunes' through DeepSpeed's runner and launchers/finetune.py: a renamed flag fails here, not 15 minutes
+    into the demo. Its configs load (tests/pipeline/test_config.py) and take their backbone from the quickstart's run
+    (tests/launchers/test_finetune.py)."""
+    found = script_commands(ROOT / script)
+    invoked = " ".join(c for _, c in found)
+    for tool in ("tools/prepare_task.py", "launchers/finetune.py", "launchers/evaluate.py",
+                 "tools/convert_checkpoint.py", "scripts/adapt_demo_load.py"):
+        assert tool in invoked, (tool, found)
+    errors = [f"{script}:{line}: {command}\n    -> {error}" for line, command in found
+              for words in _tokens(command) if (error := check_segment(words))]
+    assert not errors, "\n".join(errors)

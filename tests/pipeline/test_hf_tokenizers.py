@@ -106,8 +106,8 @@ def test_shipped_code_refuses_what_it_cannot_ship(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=error):
             shipped_sources(f"pipeline_families_x.{name}")
     files = shipped_sources("pipeline.families.modeling_eco_rna")
-    assert sorted(files) == ["attention_ops.py", "eco_rna.py", "hf_base.py", "layers.py", "modeling_eco_rna.py",
-                            "norm_op.py"]
+    assert sorted(files) == ["attention_ops.py", "eco_rna.py", "heads.py", "hf_base.py", "layers.py",
+                            "modeling_eco_rna.py", "norm_op.py"]  # heads.py: the adapted models' classes
     assert "from .eco_rna import EcoRNA, initial_state, state_table\n" in files["modeling_eco_rna.py"]
     package = (REPO / "pipeline/models/eco_rna.py").read_text().splitlines()
     shipped = files["eco_rna.py"].splitlines()

@@ -12,8 +12,8 @@ from sklearn.metrics import matthews_corrcoef
 
 from pipeline.data.tokenizer import CLS_ID, EOS_ID, NUM_SPECIAL, VOCAB
 from pipeline.eval.rnagym import (RNA_TYPES, aggregate, assay_metrics, canonical_rna_type, describe_types,
-                                  evaluate_assays, load_assay, load_reference_sheet, score_variants,
-                                  wildtype_logprobs, window_starts)
+                                  evaluate_assays, load_assay, load_assays, load_reference_sheet, score_assays,
+                                  score_variants, wildtype_logprobs, window_starts)
 
 SHARED = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 RNAGYM = SHARED / "eval" / "rnagym"
@@ -120,11 +120,11 @@ def test_wt_reconstruction_consistency(tome, tmp_path):
             assert s[int(m[1:-1]) - 1] == m[-1]
             s[int(m[1:-1]) - 1] = m[0]
         assert "".join(s) == rec.wt
-    # A WT row (empty mutant) is used when there is no reference, and scores F = 0.
+    # A WT row (empty mutant) gives the wild type when there is no reference, and is not a scored variant.
     rows = [{"mutant": "", "DMS_score": "0.5", "sequence": tome.wt.replace("U", "T")}] + _rows(TOME)
     a = load_assay(_write(tmp_path / "Tome_2014_GFP_aptamer.csv", rows))
-    assert a.wt_source == "wt_row" and a.wt == tome.wt and a.n_variants == 418 and a.n_mutations[0] == 0
-    assert score_variants(a, np.random.default_rng(0).normal(size=(82, V)))[0] == 0.0
+    assert a.wt_source == "wt_row" and a.wt == tome.wt and a.n_variants == 417 and a.wt_rows == 1
+    assert a.n_mutations.min() >= 1 and any("wild-type row" in n for n in a.notes)
 
 
 @needs_data
@@ -427,3 +427,34 @@ def test_evaluate_tome_windowed_matches_single_call(sheet):
     assert whole["notes"] == {"Tome_2014_GFP_aptamer": []}
     with pytest.raises(ValueError, match="not in the reference sheet"):
         evaluate_assays([TOME], {}, forward, 512)
+
+
+def test_a_wild_type_row_is_dropped_and_counted_as_rnagym_scores(tmp_path):
+    """RNAGym's scorer (fitness/performance_fitness.py) drops the rows without a mutant before its metrics; so do
+    these: the metrics equal scipy's Spearman, scikit-learn's AUC and MCC on the variant rows alone, the row is
+    counted, and keeping it as a variant scored 0 would give other numbers."""
+    from scipy.stats import spearmanr
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(7)
+    wt = "GGAUCCGUAAGCUACGGAUCC"
+    rows = [{"mutant": "", "DMS_score": "0.9", "sequence": wt}]  # the wild type, measured
+    for i in range(40):
+        pos = int(rng.integers(len(wt)))
+        to = "ACGU".replace(wt[pos], "")[int(rng.integers(3))]
+        seq = wt[:pos] + to + wt[pos + 1:]
+        rows.append({"mutant": f"{wt[pos]}{pos + 1}{to}", "DMS_score": f"{rng.normal():.4f}", "sequence": seq})
+    path = _write(tmp_path / "Toy_2024_assay.csv", rows)
+    sheet = {"Toy_2024_assay": {"rna_type": "Aptamer", "wt": None}}
+    lp = log_softmax(rng.normal(size=(len(wt) + 2, V)), -1)
+    res = score_assays(load_assays([path], sheet), sheet, lambda ids: lp[:len(ids)], 64)
+    got = res["per_assay"]["Toy_2024_assay"]
+    assert got["n_variants"] == 40 and got["wt_rows"] == 1
+    f, y = res["scores"]["Toy_2024_assay"], np.array([float(r["DMS_score"]) for r in rows[1:]])
+    yb, fb = y > np.median(y), f > np.median(f)
+    auc = roc_auc_score(yb, f)
+    want = {"spearman": abs(spearmanr(y, f).statistic), "auc": max(auc, 1 - auc),
+            "mcc": abs(matthews_corrcoef(yb, fb))}
+    assert {m: got[m] for m in want} == pytest.approx(want, abs=1e-12)
+    with_wt = assay_metrics(np.concatenate([[0.0], f]), np.concatenate([[0.9], y]))
+    assert with_wt["spearman"] != pytest.approx(want["spearman"], abs=1e-6)
