@@ -156,7 +156,7 @@ def test_resume_keeps_one_value_per_step_and_tags_config_changes(tmp_path):
 
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()[:8]  # the engine truncates to the checkpoint
     (run_dir / "metrics.jsonl").write_text("".join(ln + "\n" for ln in lines))
-    again = Tracker(make_cfg(run_dir, uri, 10.0, "train.max_steps=600"), run_dir, 0, run_id, 8)
+    again = Tracker(make_cfg(run_dir, uri, 60.0, "train.max_steps=600"), run_dir, 0, run_id, 8)
     assert again.run_id == run_id
     for s in range(9, 15):
         engine_step(again, run_dir, s)
