@@ -28,9 +28,10 @@ import numpy as np
 from .checks import DamageCheck, PrepError, sum_stats
 from .common import FINGERPRINT, TSV_HEADER
 from .fasta import GZIP_ERRORS, FastaError, input_position, numbered_lines, open_input
-from .join import (NAME, NOT_IN_FASTA, OTHER, TSV_ROW, BlockWriter, Outcomes, Spill, Writer, join, keys, read_blocks,
+from .join import (NAME, OTHER, TSV_ROW, BlockWriter, Outcomes, Spill, Writer, join, keys, read_blocks,
                    read_fasta)
 from .progress import Progress
+from .rule import ALL_MEMBERS_FILTERED, NO_MEMBER_IN_FASTA, member_reasons
 
 @dataclass
 class ClusterMap:
@@ -260,14 +261,6 @@ def _name_repeat(path: Path, repeated: set[tuple[int, int]]) -> None:
     # equal keys of distinct ids (a 128-bit collision): nothing is repeated
 
 
-def member_reasons(min_length: int, max_length: int | None) -> dict[str, int]:
-    """The member filter reasons every cluster manifest lists (invalid-record reasons are added when they occur)."""
-    out = {NOT_IN_FASTA: 0, "empty": 0, f"shorter_than_{min_length}": 0}
-    if max_length is not None:
-        out[f"longer_than_{max_length}"] = 0
-    return out
-
-
 def _member(cmap: ClusterMap, slot: int) -> str:
     for _, _, members, _, firsts, counts in cmap.own():
         for m, first, count in zip(members, firsts.tolist(), counts.tolist()):
@@ -332,7 +325,7 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
                             f"{outcomes.first_record!r}); do the TSV and the FASTA belong together?")
         damage.check(members_found, False)
 
-        filtered = {"no_member_in_fasta": 0, "all_members_filtered": 0}
+        filtered = {NO_MEMBER_IN_FASTA: 0, ALL_MEMBERS_FILTERED: 0}
         stats = {"clusters": cmap.own_clusters, "clusters_kept": 0, "members_listed": cmap.own_members,
                  "members_kept": 0, "residues": 0, "lowercase_residues": got.lowercase,
                  "members_filtered": members_filtered, "fasta_records": records, "members_found": members_found}

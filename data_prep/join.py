@@ -38,10 +38,10 @@ from .checks import DamageCheck, PrepError, sum_stats
 from .common import LOWERCASE, input_fingerprint
 from .fasta import Record, input_position, iter_fasta
 from .progress import Progress
-from .settings import read_bound, too_long
+from . import rule
+from .rule import FILTERED, KEPT, NOT_IN_FASTA, REPLACED, STRICT
 from .sources import Context
 
-NOT_IN_FASTA = "not_in_fasta"
 BUCKET_BYTES = 8 << 20  # input bytes per bucket: what one step of the join holds in memory (tokens about as much)
 MAX_BUCKETS = 4096  # files open at once (ulimit -n is raised to it); beyond 32 GB of input buckets grow instead
 FLUSH = 1 << 16  # ids collected before the TSV pass writes them to the buckets
@@ -57,7 +57,12 @@ FASTA_ROW = np.dtype([("k1", "<u8"), ("k2", "<u8"), ("rec", "<i8"), ("line", "<i
                       ("ntok", "<i4"), ("nextra", "<i4"), ("lower", "<i4"), ("status", "u1")])
 SLOT_ROW = np.dtype([("slot", "<i8"), ("line", "<i8"), ("input", "<i4"), ("ntok", "<i4"), ("nextra", "<i4"),
                      ("status", "u1")])
-KEPT, FILTERED, REPLACED, STRICT = 0, 1, 2, 3
+
+
+def _extra(verdict: rule.Verdict) -> bytes:
+    """A dropped member's verdict as the spill holds it: [reason, detail, characters, damage message]."""
+    return json.dumps([verdict.reason, verdict.detail, dict(verdict.chars) if verdict.chars else None,
+                       verdict.damage]).encode()
 
 
 def keys(ids: list[str], prefix: str = "") -> tuple[np.ndarray, np.ndarray]:
@@ -202,27 +207,21 @@ class Outcomes:
 
     def __init__(self, encoder, settings, spill: Spill):
         self.encoder, self.s, self.spill = encoder, settings, spill
-        self.short = f"shorter_than_{settings.min_length}"
         self.out = BlockWriter(spill.files("fasta"))
         self.records = 0  # records read by this process
         self.first_record: str | None = None  # the first of them (a fed worker's: its first chunk's)
 
     def record(self, rec: Record, path: Path, n_input: int) -> tuple[int, bytes, bytes, int]:
-        """(status, tokens, extra JSON, lowercase residues) of one record read on the per-record path."""
+        """(status, tokens, extra JSON, lowercase residues) of one record read on the per-record path: the record
+        rule's verdict (data_prep/rule.py)."""
         s, encoder = self.s, self.encoder
         if rec.length is not None:  # longer than the bound: skipped unread (batch.chunks, fasta.iter_fasta)
             return FILTERED, b"", self.length_filter(rec.length, path, rec.line, rec.id), 0
-        seq, replaced = rec.seq.upper(), None
-        if rec.error is not None:
-            if rec.reason == "invalid_character" and s.replace_invalid is not None:
-                seq, replaced = encoder.replace(seq, s.replace_invalid)
-            elif s.strict:
-                return STRICT, b"", json.dumps([rec.error]).encode(), 0
-            else:
-                chars = encoder.bad_characters(seq) if rec.reason == "invalid_character" else None
-                detail = rec.error[len(str(path)) + 1:] if rec.error.startswith(f"{path}:") else rec.error
-                return FILTERED, b"", json.dumps([rec.reason, detail, dict(chars) if chars else None,
-                                                   rec.error]).encode(), 0
+        verdict, seq, replaced = rule.invalid(s, encoder, rec, rec.seq.upper(), path)
+        if verdict is not None and verdict.status == STRICT:
+            return STRICT, b"", json.dumps([verdict.damage]).encode(), 0
+        if verdict is not None and verdict.status == FILTERED:
+            return FILTERED, b"", _extra(verdict), 0
         drop = self.length_filter(len(seq), path, rec.line, rec.id)
         if drop is not None:
             return FILTERED, b"", drop, 0
@@ -233,14 +232,8 @@ class Outcomes:
         return KEPT, tokens, b"", lower
 
     def length_filter(self, n: int, path: Path, line: int, rid: str) -> bytes | None:
-        s = self.s
-        if n == 0:
-            return json.dumps(["empty", "", None, f"{path}:{line}: member {rid} has no sequence"]).encode()
-        if n < s.min_length:
-            return json.dumps([self.short, f"{n} residues", None, None]).encode()
-        if reason := too_long(s, n):
-            return json.dumps([reason, f"{n} residues", None, None]).encode()
-        return None
+        verdict = rule.length(self.s, n, rid, path, line, "member")
+        return None if verdict is None else _extra(verdict)
 
     def records_of(self, recs: list[Record], path: Path, n_input: int, first: int) -> None:
         """Records read one by one (an input the batch reader does not take, or a chunk it hands over whole), the
@@ -271,7 +264,7 @@ class Outcomes:
             rows["lower"] = cum[bounds[1:]] - cum[bounds[:-1]]
         starts = bounds[:-1].copy()  # of each record's payload in tokens + aux
         aux, at = [], len(chunk.tokens)
-        drop = (ntok < max(self.s.min_length, 1)) | (ntok > read_bound(self.s))
+        drop = rule.length_drops(self.s, ntok)
         special = sorted(set(np.flatnonzero(drop).tolist()) | set(chunk.slow))
         for j in special:
             if j in chunk.slow:
@@ -308,7 +301,7 @@ def read_fasta(outcomes: Outcomes, encoder, inputs: list[Path], source, progress
     """Pass 2: every record of the member FASTA files into the spill (``feed``, a fed --workers job: the chunks
     its parent dealt it, each input starting with a header); returns each input's counts."""
 
-    batch = BatchReader(source, encoder, Context(encoder.invalid_positions, bound=read_bound(outcomes.s)))
+    batch = BatchReader(source, encoder, Context(encoder.invalid_positions, bound=rule.read_bound(outcomes.s)))
     sizes = [p.stat().st_size for p in inputs]
     counts = []
     first = 0  # global record number of the input's first record
@@ -560,17 +553,15 @@ class Writer:
                 continue
             if status == 255:
                 reason = NOT_IN_FASTA
-                sp.dropped.add(m, reason, self.cmap.path, line, f"member of {name}")
+                sp.dropped.add(m, reason, self.cmap.path, line, rule.member_detail(name))
             else:
                 extra, n_input, at_line = extras[first + k]
                 reason, detail = json.loads(extra)[:2]
-                sp.dropped.add(m, reason, self.inputs[n_input], at_line,
-                               f"member of {name}" + (f"; {detail}" if detail else ""))
+                sp.dropped.add(m, reason, self.inputs[n_input], at_line, rule.member_detail(name, detail))
             self.members_filtered[reason] = self.members_filtered.get(reason, 0) + 1
             dropped[m] = reason
         if not kept:
-            absent = all(r == NOT_IN_FASTA for r in dropped.values())
-            reason = "no_member_in_fasta" if absent else "all_members_filtered"
+            reason = rule.cluster_reason(dropped)
             self.filtered[reason] += 1
             sp.dropped.add(name, reason, self.cmap.path, line, f"cluster of {len(dropped)} members")
             return

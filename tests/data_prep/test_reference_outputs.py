@@ -52,7 +52,7 @@ CASES = {
 
 def _placeholders(text: str, out: Path) -> str:
     for path, name in ((out, "{OUT}"), (SHARED, "{P}"), (SAMPLES, "{S}"), (REPO, "{REPO}")):
-        text = text.replace(str(path), name)
+        text = text.replace(str(path), name).replace(str(path.resolve()), name)
     return text
 
 
