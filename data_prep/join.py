@@ -1,29 +1,25 @@
-"""The join of ``--clusters`` (data_prep/clusters.py) on disk: every member's fate in bounded memory.
+"""The join of ``--clusters`` (data_prep/clusters.py) on DuckDB: every member's fate in bounded memory.
 
-Memory does not grow with the corpus: the FASTA is read in bulk (data_prep/batch.py, 4 MB chunks) and every
-member's fate is a join of two streams that do not share an order (FASTA order and TSV order), done as a hash
-join on disk (a Grace join; ``Spill``):
+1. TSV (data_prep/clusters.py ``load_clusters``): every member id and cluster name of the mapping, with this job's
+   members' slots (a member's position among the job's members in TSV order), into a Parquet table (``Spill.tsv``);
+   DuckDB finds the ids listed twice.
+2. FASTA (``read_fasta``): the member FASTA parsed once, in bulk (data_prep/batch.py chunks), every record's outcome
+   by the record rule (data_prep/rule.py) into a Parquet table (id, record number, input, line, outcome, tokens).
+3. Join (``join``): DuckDB joins the job's members to their records into a table, from which the manifest's counts
+   and checks are read.
+4. Write (``Writer``): the TSV again, cluster by cluster in TSV order, each member's outcome read from the joined
+   table ordered by slot.
 
-1. TSV pass (data_prep/clusters.py ``load_clusters``): each member id and cluster name -> a 128-bit key (two 64-bit ``hash``es) and,
-   for this job's members, its slot (its position among the job's members in TSV order), appended to one of B
-   bucket files by key. Per bucket: repeated keys -> the ids listed twice (named by a second pass).
-2. FASTA pass (``read_fasta``): every record's outcome (tokens, or why it is dropped) with its key, into the B FASTA buckets.
-3. Join (``join``), bucket by bucket: the job's members meet their records; each found member's outcome is appended to one
-   of B slot buckets by slot range; the counts and checks of the manifest are made here.
-4. Write (``Writer``): the TSV again, cluster by cluster in TSV order, each member's outcome read from the slot
-   buckets in order.
-
-B is the inputs' size (gzip counted x5) over ``BUCKET_BYTES``, so a bucket holds at most about BUCKET_BYTES of
-tokens at any corpus size. The spill lives in a temporary folder under ``$TMPDIR`` (removed at the end, whatever
-the end): about twice the members' tokens plus 64 bytes per member id, for the length of the job. A 128-bit key is
-what identifies an id (a collision of two of 10^9 ids: about 10^-21).
+The join, the ordering and their spill to disk are DuckDB's, under ``memory_limit`` (a share of the job's
+``JOB_MEMORY``) with its temporary files in the spill folder under ``$TMPDIR`` (removed at the end, whatever the
+end). A fed --workers run (data_prep/workers.py) shares one folder: each worker writes its records' table, waits for
+the others (``Feed.wait_for_peers``) and joins them all.
 """
 from __future__ import annotations
 
 import heapq
 import json
-import math
-import resource
+import os
 import shutil
 import tempfile
 from collections import Counter
@@ -32,125 +28,115 @@ from pathlib import Path
 
 import numpy as np
 
-from .batch import Chunk, Reader, is_gzip, json_string, starts_with_header
+from . import rule
+from .batch import Chunk, Reader, json_string, starts_with_header
 from .build import BatchReader
 from .checks import DamageCheck, PrepError, sum_stats
 from .common import LOWERCASE, input_fingerprint
 from .fasta import Record, input_position, iter_fasta
 from .progress import Progress
-from . import rule
 from .rule import FILTERED, KEPT, NOT_IN_FASTA, REPLACED, STRICT
 from .sources import Context
 
-BUCKET_BYTES = 8 << 20  # input bytes per bucket: what one step of the join holds in memory (tokens about as much)
-MAX_BUCKETS = 4096  # files open at once (ulimit -n is raised to it); beyond 32 GB of input buckets grow instead
-FLUSH = 1 << 16  # ids collected before the TSV pass writes them to the buckets
-
-# key (k1, k2) of an id; in the TSV buckets with the slot: >= 0 this job's member, OTHER another job's, NAME a
-# cluster name (keyed with a \x01 prefix, so a name never meets a member id)
-TSV_ROW = np.dtype([("k1", "<u8"), ("k2", "<u8"), ("slot", "<i8")])
-OTHER, NAME = -1, -2
-# a FASTA record's outcome: its key, place (global record number, input, line) and payload (ntok tokens, then
-# nextra bytes of JSON: KEPT none, REPLACED {char: count}, FILTERED [reason, detail, chars, damage message],
-# STRICT [error])
-FASTA_ROW = np.dtype([("k1", "<u8"), ("k2", "<u8"), ("rec", "<i8"), ("line", "<i8"), ("input", "<i4"),
-                      ("ntok", "<i4"), ("nextra", "<i4"), ("lower", "<i4"), ("status", "u1")])
-SLOT_ROW = np.dtype([("slot", "<i8"), ("line", "<i8"), ("input", "<i4"), ("ntok", "<i4"), ("nextra", "<i4"),
-                     ("status", "u1")])
+JOB_MEMORY = 512 << 20  # what one --clusters job may hold; the join engine gets JOIN_SHARE of it, Python the rest
+JOIN_SHARE = 0.25
+OTHER, NAME = -1, -2  # slot of another job's member, of a cluster name (keyed with a \x01 prefix)
+ABSENT = 255  # status of a member without a FASTA record
+SLOT_ROW = np.dtype([("slot", "<i8"), ("line", "<i8"), ("input", "<i4"), ("ntok", "<i4"), ("status", "u1")])
 
 
-def _extra(verdict: rule.Verdict) -> bytes:
-    """A dropped member's verdict as the spill holds it: [reason, detail, characters, damage message]."""
-    return json.dumps([verdict.reason, verdict.detail, dict(verdict.chars) if verdict.chars else None,
-                       verdict.damage]).encode()
-
-
-def keys(ids: list[str], prefix: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """(k1, k2) uint64 of each id: two hashes of this process (the spill never outlives it; the workers of a fed
-    --workers run are forked from one process, so they share its hash seed and each other's keys)."""
-    if prefix:
-        ids = [prefix + i for i in ids]
-    k1 = np.fromiter(map(hash, ids), np.int64, len(ids)).view(np.uint64)
-    k2 = np.fromiter(map(hash, [i + "\x00" for i in ids]), np.int64, len(ids)).view(np.uint64)
-    return k1, k2
-
-
-def bucket_count(paths: list[Path]) -> int:
-    size = sum(p.stat().st_size * (5 if is_gzip(p) else 1) for p in paths)
-    return min(MAX_BUCKETS, max(1, math.ceil(size / BUCKET_BYTES)))
+def memory_limit(jobs: int = 1) -> int:
+    """DuckDB's memory_limit in bytes: its share of the job's budget (``jobs`` of a --workers run share one)."""
+    return max(16 << 20, int(JOB_MEMORY * JOIN_SHARE) // max(jobs, 1))
 
 
 class Spill:
-    """The job's temporary folder of bucket files (under $TMPDIR), removed by ``remove``. ``shared``: in a fed
-    --workers run (data_prep/workers.py), the folder its parent made for all ``jobs`` workers and removes at the
-    end: each job's files are named by its ``job`` index, and every job joins the FASTA buckets of all of them
-    (each worker read only the chunks its parent dealt it)."""
+    """The job's temporary folder (under $TMPDIR): the TSV's and the FASTA's tables and DuckDB's temporary files,
+    removed by ``remove``. ``shared``: in a fed --workers run (data_prep/workers.py), the folder its parent made for
+    all ``jobs`` workers and removes at the end: each job's files are named by its ``job`` index, and every job
+    joins the FASTA tables of all of them (each worker read only the chunks its parent dealt it)."""
 
-    def __init__(self, buckets: int, shared: Path | None = None, job: int = 0, jobs: int = 1):
+    def __init__(self, shared: Path | None = None, job: int = 0, jobs: int = 1):
         self.shared = shared is not None
         self.path = Path(shared) if self.shared else Path(tempfile.mkdtemp(prefix="data_prep-clusters-"))
-        self.buckets, self.job, self.jobs = buckets, job, jobs
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        need = buckets + 256  # one bucket set open at a time, and the job's own files
-        if soft != resource.RLIM_INFINITY and soft < need:
-            if hard != resource.RLIM_INFINITY and hard < need:
-                raise PrepError(f"--clusters needs {need} open files for its {buckets} buckets and the limit is "
-                                f"{hard} (ulimit -n); raise it")
-            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        self.job, self.jobs = job, jobs
+        tag = f"-j{job:04d}" if self.shared else ""
+        self.tsv, self.fasta = self.path / f"tsv{tag}.parquet", self.path / f"fasta{tag}.parquet"
+        self.temp = self.path / f"duckdb{tag}"
+        self.fasta_all = [self.path / f"fasta-j{k:04d}.parquet" for k in range(jobs)] if self.shared else [self.fasta]
+        self._db = None
 
-    def files(self, name: str, job: int | None = None) -> list[Path]:
-        """This job's (or ``job``'s) bucket files of kind ``name``, one per bucket."""
-        tag = f"-j{self.job if job is None else job:04d}" if self.shared else ""
-        return [self.path / f"{name}{tag}-{b:05d}.bin" for b in range(self.buckets)]
+    def db(self):
+        """This job's DuckDB connection (an in-memory database that spills to ``temp``), made on first use."""
+        if self._db is None:
+            import duckdb
 
-    def fasta_buckets(self) -> list[list[Path]]:
-        """Per bucket, the FASTA bucket files the join reads: this job's, or in a shared folder every job's."""
-        jobs = range(self.jobs) if self.shared else [None]
-        return [list(paths) for paths in zip(*(self.files("fasta", k) for k in jobs))]
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            self._db = duckdb.connect(config={
+                "memory_limit": f"{memory_limit(self.jobs if self.shared else 1)}B", "temp_directory": str(self.temp),
+                "threads": max(1, cores // (self.jobs if self.shared else 1)), "preserve_insertion_order": False})
+        return self._db
+
+    def sql(self, query: str, *params):
+        return self.db().execute(query, list(params) if params else None)
+
+    def repeated(self) -> set[str]:
+        """Ids (names with their \x01 prefix) that the TSV lists more than once."""
+        rows = self.sql(f"SELECT id FROM read_parquet({_paths([self.tsv])}) GROUP BY id HAVING count(*) > 1")
+        return {r[0] for r in rows.fetchall()}
 
     def remove(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
         if not self.shared:
             shutil.rmtree(self.path, ignore_errors=True)
             return
-        for name in ("tsv", "slot"):  # the FASTA buckets stay: the other workers may still be joining them
-            for p in self.files(name):
-                p.unlink(missing_ok=True)
+        self.tsv.unlink(missing_ok=True)  # the FASTA table stays: the other workers may still be joining it
+        shutil.rmtree(self.temp, ignore_errors=True)
 
 
-class BlockWriter:
-    """One set of bucket files, each a run of blocks: (rows, data bytes) as int64 pair, rows, data."""
+def _paths(paths: list[Path]) -> str:
+    """A list of file names as a DuckDB literal."""
+    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
-    def __init__(self, paths: list[Path]):
-        self.files = [open(p, "wb") for p in paths]
 
-    def write(self, rows: np.ndarray, data: np.ndarray, bucket: np.ndarray, sizes: np.ndarray) -> None:
-        """Rows (and their data: ``sizes`` bytes each, in row order) to their ``bucket``s."""
-        order = np.argsort(bucket, kind="stable")
-        rows, bucket, sizes = rows[order], bucket[order], sizes[order]
-        data = gather(data, _starts(order, sizes, len(order)), sizes)
-        cuts = np.searchsorted(bucket, np.arange(len(self.files) + 1))
-        ends = np.zeros(len(sizes) + 1, np.int64)
-        np.cumsum(sizes, out=ends[1:])
-        for b in np.flatnonzero(np.diff(cuts)).tolist():
-            i, j = int(cuts[b]), int(cuts[b + 1])
-            d = data[ends[i]:ends[j]]
-            f = self.files[b]
-            f.write(np.array([j - i, len(d)], np.int64).tobytes())
-            f.write(rows[i:j].tobytes())
-            f.write(d.tobytes())
+# the columns of the TSV's and the FASTA's tables (pyarrow type names)
+TSV_COLUMNS = {"id": "string", "slot": "int64"}
+FASTA_COLUMNS = {"id": "string", "rec": "int64", "input": "int32", "line": "int64", "status": "uint8",
+                 "lower": "int64", "ntok": "int64", "tokens": "large_binary", "extra": "string"}
+
+
+class TableWriter:
+    """A Parquet file of ``columns`` ({name: pyarrow type name}) written a batch of columns at a time."""
+
+    def __init__(self, path: Path, columns: dict):
+        self.path, self.columns, self.writer = path, columns, None
+
+    def write(self, columns: dict) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.schema([(k, getattr(pa, t)()) for k, t in self.columns.items()])
+        table = pa.table(columns, schema=schema)
+        if self.writer is None:
+            self.writer = pq.ParquetWriter(self.path, schema, compression="none")
+        self.writer.write_table(table)
 
     def close(self) -> None:
-        for f in self.files:
-            f.close()
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
-def _starts(order: np.ndarray, sizes_sorted: np.ndarray, n: int) -> np.ndarray:
-    """Start of each sorted row's data in the unsorted data (rows laid out in their original order)."""
-    sizes = np.empty(n, np.int64)
-    sizes[order] = sizes_sorted
-    starts = np.zeros(n, np.int64)
-    np.cumsum(sizes[:-1], out=starts[1:])
-    return starts[order]
+def binary(data: bytes | np.ndarray, sizes: np.ndarray):
+    """An Arrow array of ``len(sizes)`` byte strings laid out one after the other in ``data``."""
+    import pyarrow as pa
+
+    offsets = np.zeros(len(sizes) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(sizes), [None, pa.py_buffer(offsets),
+                                                                            pa.py_buffer(data)])
 
 
 def gather(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray, group: int = 8192) -> np.ndarray:
@@ -169,57 +155,31 @@ def gather(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray, group: int =
     return out
 
 
-def read_bucket(paths: list[Path], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """read_blocks of several files, one after the other (the data of each row found by its start as before)."""
-    if len(paths) == 1:
-        return read_blocks(paths[0], dtype)
-    parts = [read_blocks(p, dtype) for p in paths]
-    offsets = np.cumsum([0] + [len(data) for _, data, _ in parts[:-1]])
-    return (np.concatenate([rows for rows, _, _ in parts]), np.concatenate([data for _, data, _ in parts]),
-            np.concatenate([starts + o for (_, _, starts), o in zip(parts, offsets.tolist())]))
+def _extra(verdict: rule.Verdict) -> str:
+    """A dropped member's verdict as the table holds it: [reason, detail, characters, damage message]."""
+    return json.dumps([verdict.reason, verdict.detail, dict(verdict.chars) if verdict.chars else None,
+                       verdict.damage])
 
 
-def read_blocks(path: Path, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rows, data, start of each row's data) of one bucket file."""
-    raw = np.fromfile(path, np.uint8)
-    rows, datas, pos = [], [], 0
-    while pos < len(raw):
-        n, m = (int(x) for x in raw[pos:pos + 16].view(np.int64))
-        pos += 16
-        rows.append(raw[pos:pos + n * dtype.itemsize].view(dtype))
-        pos += n * dtype.itemsize
-        datas.append(raw[pos:pos + m])
-        pos += m
-    rows = np.concatenate(rows) if rows else np.zeros(0, dtype)
-    data = np.concatenate(datas) if datas else np.zeros(0, np.uint8)
-    starts = np.zeros(len(rows), np.int64)
-    if len(rows) and "ntok" in dtype.names:
-        np.cumsum((rows["ntok"] + rows["nextra"]).astype(np.int64)[:-1], out=starts[1:])
-    return rows, data, starts
-
-
-@dataclass
 # ---------------------------------------------------------------------------------------- pass 2: the FASTA
 class Outcomes:
-    """What becomes of each FASTA record as a cluster member, decided while it is read and written to the spill's
-    ``fasta-*`` buckets; the same decisions as a member on the per-record path made (lowercase upper-cased,
-    --replace-invalid, --strict, the length filters)."""
+    """What becomes of each FASTA record as a cluster member, decided by the record rule while it is read and
+    written to the spill's FASTA table (lowercase upper-cased, --replace-invalid, --strict, the length filters)."""
 
     def __init__(self, encoder, settings, spill: Spill):
         self.encoder, self.s, self.spill = encoder, settings, spill
-        self.out = BlockWriter(spill.files("fasta"))
+        self.out = TableWriter(spill.fasta, FASTA_COLUMNS)
         self.records = 0  # records read by this process
         self.first_record: str | None = None  # the first of them (a fed worker's: its first chunk's)
 
-    def record(self, rec: Record, path: Path, n_input: int) -> tuple[int, bytes, bytes, int]:
-        """(status, tokens, extra JSON, lowercase residues) of one record read on the per-record path: the record
-        rule's verdict (data_prep/rule.py)."""
+    def record(self, rec: Record, path: Path) -> tuple[int, bytes, str | None, int]:
+        """(status, tokens, extra JSON, lowercase residues) of one record read on the per-record path."""
         s, encoder = self.s, self.encoder
         if rec.length is not None:  # longer than the bound: skipped unread (batch.chunks, fasta.iter_fasta)
             return FILTERED, b"", self.length_filter(rec.length, path, rec.line, rec.id), 0
         verdict, seq, replaced = rule.invalid(s, encoder, rec, rec.seq.upper(), path)
         if verdict is not None and verdict.status == STRICT:
-            return STRICT, b"", json.dumps([verdict.damage]).encode(), 0
+            return STRICT, b"", json.dumps([verdict.damage]), 0
         if verdict is not None and verdict.status == FILTERED:
             return FILTERED, b"", _extra(verdict), 0
         drop = self.length_filter(len(seq), path, rec.line, rec.id)
@@ -228,73 +188,63 @@ class Outcomes:
         lower = int(LOWERCASE[np.frombuffer(rec.seq, np.uint8)].sum()) if rec.seq.upper() != rec.seq else 0
         tokens = encoder.encode(seq).tobytes()
         if replaced:
-            return REPLACED, tokens, json.dumps(replaced).encode(), lower
-        return KEPT, tokens, b"", lower
+            return REPLACED, tokens, json.dumps(replaced), lower
+        return KEPT, tokens, None, lower
 
-    def length_filter(self, n: int, path: Path, line: int, rid: str) -> bytes | None:
+    def length_filter(self, n: int, path: Path, line: int, rid: str) -> str | None:
         verdict = rule.length(self.s, n, rid, path, line, "member")
         return None if verdict is None else _extra(verdict)
 
     def records_of(self, recs: list[Record], path: Path, n_input: int, first: int) -> None:
         """Records read one by one (an input the batch reader does not take, or a chunk it hands over whole), the
         first of them global record ``first``."""
-        rows = np.zeros(len(recs), FASTA_ROW)
-        parts = []
-        for k, rec in enumerate(recs):
-            status, tokens, extra, lower = self.record(rec, path, n_input)
-            rows[k]["status"], rows[k]["ntok"], rows[k]["nextra"], rows[k]["lower"] = \
-                status, len(tokens), len(extra), lower
-            rows[k]["line"] = rec.line
-            parts += [tokens, extra]
-        self._write(rows, [r.id for r in recs], np.frombuffer(b"".join(parts), np.uint8), n_input,
-                    np.arange(first, first + len(recs)))
+        out = [self.record(rec, path) for rec in recs]
+        self._write([r.id for r in recs], np.arange(first, first + len(recs)), n_input,
+                    np.array([r.line for r in recs], np.int64), np.array([o[0] for o in out], np.uint8),
+                    np.array([o[3] for o in out], np.int64), b"".join(o[1] for o in out),
+                    np.array([len(o[1]) for o in out], np.int64), [o[2] for o in out])
 
     def chunk(self, chunk: Chunk, path: Path, n_input: int) -> None:
         """A batch-reader chunk: its records' outcomes with a few numpy operations; the records it hands over
         (``slow``) and those the length filters drop, one by one."""
-        n = len(chunk)
-        bounds = chunk.bounds
-        rows = np.zeros(n, FASTA_ROW)
+        n, bounds = len(chunk), chunk.bounds
         ntok = np.diff(bounds)
-        rows["ntok"] = ntok
         newlines = np.flatnonzero(np.frombuffer(chunk.text, np.uint8) == 10)
-        rows["line"] = chunk.first_line + np.searchsorted(newlines, chunk.header_starts)
+        line = chunk.first_line + np.searchsorted(newlines, chunk.header_starts)
         cum = chunk.lowercase_cum()
-        if cum is not None:  # soft-masked residues, counted per record
-            rows["lower"] = cum[bounds[1:]] - cum[bounds[:-1]]
-        starts = bounds[:-1].copy()  # of each record's payload in tokens + aux
+        lower = cum[bounds[1:]] - cum[bounds[:-1]] if cum is not None else np.zeros(n, np.int64)
+        status, extra = np.zeros(n, np.uint8), [None] * n
+        starts = bounds[:-1].copy()  # of each record's tokens in tokens + aux
         aux, at = [], len(chunk.tokens)
-        drop = rule.length_drops(self.s, ntok)
-        special = sorted(set(np.flatnonzero(drop).tolist()) | set(chunk.slow))
+        special = sorted(set(np.flatnonzero(rule.length_drops(self.s, ntok)).tolist()) | set(chunk.slow))
         for j in special:
             if j in chunk.slow:
                 rec = chunk.slow[j]
                 if isinstance(rec, Exception):
                     raise rec
-                status, tokens, extra, lower = self.record(rec, path, n_input)
+                status[j], tokens, extra[j], lower[j] = self.record(rec, path)
             else:
-                status, tokens, extra, lower = FILTERED, b"", self.length_filter(
-                    int(ntok[j]), path, int(rows["line"][j]), chunk.ids[j]), 0
-            rows[j]["status"], rows[j]["ntok"], rows[j]["nextra"], rows[j]["lower"] = \
-                status, len(tokens), len(extra), lower
-            starts[j] = at
-            aux += [tokens, extra]
-            at += len(tokens) + len(extra)
-        data = np.frombuffer(chunk.tokens + b"".join(aux), np.uint8)
-        if special:  # payloads in record order (the records' tokens in place, the others' from aux)
-            data = gather(data, starts, (rows["ntok"] + rows["nextra"]).astype(np.int64))
-        self._write(rows, chunk.ids, data, n_input, chunk.index)
+                status[j], tokens, lower[j] = FILTERED, b"", 0
+                extra[j] = self.length_filter(int(ntok[j]), path, int(line[j]), chunk.ids[j])
+            ntok[j], starts[j] = len(tokens), at
+            aux.append(tokens)
+            at += len(tokens)
+        data = chunk.tokens
+        if special:  # tokens in record order (the records' in place, the others' from aux)
+            data = gather(np.frombuffer(chunk.tokens + b"".join(aux), np.uint8), starts, ntok)
+        self._write(chunk.ids, chunk.index, n_input, line, status, lower, data, ntok, extra)
 
-    def _write(self, rows: np.ndarray, ids: list[str], data: np.ndarray, n_input: int, rec: np.ndarray) -> None:
-        if not len(rows):
+    def _write(self, ids: list[str], rec: np.ndarray, n_input: int, line: np.ndarray, status: np.ndarray,
+               lower: np.ndarray, data, ntok: np.ndarray, extra: list) -> None:
+        if not len(ids):
             return
         if self.first_record is None:
             self.first_record = ids[0]
-        rows["k1"], rows["k2"] = keys(ids)
-        rows["rec"] = rec
-        rows["input"] = n_input
-        self.records += len(rows)
-        self.out.write(rows, data, rows["k2"] % self.spill.buckets, (rows["ntok"] + rows["nextra"]).astype(np.int64))
+        self.records += len(ids)
+        self.out.write({"id": ids, "rec": np.asarray(rec, np.int64), "input": np.full(len(ids), n_input, np.int32),
+                        "line": np.asarray(line, np.int64), "status": status, "lower": np.asarray(lower, np.int64),
+                        "ntok": np.asarray(ntok, np.int64), "tokens": binary(data, np.asarray(ntok, np.int64)),
+                        "extra": extra})
 
 
 def read_fasta(outcomes: Outcomes, encoder, inputs: list[Path], source, progress: tuple, feed=None) -> list[dict]:
@@ -356,121 +306,110 @@ class Joined:
 
 
 def join(cmap, counts: list[dict], damage: DamageCheck, invalid_chars: Counter,
-          replaced_stats: dict | None) -> Joined:
-    """Pass 3: bucket by bucket, this job's members matched to their FASTA records (equal keys; a member with two
-    records is an error), their outcomes counted and appended to the ``slot-*`` buckets by slot range."""
-    spill, own = cmap.spill, max(cmap.own_members, 1)
-    out = BlockWriter(spill.files("slot"))
-    got = Joined()
+         replaced_stats: dict | None) -> Joined:
+    """Pass 3: this job's members joined to their FASTA records by DuckDB into the table ``joined`` (slot, the
+    record's place, outcome and tokens); the counts and checks of the manifest read from it (a member with two
+    records is an error: ``repeat``)."""
+    spill, got = cmap.spill, Joined()
+    tables = [p for p in spill.fasta_all if p.exists()]
+    fasta = f"read_parquet({_paths(tables)})" if tables else \
+        "(SELECT ''::VARCHAR id, 0::BIGINT rec, 0 input, 0::BIGINT line, 0::UTINYINT status, 0::BIGINT lower, " \
+        "0::BIGINT ntok, ''::BLOB tokens, ''::VARCHAR extra WHERE false)"
+    spill.sql(f"CREATE TEMP TABLE joined AS SELECT t.slot, f.rec, f.input, f.line, f.status, f.lower, f.ntok, "
+              f"f.tokens, f.extra FROM read_parquet({_paths([spill.tsv])}) t JOIN {fasta} f ON t.id = f.id "
+              "WHERE t.slot >= 0")
+    twice = "SELECT slot FROM joined GROUP BY slot HAVING count(*) > 1"
+    if spill.sql(f"SELECT count(*) FROM ({twice})").fetchone()[0]:  # a member's second record: an error (build)
+        got.repeat = spill.sql(f"SELECT rec, slot, input, line FROM joined WHERE slot IN ({twice}) QUALIFY "
+                               "row_number() OVER (PARTITION BY slot ORDER BY rec) = 2 ORDER BY rec LIMIT 1"
+                               ).fetchone()
+        spill.sql("DELETE FROM joined WHERE rowid IN (SELECT rowid FROM joined QUALIFY row_number() OVER "
+                  "(PARTITION BY slot ORDER BY rec) > 1)")
+    kept = f"status IN ({KEPT}, {REPLACED})"
+    per_input = spill.sql(f"SELECT input, count(*), count(*) FILTER ({kept}), coalesce(sum(ntok) FILTER ({kept}), 0), "
+                          f"coalesce(sum(lower) FILTER ({kept}), 0) FROM joined GROUP BY input").fetchall()
+    for n_input, members, kept_n, residues, lower in per_input:
+        counts[n_input].update(members=members, kept=kept_n, residues=int(residues))
+        got.members_found += members
+        got.lowercase += int(lower)
     examples: list[tuple[int, str]] = []  # the damaged members first in FASTA order (a heap of -record, error)
-    per_input = np.zeros((3, len(counts)), np.int64)  # members, kept, residues
-    try:
-        for tsv_file, fasta_files in zip(spill.files("tsv"), spill.fasta_buckets()):
-            t = read_blocks(tsv_file, TSV_ROW)[0]
-            t = t[t["slot"] >= 0]
-            rows, data, starts = read_bucket(fasta_files, FASTA_ROW)
-            if not len(t) or not len(rows):
-                continue
-            order = np.lexsort((rows["rec"], rows["k1"]))
-            k1 = rows["k1"][order]
-            lo, hi = np.searchsorted(k1, t["k1"], "left"), np.searchsorted(k1, t["k1"], "right")
-            one = hi - lo == 1
-            fi = order[lo[one]]
-            ok = rows["k2"][fi] == t["k2"][one]
-            slot, fi = t["slot"][one][ok], fi[ok]
-            many = np.flatnonzero(hi - lo > 1)
-            if len(many):  # a key met twice in the FASTA (or a 64-bit collision): resolved on k2, one by one
-                more_slot, more_fi = [], []
-                for i in many.tolist():
-                    cand = [int(x) for x in order[lo[i]:hi[i]] if rows["k2"][x] == t["k2"][i]]
-                    if cand:
-                        more_slot.append(int(t["slot"][i]))
-                        more_fi.append(cand[0])
-                    if len(cand) > 1:
-                        r = rows[cand[1]]
-                        second = (int(r["rec"]), int(t["slot"][i]), int(r["input"]), int(r["line"]))
-                        got.repeat = min(got.repeat or second, second)
-                slot = np.concatenate([slot, np.array(more_slot, np.int64)])
-                fi = np.concatenate([fi, np.array(more_fi, np.int64)])
-            if not len(fi):
-                continue
-            m = rows[fi]
-            got.members_found += len(fi)
-            kept = (m["status"] == KEPT) | (m["status"] == REPLACED)
-            per_input[0] += np.bincount(m["input"], minlength=len(counts))
-            per_input[1] += np.bincount(m["input"][kept], minlength=len(counts))
-            per_input[2] += np.bincount(m["input"][kept], weights=m["ntok"][kept], minlength=len(counts)).astype(
-                np.int64)
-            got.lowercase += int(m["lower"][kept].sum())
-            for k in np.flatnonzero(m["status"] != KEPT).tolist():
-                r, a = m[k], int(starts[fi[k]] + m["ntok"][k])
-                extra = json.loads(data[a:a + int(r["nextra"])].tobytes())
-                if r["status"] == REPLACED:
-                    replaced_stats["replaced_characters"] += sum(extra.values())
-                    replaced_stats["records_with_replacements"] += 1
-                    replaced_stats["replaced"] = sum_stats(replaced_stats["replaced"], extra)
-                elif r["status"] == STRICT:
-                    got.strict = min(got.strict or (int(r["rec"]), extra[0]), (int(r["rec"]), extra[0]))
-                else:
-                    reason, _, chars, error = extra
-                    if chars:
-                        invalid_chars.update(chars)
-                    if error is not None:
-                        damage.add(reason, None, Counter(chars) if chars else None)
-                        heapq.heappush(examples, (-int(r["rec"]), error))
-                        if len(examples) > damage.EXAMPLES:
-                            heapq.heappop(examples)
-            sizes = (m["ntok"] + m["nextra"]).astype(np.int64)
-            payload = gather(data, starts[fi], sizes)
-            srows = np.zeros(len(fi), SLOT_ROW)
-            for f in ("line", "input", "ntok", "nextra", "status"):
-                srows[f] = m[f]
-            srows["slot"] = slot
-            out.write(srows, payload, slot * spill.buckets // own, sizes)
-    finally:
-        out.close()
+    rows = spill.sql(f"SELECT rec, status, extra FROM joined WHERE status <> {KEPT} ORDER BY slot")
+    while batch := rows.fetchmany(4096):
+        for rec, status, extra in batch:
+            extra = json.loads(extra)
+            if status == REPLACED:
+                replaced_stats["replaced_characters"] += sum(extra.values())
+                replaced_stats["records_with_replacements"] += 1
+                replaced_stats["replaced"] = sum_stats(replaced_stats["replaced"], extra)
+            elif status == STRICT:
+                got.strict = min(got.strict or (rec, extra[0]), (rec, extra[0]))
+            else:
+                reason, _, chars, error = extra
+                if chars:
+                    invalid_chars.update(chars)
+                if error is not None:
+                    damage.add(reason, None, Counter(chars) if chars else None)
+                    heapq.heappush(examples, (-rec, error))
+                    if len(examples) > damage.EXAMPLES:
+                        heapq.heappop(examples)
     damage.examples = [e for _, e in sorted(examples, reverse=True)]
-    for c, (members, kept, residues) in zip(counts, per_input.T.tolist()):
-        c.update(members=members, kept=kept, residues=residues)
     return got
 
 
 # ---------------------------------------------------------------------------------------- pass 4: the write
 class Slots:
-    """Pass 4's view of the ``slot-*`` buckets: the outcomes of a range of member slots, read bucket by bucket in
-    slot order (the clusters are written in TSV order, which is slot order)."""
+    """Pass 4's view of the joined table: the outcomes of a range of member slots, read from DuckDB in slot order
+    (the clusters are written in TSV order, which is slot order)."""
+
+    BATCH = 1 << 14
 
     def __init__(self, cmap):
-        self.files, self.own = cmap.spill.files("slot"), max(cmap.own_members, 1)
-        self.loaded: dict[int, tuple] = {}
+        self.reader = cmap.spill.db().sql("SELECT slot, line, input, ntok, status, tokens, extra FROM joined "
+                                          "ORDER BY slot").to_arrow_reader(self.BATCH)
+        self.pending = None  # the rows read from DuckDB and not yet asked for
 
-    def _bucket(self, b: int) -> tuple:
-        if b not in self.loaded:
-            for old in [k for k in self.loaded if k < b]:
-                del self.loaded[old]  # the clusters before these slots are written
-            rows, data, starts = read_blocks(self.files[b], SLOT_ROW)
-            order = np.argsort(rows["slot"], kind="stable")
-            self.loaded[b] = (rows[order], data, starts[order])
-        return self.loaded[b]
+    def _upto(self, b: int):
+        """The rows of slots below ``b`` not yet handed out (none of them is below the range asked before)."""
+        import pyarrow as pa
+
+        parts = []
+        while True:
+            if self.pending is None:
+                try:
+                    self.pending = self.reader.read_next_batch()
+                except StopIteration:
+                    break
+            k = int(np.searchsorted(self.pending.column(0).to_numpy(), b))
+            parts.append(self.pending.slice(0, k))
+            if k < self.pending.num_rows:
+                self.pending = self.pending.slice(k)
+                break
+            self.pending = None
+        return pa.Table.from_batches(parts, self.reader.schema).combine_chunks()
 
     def range(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, dict]:
-        """For slots a..b-1: the SLOT_ROW of each (status 255: not found in the FASTA), the tokens of the kept
+        """For slots a..b-1: the SLOT_ROW of each (status ABSENT: not found in the FASTA), the tokens of the kept
         ones one after the other, and {slot: (extra JSON, input, line)} of the dropped ones."""
+        import pyarrow as pa
+
+        t = self._upto(b)
         out = np.zeros(b - a, SLOT_ROW)
-        out["status"] = 255
-        pieces, extras = [], {}
-        for k in range(a * len(self.files) // self.own, (b - 1) * len(self.files) // self.own + 1):
-            rows, data, starts = self._bucket(k)
-            lo, hi = np.searchsorted(rows["slot"], [a, b])
-            rows, starts = rows[lo:hi], starts[lo:hi]
-            out[rows["slot"] - a] = rows
-            view = memoryview(data)
-            kept = (rows["status"] == KEPT) | (rows["status"] == REPLACED)
-            pieces += [view[x:x + n] for x, n in zip(starts[kept].tolist(), rows["ntok"][kept].tolist())]
-            for i in np.flatnonzero(~kept).tolist():
-                x, n = int(starts[i] + rows["ntok"][i]), int(rows["nextra"][i])
-                extras[int(rows["slot"][i])] = (bytes(view[x:x + n]), int(rows["input"][i]), int(rows["line"][i]))
-        return out, np.frombuffer(b"".join(pieces), np.uint8), extras
+        out["status"] = ABSENT
+        slots = t.column("slot").to_numpy()
+        for f in ("line", "input", "ntok", "status"):
+            out[f][slots - a] = t.column(f).to_numpy()
+        status = t.column("status").to_numpy()
+        kept = (status == KEPT) | (status == REPLACED)
+        tokens = t.column("tokens").filter(kept).combine_chunks()
+        width = np.int64 if pa.types.is_large_binary(tokens.type) else np.int32
+        offsets = np.frombuffer(tokens.buffers()[1], width)[tokens.offset:tokens.offset + len(tokens) + 1]
+        data = np.frombuffer(tokens.buffers()[2], np.uint8)[offsets[0]:offsets[-1]] if len(tokens) else \
+            np.zeros(0, np.uint8)
+        extras = {}
+        for i in np.flatnonzero(~kept).tolist():
+            extras[int(slots[i])] = (t.column("extra")[i].as_py(), int(out["input"][slots[i] - a]),
+                                     int(out["line"][slots[i] - a]))
+        return out, data, extras
 
 
 _ESCAPED = np.ones(256, bool)  # the bytes json.dumps escapes in a string (ensure_ascii): all but printable ASCII
@@ -551,7 +490,7 @@ class Writer:
             if status in (KEPT, REPLACED):
                 kept.append(m)
                 continue
-            if status == 255:
+            if status == ABSENT:
                 reason = NOT_IN_FASTA
                 sp.dropped.add(m, reason, self.cmap.path, line, rule.member_detail(name))
             else:
