@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from .checks import DamageCheck, PrepError, sum_stats
+from .cluster_write import Writer
 from .common import FINGERPRINT, TSV_HEADER
 from .fasta import GZIP_ERRORS, FastaError, input_position, numbered_lines, open_input
-from .join import NAME, OTHER, TSV_COLUMNS, Outcomes, Spill, TableWriter, Writer, join, read_fasta
+from .join import NAME, OTHER, TSV_COLUMNS, Outcomes, Spill, TableWriter, join, read_fasta
 from .progress import Progress
 from .rule import ALL_MEMBERS_FILTERED, NO_MEMBER_IN_FASTA, member_reasons
 

@@ -29,20 +29,20 @@ from pathlib import Path
 import numpy as np
 
 from . import rule
-from .batch import Chunk, Reader, json_string, starts_with_header
+from .batch import Chunk, Reader, starts_with_header
 from .build import BatchReader
 from .checks import DamageCheck, PrepError, sum_stats
+from .cluster_write import Slots, Writer  # noqa: F401 -- pass 4, named here with the passes before it
 from .common import LOWERCASE, input_fingerprint
 from .fasta import Record, input_position, iter_fasta
+from .gather import gather
 from .progress import Progress
-from .rule import FILTERED, KEPT, NOT_IN_FASTA, REPLACED, STRICT
+from .rule import FILTERED, KEPT, REPLACED, STRICT
 from .sources import Context
 
 JOB_MEMORY = 512 << 20  # what one --clusters job may hold; the join engine gets JOIN_SHARE of it, Python the rest
 JOIN_SHARE = 0.25
 OTHER, NAME = -1, -2  # slot of another job's member, of a cluster name (keyed with a \x01 prefix)
-ABSENT = 255  # status of a member without a FASTA record
-SLOT_ROW = np.dtype([("slot", "<i8"), ("line", "<i8"), ("input", "<i4"), ("ntok", "<i4"), ("status", "u1")])
 
 
 def memory_limit(jobs: int = 1) -> int:
@@ -67,12 +67,13 @@ class Spill:
         self._db = None
 
     def db(self):
-        """This job's DuckDB connection (an in-memory database that spills to ``temp``), made on first use."""
+        """This job's DuckDB connection, made on first use: a database file in the spill folder (its tables leave
+        memory for it under the memory limit) whose operators spill to ``temp``."""
         if self._db is None:
             import duckdb
 
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            self._db = duckdb.connect(config={
+            self._db = duckdb.connect(str(self.temp) + ".duckdb", config={
                 "memory_limit": f"{memory_limit(self.jobs if self.shared else 1)}B", "temp_directory": str(self.temp),
                 "threads": max(1, cores // (self.jobs if self.shared else 1)), "preserve_insertion_order": False})
         return self._db
@@ -93,6 +94,8 @@ class Spill:
             shutil.rmtree(self.path, ignore_errors=True)
             return
         self.tsv.unlink(missing_ok=True)  # the FASTA table stays: the other workers may still be joining it
+        for p in (Path(str(self.temp) + ".duckdb"), Path(str(self.temp) + ".duckdb.wal")):
+            p.unlink(missing_ok=True)
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
@@ -118,7 +121,7 @@ class TableWriter:
         import pyarrow.parquet as pq
 
         schema = pa.schema([(k, getattr(pa, t)()) for k, t in self.columns.items()])
-        table = pa.table(columns, schema=schema)
+        table = pa.Table.from_arrays([_array(columns[k], t) for k, t in self.columns.items()], schema=schema)
         if self.writer is None:
             self.writer = pq.ParquetWriter(self.path, schema, compression="none")
         self.writer.write_table(table)
@@ -129,6 +132,24 @@ class TableWriter:
             self.writer = None
 
 
+def _array(values, kind: str):
+    """An Arrow array of type ``kind`` (a pyarrow type name) from its buffers: numbers from numpy, strings from a
+    list of str or None (pyarrow's own conversions import pandas, a third of a second and 50 MB)."""
+    import pyarrow as pa
+
+    if isinstance(values, pa.Array):
+        return values
+    if kind == "string":  # a list of str or None
+        enc = [b"" if v is None else v.encode() for v in values]
+        offsets = np.zeros(len(enc) + 1, np.int32)
+        np.cumsum(np.fromiter(map(len, enc), np.int32, len(enc)), out=offsets[1:])
+        valid = np.fromiter((v is not None for v in values), bool, len(enc))
+        mask = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
+        return pa.Array.from_buffers(pa.string(), len(enc), [mask, pa.py_buffer(offsets), pa.py_buffer(b"".join(enc))])
+    data = np.ascontiguousarray(values, np.dtype(kind))
+    return pa.Array.from_buffers(getattr(pa, kind)(), len(data), [None, pa.py_buffer(data)])
+
+
 def binary(data: bytes | np.ndarray, sizes: np.ndarray):
     """An Arrow array of ``len(sizes)`` byte strings laid out one after the other in ``data``."""
     import pyarrow as pa
@@ -137,22 +158,6 @@ def binary(data: bytes | np.ndarray, sizes: np.ndarray):
     np.cumsum(sizes, out=offsets[1:])
     return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(sizes), [None, pa.py_buffer(offsets),
                                                                             pa.py_buffer(data)])
-
-
-def gather(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray, group: int = 8192) -> np.ndarray:
-    """data[starts[0]:starts[0]+sizes[0]] + data[starts[1]:...] + ...: joins of views, ``group`` rows at a time (a
-    fancy index would take 8 bytes per byte, one view per row 200 bytes per row)."""
-    total = int(sizes.sum())
-    out = np.empty(total, np.uint8)
-    if total == 0:
-        return out
-    view, at = memoryview(data), 0
-    starts, sizes = starts.tolist(), sizes.tolist()
-    for i in range(0, len(sizes), group):
-        part = b"".join([view[a:a + n] for a, n in zip(starts[i:i + group], sizes[i:i + group])])
-        out[at:at + len(part)] = np.frombuffer(part, np.uint8)
-        at += len(part)
-    return out
 
 
 def _extra(verdict: rule.Verdict) -> str:
@@ -315,7 +320,7 @@ def join(cmap, counts: list[dict], damage: DamageCheck, invalid_chars: Counter,
     fasta = f"read_parquet({_paths(tables)})" if tables else \
         "(SELECT ''::VARCHAR id, 0::BIGINT rec, 0 input, 0::BIGINT line, 0::UTINYINT status, 0::BIGINT lower, " \
         "0::BIGINT ntok, ''::BLOB tokens, ''::VARCHAR extra WHERE false)"
-    spill.sql(f"CREATE TEMP TABLE joined AS SELECT t.slot, f.rec, f.input, f.line, f.status, f.lower, f.ntok, "
+    spill.sql(f"CREATE TABLE joined AS SELECT t.slot, f.rec, f.input, f.line, f.status, f.lower, f.ntok, "
               f"f.tokens, f.extra FROM read_parquet({_paths([spill.tsv])}) t JOIN {fasta} f ON t.id = f.id "
               "WHERE t.slot >= 0")
     twice = "SELECT slot FROM joined GROUP BY slot HAVING count(*) > 1"
@@ -354,158 +359,3 @@ def join(cmap, counts: list[dict], damage: DamageCheck, invalid_chars: Counter,
                         heapq.heappop(examples)
     damage.examples = [e for _, e in sorted(examples, reverse=True)]
     return got
-
-
-# ---------------------------------------------------------------------------------------- pass 4: the write
-class Slots:
-    """Pass 4's view of the joined table: the outcomes of a range of member slots, read from DuckDB in slot order
-    (the clusters are written in TSV order, which is slot order)."""
-
-    BATCH = 1 << 14
-
-    def __init__(self, cmap):
-        self.reader = cmap.spill.db().sql("SELECT slot, line, input, ntok, status, tokens, extra FROM joined "
-                                          "ORDER BY slot").to_arrow_reader(self.BATCH)
-        self.pending = None  # the rows read from DuckDB and not yet asked for
-
-    def _upto(self, b: int):
-        """The rows of slots below ``b`` not yet handed out (none of them is below the range asked before)."""
-        import pyarrow as pa
-
-        parts = []
-        while True:
-            if self.pending is None:
-                try:
-                    self.pending = self.reader.read_next_batch()
-                except StopIteration:
-                    break
-            k = int(np.searchsorted(self.pending.column(0).to_numpy(), b))
-            parts.append(self.pending.slice(0, k))
-            if k < self.pending.num_rows:
-                self.pending = self.pending.slice(k)
-                break
-            self.pending = None
-        return pa.Table.from_batches(parts, self.reader.schema).combine_chunks()
-
-    def range(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, dict]:
-        """For slots a..b-1: the SLOT_ROW of each (status ABSENT: not found in the FASTA), the tokens of the kept
-        ones one after the other, and {slot: (extra JSON, input, line)} of the dropped ones."""
-        import pyarrow as pa
-
-        t = self._upto(b)
-        out = np.zeros(b - a, SLOT_ROW)
-        out["status"] = ABSENT
-        slots = t.column("slot").to_numpy()
-        for f in ("line", "input", "ntok", "status"):
-            out[f][slots - a] = t.column(f).to_numpy()
-        status = t.column("status").to_numpy()
-        kept = (status == KEPT) | (status == REPLACED)
-        tokens = t.column("tokens").filter(kept).combine_chunks()
-        width = np.int64 if pa.types.is_large_binary(tokens.type) else np.int32
-        offsets = np.frombuffer(tokens.buffers()[1], width)[tokens.offset:tokens.offset + len(tokens) + 1]
-        data = np.frombuffer(tokens.buffers()[2], np.uint8)[offsets[0]:offsets[-1]] if len(tokens) else \
-            np.zeros(0, np.uint8)
-        extras = {}
-        for i in np.flatnonzero(~kept).tolist():
-            extras[int(slots[i])] = (t.column("extra")[i].as_py(), int(out["input"][slots[i] - a]),
-                                     int(out["line"][slots[i] - a]))
-        return out, data, extras
-
-
-_ESCAPED = np.ones(256, bool)  # the bytes json.dumps escapes in a string (ensure_ascii): all but printable ASCII
-_ESCAPED[0x20:0x7f] = False
-_ESCAPED[[ord('"'), ord("\\")]] = True
-
-
-class Writer:
-    """Pass 4: this job's clusters in TSV order, a batch of about BATCH members at a time. The clusters whose
-    members were all kept (the rule) are written with one ShardSet.extend per run of them, their meta JSON made
-    by one %-operation; the others one by one, naming what was dropped."""
-
-    BATCH = 1 << 14
-
-    def __init__(self, cmap, sp, inputs: list[Path], stats: dict, filtered: dict,
-                 members_filtered: dict, source_name: str):
-        self.cmap, self.sp, self.inputs, self.slots = cmap, sp, inputs, Slots(cmap)
-        self.stats, self.filtered, self.members_filtered, self.source = stats, filtered, members_filtered, source_name
-        self.meta_format = ('{"id":%s,"source":' + json_string(source_name).replace("%", "%%")
-                            + ',"length":%d,"members":%s,"listed":%d}\n')
-
-    def run(self, bar: Progress) -> None:
-        for index, names, members, lines, firsts, counts in self.cmap.own():
-            # batches of about BATCH members (a cluster larger than that alone)
-            cuts = np.unique(np.searchsorted(np.cumsum(counts), np.arange(self.BATCH, int(counts.sum()),
-                                                                          self.BATCH)) + 1)
-            for i, j in zip([0, *cuts.tolist()], [*cuts.tolist(), len(counts)]):
-                if i < j:
-                    self._batch(tuple(index[i:j].tolist()), names[i:j], members[i:j], lines[i:j].tolist(),
-                                firsts[i:j].tolist(), counts[i:j])
-            bar.update(input_position(self.cmap.path), written=self.stats["clusters_kept"])
-
-    def _batch(self, index: tuple, names: list, members: list, lines: list, firsts: list, counts: np.ndarray
-               ) -> None:
-        a = firsts[0]
-        rows, tokens, extras = self.slots.range(a, firsts[-1] + int(counts[-1]))
-        starts = np.zeros(len(counts), np.int64)
-        np.cumsum(counts[:-1], out=starts[1:])
-        kept = (rows["status"] == KEPT) | (rows["status"] == REPLACED)
-        lengths = np.where(kept, rows["ntok"], 0).astype(np.int64)
-        kept_n = np.add.reduceat(kept.astype(np.int64), starts)
-        size = np.add.reduceat(lengths, starts)  # tokens of each cluster
-        bounds = np.zeros(len(counts) + 1, np.int64)  # of each cluster's tokens in ``tokens``
-        np.cumsum(size, out=bounds[1:])
-        kb = np.zeros(len(counts) + 1, np.int64)  # of each cluster's kept members in ``member_lengths``
-        np.cumsum(kept_n, out=kb[1:])
-        member_lengths = rows["ntok"][kept].astype(np.int64)
-        st = self.stats
-        st["clusters_kept"] += int(np.count_nonzero(kept_n))
-        st["members_kept"] += int(kept_n.sum())
-        st["residues"] += int(size.sum())
-        joined = "".join(members)
-        plain = joined.isascii() and not _ESCAPED[np.frombuffer(joined.encode("ascii"), np.uint8)].any()
-        prev = 0
-        for j in np.flatnonzero(kept_n != counts).tolist() + [len(counts)]:
-            if prev < j:  # clusters prev..j-1, every member kept
-                listed = [f'["{m.replace(",", chr(34) + "," + chr(34))}"]' if plain else
-                          json.dumps(m.split(","), separators=(",", ":")) for m in members[prev:j]]
-                flat = [None] * (4 * (j - prev))
-                flat[0::4], flat[1::4] = map(json_string, names[prev:j]), size[prev:j].tolist()
-                flat[2::4], flat[3::4] = listed, counts[prev:j].tolist()
-                metas = ((self.meta_format * (j - prev)) % tuple(flat)).split("\n")[:-1]
-                keys = (("%012d\n" * (j - prev)) % index[prev:j]).split("\n")[:-1]
-                self.sp.extend(keys, tokens[bounds[prev]:bounds[j]], bounds[prev:j + 1] - bounds[prev], metas,
-                               member_lengths[kb[prev]:kb[j]])
-            if j < len(counts):
-                self._one(index[j], names[j], members[j], lines[j], firsts[j], a, rows, extras,
-                          tokens[bounds[j]:bounds[j + 1]], member_lengths[kb[j]:kb[j + 1]])
-            prev = j + 1
-
-    def _one(self, index: int, name: str, members: str, line: int, first: int, a: int, rows: np.ndarray,
-             extras: dict, tokens: np.ndarray, member_lengths: np.ndarray) -> None:
-        """A cluster with members dropped (its slots first.., rows[first - a:]): each named in filtered.tsv and
-        meta ``dropped``."""
-        sp, kept, dropped = self.sp, [], {}
-        for k, m in enumerate(members.split(",")):
-            status = int(rows["status"][first - a + k])
-            if status in (KEPT, REPLACED):
-                kept.append(m)
-                continue
-            if status == ABSENT:
-                reason = NOT_IN_FASTA
-                sp.dropped.add(m, reason, self.cmap.path, line, rule.member_detail(name))
-            else:
-                extra, n_input, at_line = extras[first + k]
-                reason, detail = json.loads(extra)[:2]
-                sp.dropped.add(m, reason, self.inputs[n_input], at_line, rule.member_detail(name, detail))
-            self.members_filtered[reason] = self.members_filtered.get(reason, 0) + 1
-            dropped[m] = reason
-        if not kept:
-            reason = rule.cluster_reason(dropped)
-            self.filtered[reason] += 1
-            sp.dropped.add(name, reason, self.cmap.path, line, f"cluster of {len(dropped)} members")
-            return
-        offsets = np.zeros(len(kept) + 1, np.int64)
-        np.cumsum(member_lengths, out=offsets[1:])
-        meta = {"id": name, "source": self.source, "length": int(offsets[-1]), "members": kept,
-                "listed": len(kept) + len(dropped), "dropped": dropped}
-        sp.write(f"{index:012d}", tokens, meta, offsets)
