@@ -67,13 +67,13 @@ class Spill:
         self._db = None
 
     def db(self):
-        """This job's DuckDB connection, made on first use: a database file in the spill folder (its tables leave
-        memory for it under the memory limit) whose operators spill to ``temp``."""
+        """This job's DuckDB connection, made on first use: an in-memory database whose tables and operators spill
+        to ``temp`` under the memory limit (a database file instead cost a third more time on the P3uc input)."""
         if self._db is None:
             import duckdb
 
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            self._db = duckdb.connect(str(self.temp) + ".duckdb", config={
+            self._db = duckdb.connect(config={
                 "memory_limit": f"{memory_limit(self.jobs if self.shared else 1)}B", "temp_directory": str(self.temp),
                 "threads": max(1, cores // (self.jobs if self.shared else 1)), "preserve_insertion_order": False})
         return self._db
@@ -94,8 +94,6 @@ class Spill:
             shutil.rmtree(self.path, ignore_errors=True)
             return
         self.tsv.unlink(missing_ok=True)  # the FASTA table stays: the other workers may still be joining it
-        for p in (Path(str(self.temp) + ".duckdb"), Path(str(self.temp) + ".duckdb.wal")):
-            p.unlink(missing_ok=True)
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
@@ -320,7 +318,7 @@ def join(cmap, counts: list[dict], damage: DamageCheck, invalid_chars: Counter,
     fasta = f"read_parquet({_paths(tables)})" if tables else \
         "(SELECT ''::VARCHAR id, 0::BIGINT rec, 0 input, 0::BIGINT line, 0::UTINYINT status, 0::BIGINT lower, " \
         "0::BIGINT ntok, ''::BLOB tokens, ''::VARCHAR extra WHERE false)"
-    spill.sql(f"CREATE TABLE joined AS SELECT t.slot, f.rec, f.input, f.line, f.status, f.lower, f.ntok, "
+    spill.sql(f"CREATE TEMP TABLE joined AS SELECT t.slot, f.rec, f.input, f.line, f.status, f.lower, f.ntok, "
               f"f.tokens, f.extra FROM read_parquet({_paths([spill.tsv])}) t JOIN {fasta} f ON t.id = f.id "
               "WHERE t.slot >= 0")
     twice = "SELECT slot FROM joined GROUP BY slot HAVING count(*) > 1"
