@@ -111,10 +111,9 @@ UniRef50 clusters for ESM-2 sampling (``data_prep/clusters.py``)::
   reads the whole TSV and FASTA. A job cannot tell another job's member from a record in no cluster, so its manifest
   has ``records_in_no_cluster: null``; ``merge`` computes it (FASTA records minus the members all jobs found) and
   checks that the jobs together cover every cluster of the TSV. Resume after a crash works as for every source.
-* Memory does not grow with the corpus: the member FASTA is read in chunks by the batch reader and every member is
-  joined to its record in hash buckets on disk under ``$TMPDIR`` (data_prep/join.py gives the four passes);
-  the peak was 97 MB at 64 MB of FASTA and 102 MB at ten times that. The spill needs about twice the members'
-  tokens plus 64 bytes per id, for the length of the job. The full UniRef90 can run as one job, as ``--workers N``
+* Memory does not grow with the corpus: the member FASTA is read in chunks by the batch reader into a Parquet table
+  and every member is joined to its record by DuckDB under a memory limit, spilling under ``$TMPDIR``
+  (data_prep/join.py gives the four passes). The full UniRef90 can run as one job, as ``--workers N``
   (the parent deals the FASTA's chunks out, each worker parses its own into a spill they share and joins its
   clusters against all of it), or as an array of ``--num-jobs N`` jobs that each read the whole FASTA and write a
   1/N of the clusters, then ``merge``.

@@ -23,7 +23,8 @@ from .checks import DamageCheck, PrepError
 from .common import LOWERCASE, input_fingerprint, split_of
 from .fasta import FastaError, input_position
 from .progress import Progress
-from .settings import Settings, filter_reasons, read_bound, too_long
+from . import rule
+from .settings import Settings
 from .sources import Context, iter_fasta_source, iter_uniref, uniref_record
 from .workdir import ShardSet, WorkDir, open_splits
 
@@ -58,12 +59,6 @@ def window_spans(n: int, window: int, stride: int, tail: str) -> tuple[list[tupl
     elif tail == "align":
         spans.append((n - window, n))
     return spans, tail
-
-
-def _detail(error: str, path: Path) -> str:
-    """A reader's error without its leading 'path:' (the list has an input column)."""
-    prefix = f"{path}:"
-    return error[len(prefix):] if error.startswith(prefix) else error
 
 
 class BatchReader:
@@ -133,11 +128,10 @@ class SequenceBuild:
                  feed: Feed | None = None):
         s = self.settings = settings
         self.source, self.encoder, self.inputs, self.progress, self.feed = source, encoder, inputs, progress, feed
-        self.ctx = Context(encoder.invalid_positions, {}, members, text_column, read_bound(s))
+        self.ctx = Context(encoder.invalid_positions, {}, members, text_column, rule.read_bound(s))
         self.splits = open_splits(work, s, encoder)
-        base_filtered = filter_reasons(s.min_length, s.max_length, s.dedup)
+        base_filtered = rule.filter_reasons(s.min_length, s.max_length, s.dedup)
         self.filtered = {k: dict(base_filtered) for k in self.splits}
-        self.short = f"shorter_than_{s.min_length}"
         self.seen_hashes: dict[bytes, str] = {}  # sha1 of a kept sequence -> its record id (named for duplicates)
         self.counts: dict[str, list] = {k: [] for k in self.splits}  # per split: each input's counts
         self.stats = {k: self._new_stats() for k in self.splits}
@@ -272,55 +266,36 @@ class SequenceBuild:
     def record(self, rec, i: int, path: Path, inp: dict) -> None:
         """Record ``i`` (global index) of ``path`` on the per-record path."""
         s, encoder = self.settings, self.encoder
-        replaceable = rec.error is not None and rec.reason == "invalid_character" \
-            and s.replace_invalid is not None
-        if rec.error is not None and s.strict and not replaceable:
-            raise FastaError(rec.error)
+        # The rule (data_prep/rule.py) on an invalid record first: --strict refuses it in whichever job reads it.
         # With --dedup a record's job follows its hash, so every copy of a sequence meets in one job;
         # otherwise ownership is decided first and other jobs' records cost nothing more.
-        seq = digest = replaced = None
-        if s.dedup:
-            seq = self.normalise(rec.seq)
-            if replaceable:
-                seq, replaced = encoder.replace(seq, s.replace_invalid)
-            digest = hashlib.sha1(seq).digest()
+        seq = digest = replaced = verdict = None
+        if rec.error is not None or s.dedup:
+            verdict, seq, replaced = rule.invalid(s, encoder, rec, self.normalise(rec.seq), path)
+            if verdict is not None and verdict.status == rule.STRICT:
+                raise FastaError(verdict.damage)
+            if s.dedup:
+                digest = hashlib.sha1(seq).digest()
         owner = int.from_bytes(digest[:8], "little") if digest is not None else i
         if owner % self.own[0] != self.own[1]:
             return
         if seq is None:
             seq = self.normalise(rec.seq)
-            if replaceable:
-                seq, replaced = encoder.replace(seq, s.replace_invalid)
         name = split_of(rec.id, s.val_fraction)
         sp, st, filt = self.splits[name], self.stats[name], self.filtered[name]
         self.read += 1
         inp[name]["records"] += 1
-        if rec.error is not None and not replaceable:
-            filt[rec.reason] = filt.get(rec.reason, 0) + 1
-            chars = encoder.bad_characters(seq) if rec.reason == "invalid_character" else None
-            if chars:
-                self.invalid_chars[name].update(chars)
-            self.damage.add(rec.reason, rec.error, chars)
-            sp.dropped.add(rec.id, rec.reason, path, rec.line, _detail(rec.error, path))
-            return
-        n = encoder.residues(seq) if rec.length is None else rec.length  # length: skipped unread, too long
-        reason = detail = None
-        if n == 0:
-            reason = "empty"
-            self.damage.add("empty", f"{path}:{rec.line}: record {rec.id} has no sequence")
-        elif n < s.min_length:
-            reason, detail = self.short, f"{n} residues"
-        elif too_long(s, n):
-            reason, detail = too_long(s, n), f"{n} residues"
-        elif digest is not None:
-            first = self.seen_hashes.get(digest)
-            if first is not None:
-                reason, detail = "duplicate", f"same sequence as {first}"
-            else:
-                self.seen_hashes[digest] = rec.id
-        if reason is not None:
-            filt[reason] = filt.get(reason, 0) + 1  # longer_than_<--max-record-length>: listed once it occurs
-            sp.dropped.add(rec.id, reason, path, rec.line, detail or "")
+        if verdict is None or verdict.status != rule.FILTERED:
+            n = encoder.residues(seq) if rec.length is None else rec.length  # length: skipped unread, too long
+            verdict = rule.length(s, n, rec.id, path, rec.line)
+            if verdict is None and digest is not None:
+                first = self.seen_hashes.get(digest)
+                if first is not None:
+                    verdict = rule.Verdict(rule.FILTERED, rule.DUPLICATE, f"same sequence as {first}")
+                else:
+                    self.seen_hashes[digest] = rec.id
+        if verdict is not None:
+            self._drop(name, rec.id, verdict, path, rec.line)
             return
         if not encoder.text and self.normalise(rec.seq) != rec.seq:  # soft-masked (lowercase) residues present
             st["lowercase_residues"] += int(LOWERCASE[np.frombuffer(rec.seq, dtype=np.uint8)].sum())
@@ -344,6 +319,16 @@ class SequenceBuild:
             sp.write(key, encoder.encode(seq), meta)
             return
         self._write_windows(sp, st["windows"], key, rec.id, seq, meta)
+
+    def _drop(self, name: str, rid: str, verdict: rule.Verdict, path: Path, line: int) -> None:
+        """A record the rule drops: counted under its reason (and as damage), listed in filtered.tsv."""
+        filt = self.filtered[name]
+        filt[verdict.reason] = filt.get(verdict.reason, 0) + 1  # longer_than_<--max-record-length>: once it occurs
+        if verdict.chars:
+            self.invalid_chars[name].update(verdict.chars)
+        if verdict.damage is not None:
+            self.damage.add(verdict.reason, verdict.damage, verdict.chars)
+        self.splits[name].dropped.add(rid, verdict.reason, path, line, verdict.detail)
 
     def _write_windows(self, sp: ShardSet, w: dict, key: str, rid: str, seq: bytes, meta: dict) -> None:
         """The windows of one kept record as samples ``<key>_<k>``, ids ``<record id>:<start>-<end>`` (0-based,
@@ -407,19 +392,11 @@ class SequenceBuild:
         lengths = bounds[js + 1] - bounds[js]
         names = [""] * len(js) if s.val_fraction is None else [split_of(chunk.ids[j], s.val_fraction)
                                                                  for j in js.tolist()]
-        drop = (lengths < max(s.min_length, 1)) | (lengths > read_bound(s))
+        drop = rule.length_drops(s, lengths)
         for k in np.flatnonzero(drop).tolist():  # in record order, across splits, as the per-record path
-            j, m, name = int(js[k]), int(lengths[k]), names[k]
-            rid, line = chunk.ids[j], chunk.line(j)
-            if m == 0:
-                reason, detail = "empty", ""
-                self.damage.add("empty", f"{path}:{line}: record {rid} has no sequence")
-            elif m < s.min_length:
-                reason, detail = self.short, f"{m} residues"
-            else:
-                reason, detail = too_long(s, m), f"{m} residues"
-            self.filtered[name][reason] = self.filtered[name].get(reason, 0) + 1
-            self.splits[name].dropped.add(rid, reason, path, line, detail)
+            j = int(js[k])
+            self._drop(names[k], chunk.ids[j], rule.length(s, int(lengths[k]), chunk.ids[j], path, chunk.line(j)),
+                       path, chunk.line(j))
         groups = {"": np.ones(len(js), bool)} if s.val_fraction is None else \
             {name: np.array([x == name for x in names]) for name in self.splits}
         for name, mask in groups.items():

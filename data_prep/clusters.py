@@ -13,9 +13,9 @@ tab-separated fields, an empty or blank-containing cluster name or member id, a 
 twice (in two clusters or in one), a header line after the first line, a member record found twice in the FASTA.
 Everything else that is not written is counted (see ``build``).
 
-Memory does not grow with the corpus: every member meets its FASTA record in a hash join on disk
-(data_prep/join.py, whose docstring gives the four passes); this module parses and checks the TSV (pass 1 and the
-re-read of pass 4) and runs the passes (``build``).
+Memory does not grow with the corpus: every member meets its FASTA record in DuckDB's join, which spills to disk
+under a memory limit (data_prep/join.py, whose docstring gives the four passes); this module parses and checks the
+TSV (pass 1 and the re-read of pass 4) and runs the passes (``build``).
 """
 from __future__ import annotations
 
@@ -26,16 +26,17 @@ from pathlib import Path
 import numpy as np
 
 from .checks import DamageCheck, PrepError, sum_stats
+from .cluster_write import Writer
 from .common import FINGERPRINT, TSV_HEADER
 from .fasta import GZIP_ERRORS, FastaError, input_position, numbered_lines, open_input
-from .join import (NAME, NOT_IN_FASTA, OTHER, TSV_ROW, BlockWriter, Outcomes, Spill, Writer, join, keys, read_blocks,
-                   read_fasta)
+from .join import NAME, OTHER, TSV_COLUMNS, Outcomes, Spill, TableWriter, join, read_fasta
 from .progress import Progress
+from .rule import ALL_MEMBERS_FILTERED, NO_MEMBER_IN_FASTA, member_reasons
 
 @dataclass
 class ClusterMap:
-    """The TSV's counts (every job parses all of it) and this job's share, whose members wait in the spill's
-    ``tsv-*`` buckets."""
+    """The TSV's counts (every job parses all of it) and this job's share, whose members wait in the spill's TSV
+    table."""
 
     path: Path
     num_jobs: int
@@ -189,10 +190,9 @@ def _row(path: Path, lineno: int, line: bytes, first: list) -> list | None:
 
 def load_clusters(path: Path, spill: Spill, num_jobs: int = 1, job_index: int = 0,
                   progress: tuple = ("auto", 60.0)) -> ClusterMap:
-    """Parse and check the whole mapping TSV (pass 1 of the module docstring): every id keyed into the spill's
-    ``tsv-*`` buckets, job ``job_index``'s members with their slots; an id listed twice is an error naming both
-    lines."""
-    out = BlockWriter(spill.files("tsv"))
+    """Parse and check the whole mapping TSV (pass 1 of data_prep/join.py): every id into the spill's TSV table,
+    job ``job_index``'s members with their slots; an id listed twice is an error naming both lines."""
+    out = TableWriter(spill.tsv, TSV_COLUMNS)
     n_clusters = n_members = blank = own_clusters = own_members = 0
     first_member = None
     try:
@@ -205,13 +205,8 @@ def load_clusters(path: Path, spill: Spill, num_jobs: int = 1, job_index: int = 
                 slots = np.where(member_own, own_members + np.cumsum(member_own) - 1, OTHER)
                 if first_member is None and own.any():
                     first_member = ids[int(np.argmax(member_own))]
-                k1, k2 = keys(ids)
-                n1, n2 = keys(b.names, "\x01")
-                rows = np.zeros(len(ids) + len(b.names), TSV_ROW)
-                rows["k1"], rows["k2"] = np.concatenate([k1, n1]), np.concatenate([k2, n2])
-                rows["slot"][:len(ids)] = slots
-                rows["slot"][len(ids):] = NAME
-                out.write(rows, np.zeros(0, np.uint8), rows["k2"] % spill.buckets, np.zeros(len(rows), np.int64))
+                out.write({"id": ids + ["\x01" + n for n in b.names],
+                           "slot": np.concatenate([slots, np.full(len(b.names), NAME)]).astype(np.int64)})
                 n_clusters += len(b.names)
                 n_members += len(ids)
                 own_clusters += int(own.sum())
@@ -221,35 +216,28 @@ def load_clusters(path: Path, spill: Spill, num_jobs: int = 1, job_index: int = 
         out.close()
     if n_clusters == 0:
         raise FastaError(f"{path}: no cluster rows (expected 'UniRef50 cluster<TAB>member,member,...' lines)")
-    repeated: set[tuple[int, int]] = set()
-    for f in spill.files("tsv"):
-        rows = read_blocks(f, TSV_ROW)[0]
-        rows = rows[np.lexsort((rows["k2"], rows["k1"]))]
-        same = np.flatnonzero((rows["k1"][1:] == rows["k1"][:-1]) & (rows["k2"][1:] == rows["k2"][:-1]))
-        repeated.update(zip(rows["k1"][same].tolist(), rows["k2"][same].tolist()))
+    repeated = spill.repeated()
     if repeated:
         _name_repeat(path, repeated)
     return ClusterMap(path, num_jobs, job_index, spill, n_clusters, n_members, blank, own_clusters, own_members,
                       first_member)
 
 
-def _name_repeat(path: Path, repeated: set[tuple[int, int]]) -> None:
-    """Second pass over the TSV for the ids whose keys repeat: raise at the first real repeat, in line order."""
+def _name_repeat(path: Path, repeated: set[str]) -> None:
+    """Second pass over the TSV for the ids listed more than once: raise at the first repeat, in line order."""
     seen_cluster: dict[str, int] = {}
     seen_member: dict[str, tuple[str, int]] = {}
     for lineno, parts in _rows(path):
         if parts is None:
             continue
         name, members = _parse_row(path, lineno, parts)
-        n1, n2 = keys([name], "\x01")
-        if (int(n1[0]), int(n2[0])) in repeated:
+        if "\x01" + name in repeated:
             if name in seen_cluster:
                 raise FastaError(f"{path}:{lineno}: cluster {name} is listed again (first at line "
                                  f"{seen_cluster[name]})")
             seen_cluster[name] = lineno
-        k1, k2 = keys(members)
-        for m, a, b in zip(members, k1.tolist(), k2.tolist()):
-            if (a, b) in repeated:
+        for m in members:
+            if m in repeated:
                 if m in seen_member:
                     other, at = seen_member[m]
                     where = f"twice in cluster {name}" if at == lineno else \
@@ -257,15 +245,6 @@ def _name_repeat(path: Path, repeated: set[tuple[int, int]]) -> None:
                     raise FastaError(f"{path}:{lineno}: member {m} is listed {where}; a UniRef90 member belongs "
                                      "to one UniRef50 cluster")
                 seen_member[m] = (name, lineno)
-    # equal keys of distinct ids (a 128-bit collision): nothing is repeated
-
-
-def member_reasons(min_length: int, max_length: int | None) -> dict[str, int]:
-    """The member filter reasons every cluster manifest lists (invalid-record reasons are added when they occur)."""
-    out = {NOT_IN_FASTA: 0, "empty": 0, f"shorter_than_{min_length}": 0}
-    if max_length is not None:
-        out[f"longer_than_{max_length}"] = 0
-    return out
 
 
 def _member(cmap: ClusterMap, slot: int) -> str:
@@ -332,7 +311,7 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
                             f"{outcomes.first_record!r}); do the TSV and the FASTA belong together?")
         damage.check(members_found, False)
 
-        filtered = {"no_member_in_fasta": 0, "all_members_filtered": 0}
+        filtered = {NO_MEMBER_IN_FASTA: 0, ALL_MEMBERS_FILTERED: 0}
         stats = {"clusters": cmap.own_clusters, "clusters_kept": 0, "members_listed": cmap.own_members,
                  "members_kept": 0, "residues": 0, "lowercase_residues": got.lowercase,
                  "members_filtered": members_filtered, "fasta_records": records, "members_found": members_found}

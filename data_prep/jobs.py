@@ -39,7 +39,7 @@ from .common import (FILTERED, MANIFEST, SPLIT_FILE, SPLITS, TOOL, check_output_
                      job_manifest_name, manifest_files, output_lock, split_doc, write_json)
 from .encode import Encoder
 from .fasta import FastaError
-from .join import Spill, bucket_count
+from .join import Spill
 from .settings import Result, Settings, check_settings, record_options
 from .sources import check_text_inputs, load_members
 from .workdir import WorkDir, fingerprint, open_splits
@@ -128,9 +128,8 @@ def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path,
         if clusters in inputs:
             raise PrepError(f"{clusters} is given both as --input and as --clusters")
         # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind. The spill (the
-        # bucket files of join.py, under $TMPDIR) is removed however the job ends.
-        spill = Spill(bucket_count(inputs)) if feed is None else \
-            Spill(bucket_count(inputs), feed.spill, settings.job_index, settings.num_jobs)
+        # tables and DuckDB's files of join.py, under $TMPDIR) is removed however the job ends.
+        spill = Spill() if feed is None else Spill(feed.spill, settings.job_index, settings.num_jobs)
         try:
             cmap = load_clusters(clusters, spill, settings.num_jobs, settings.job_index, progress)
         except BaseException:

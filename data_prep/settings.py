@@ -99,40 +99,6 @@ class Result:
     val_fraction: float | None = None
 
 
-def filter_reasons(min_length: int, max_length: int | None = None, dedup: bool = False) -> dict[str, int]:
-    """The reasons every manifest lists (0 or not); invalid-record reasons are added when they occur."""
-    out = {"empty": 0, f"shorter_than_{min_length}": 0}
-    if max_length is not None:
-        out[f"longer_than_{max_length}"] = 0
-    if dedup:
-        out["duplicate"] = 0
-    return out
-
-
-def chosen_filters(settings: Settings) -> set[str]:
-    """Filter reasons the user asked for (length limits, dedup): not counted against --max-filtered-fraction."""
-    out = {f"shorter_than_{settings.min_length}", "duplicate", f"longer_than_{settings.max_record_length}"}
-    if settings.max_length is not None:
-        out.add(f"longer_than_{settings.max_length}")
-    return out
-
-
-def read_bound(settings: Settings) -> int:
-    """Residues past which a FASTA record is skipped while it is read instead of built: --max-length when given
-    (such a record is filtered anyway), else --max-record-length."""
-    return min(settings.max_length or settings.max_record_length, settings.max_record_length)
-
-
-def too_long(settings: Settings, n: int) -> str | None:
-    """The filter reason of a record of ``n`` residues (built or skipped unread) that a length bound drops:
-    longer_than_<--max-length>, else longer_than_<--max-record-length>; None when it is not too long."""
-    if settings.max_length is not None and n > settings.max_length:
-        return f"longer_than_{settings.max_length}"
-    if n > settings.max_record_length:
-        return f"longer_than_{settings.max_record_length}"
-    return None
-
-
 def check_settings(source: Source, encoder: Encoder, settings: Settings) -> Settings:
     """Option combinations that cannot work, refused before anything is read; returns the settings completed
     (--stride defaults to --window, --replace-invalid upper-cased)."""

@@ -29,7 +29,7 @@ class Context:
     stats: dict = field(default_factory=dict)
     members: dict | None = None  # UniRef50 id -> [UniRef90 ids]
     text_column: str | None = None  # babylm: the column of .csv inputs that holds the text (--text-column)
-    bound: int | None = None  # FASTA: a longer record is skipped while read (settings.read_bound), never built
+    bound: int | None = None  # FASTA: a longer record is skipped while read (rule.read_bound), never built
 
     def count(self, key: str, n: int = 1):
         self.stats[key] = self.stats.get(key, 0) + n

@@ -27,7 +27,8 @@ from .fasta import FastaError, input_position
 from .feed import FEED_DEPTH, Aborted, Feed
 from .jobs import run
 from .merge import merge
-from .settings import Result, Settings, read_bound
+from .rule import read_bound
+from .settings import Result, Settings
 
 
 def _fed(source: Source, settings: Settings, kwargs: dict, inputs: list[Path]) -> bool:

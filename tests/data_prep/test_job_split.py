@@ -5,6 +5,7 @@ must hold the same records (keys, tokens, meta), the same manifest counts and th
 import gzip
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -174,21 +175,35 @@ def test_cluster_jobs_merge_to_one_job(cluster_inputs, tmp_path, n):
     assert one[1]["stats"]["lowercase_residues"] > 0
 
 
-def test_cluster_buckets_and_batches_do_not_change_the_output(cluster_inputs, tmp_path, monkeypatch):
-    """Many hash buckets (every bucket boundary cuts clusters' slot ranges) and pass-4 batches of 7 members give
-    the bytes of one bucket and one batch."""
+def test_cluster_memory_limit_and_batches_do_not_change_the_output(cluster_inputs, tmp_path, monkeypatch):
+    """DuckDB at its smallest memory limit and on one thread, pass-4 batches of 7 members and joined rows read 5 at a
+    time (every batch boundary cuts clusters' slot ranges) give the bytes of the default run."""
     fasta, tsv = cluster_inputs
     args = ["uniref", "--input", fasta, "--clusters", tsv, "--min-length", 30, "--max-filtered-fraction", 1]
-    assert join.bucket_count([fasta]) == 1
     assert run(*args, "--output", tmp_path / "one") == 0
     with monkeypatch.context() as mp:
-        mp.setattr(join, "BUCKET_BYTES", 4096)
+        mp.setattr(join, "JOB_MEMORY", 0)
         mp.setattr(join.Writer, "BATCH", 7)
-        assert join.bucket_count([fasta]) > 50
+        mp.setattr(join.Slots, "BATCH", 5)
+        assert join.memory_limit() == 16 << 20
         assert run(*args, "--output", tmp_path / "many") == 0
     assert content(tmp_path / "many", "clusters") == content(tmp_path / "one", "clusters")
     a = [(s.name, s.read_bytes()) for s in sorted((tmp_path / "one").glob("*.tar"))]
     assert a == [(s.name, s.read_bytes()) for s in sorted((tmp_path / "many").glob("*.tar"))]
+
+
+def test_cluster_join_runs_under_the_jobs_memory_limit(tmp_path):
+    """The join's DuckDB connection has the memory limit and the temporary folder the job derives (a join without
+    them would hold the members' tokens in memory, or spill outside the job's folder)."""
+    spill = join.Spill()
+    try:
+        limit, temp = spill.sql("SELECT current_setting('memory_limit'), current_setting('temp_directory')"
+                                ).fetchone()
+        assert limit.replace(" ", "") in (f"{join.memory_limit() >> 20}.0MiB", f"{join.memory_limit() >> 20}MiB"), limit
+        assert Path(temp) == spill.temp and spill.temp.parent == spill.path
+    finally:
+        spill.remove()
+    assert not spill.path.exists()
 
 
 def test_cluster_spill_is_removed_whatever_the_end(cluster_inputs, tmp_path, monkeypatch):
@@ -242,22 +257,18 @@ def test_workers_on_plain_fasta_run_byte_range_jobs(rna_inputs, tmp_path):
                                                                for d in docs)
 
 
-def test_cluster_join_tells_ids_apart_by_the_second_key(cluster_inputs, tmp_path, monkeypatch):
-    """With the first 64-bit key reduced to 3 values (every bucket full of k1 collisions between members and other
-    records), the join still matches each member to its own record by the second key: the same clusters."""
+def test_cluster_join_tells_apart_ids_that_share_a_prefix(cluster_inputs, tmp_path):
+    """Members whose ids differ in one character from other records' (and records in no cluster with ids that
+    are prefixes of members') each meet their own record: the same clusters as without the look-alikes."""
     fasta, tsv = cluster_inputs
-    args = ["uniref", "--input", fasta, "--clusters", tsv, "--min-length", 30, "--max-filtered-fraction", 1]
-    assert run(*args, "--output", tmp_path / "one") == 0
-    real = join.keys
-
-    def colliding(ids, prefix=""):
-        k1, k2 = real(ids, prefix)
-        return k1 % np.uint64(3), k2
-    monkeypatch.setattr(join, "keys", colliding)
-    import data_prep.clusters as clusters_module
-    monkeypatch.setattr(clusters_module, "keys", colliding)
-    assert run(*args, "--output", tmp_path / "collide") == 0
-    assert content(tmp_path / "collide", "clusters") == content(tmp_path / "one", "clusters")
+    args = ["--clusters", tsv, "--min-length", 30, "--max-filtered-fraction", 1]
+    assert run("uniref", "--input", fasta, *args, "--output", tmp_path / "one") == 0
+    text = fasta.read_text()
+    ids = [h.split()[0] for h in re.findall(r"^>(\S+)", text, re.M)]
+    alike = "".join(f">{i[:-1]}\nMKVLAAGIVGLLLA\n>{i}X\nMKVLAAGIVGLLLA\n" for i in ids[:50])
+    (tmp_path / "alike.fa").write_text(alike + text)
+    assert run("uniref", "--input", tmp_path / "alike.fa", *args, "--output", tmp_path / "alike") == 0
+    assert content(tmp_path / "alike", "clusters")[0] == content(tmp_path / "one", "clusters")[0]
 
 
 def cluster_workers_run(args: list, out: Path, workers: int, monkeypatch, log: Path) -> int:

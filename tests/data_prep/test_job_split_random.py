@@ -104,7 +104,7 @@ def test_rnacentral_jobs_equal_one_job(tmp_path, monkeypatch, seed):
 def test_cluster_jobs_equal_one_job(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)
     monkeypatch.setattr(batch, "CHUNK", rng.choice([300, 5000, 1 << 16, batch.CHUNK]))
-    monkeypatch.setattr(join, "BUCKET_BYTES", rng.choice([2048, 65536, join.BUCKET_BYTES]))
+    monkeypatch.setattr(join.Slots, "BATCH", rng.choice([5, 300, join.Slots.BATCH]))  # joined rows read at a time
     monkeypatch.setattr(join.Writer, "BATCH", rng.choice([3, 50, join.Writer.BATCH]))
     tsv_block = rng.choice([64, 700, 1 << 20])  # bytes of the TSV parsed at a time (64: less than a line)
     monkeypatch.setattr(clusters, "_row_blocks", functools.partial(clusters._row_blocks, size=tsv_block))
