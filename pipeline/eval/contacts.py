@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from pipeline.eval.benchmark import Benchmark
+from pipeline.eval.plots import save_figure
 from pipeline.models.layers import apply_rope
 
 FRACTIONS = (1, 2, 5)
@@ -330,10 +331,7 @@ def plot(result: dict, out: Path, title: str) -> Path:
     ax.legend(fontsize=7)
     ax.set_title(title, fontsize=7)
     fig.tight_layout()
-    png = out.with_name(f"{out.stem}.png")
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return save_figure(fig, out.with_name(f"{out.stem}.png"), dpi=100)
 
 
 BENCHMARK = Benchmark(name="contacts", help="long-range contacts (P@L, P@L/2, P@L/5, |i - j| >= 24) of a folder of "

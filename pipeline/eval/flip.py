@@ -45,6 +45,7 @@ from scipy.stats import ConstantInputWarning, spearmanr
 
 from pipeline.data.protein_tokenizer import RESIDUES, VOCAB
 from pipeline.eval.benchmark import Benchmark
+from pipeline.eval.plots import save_figure
 
 COLUMNS = ("sequence", "target", "set")
 PROTOCOLS = ("both", "zeroshot", "probe")
@@ -362,10 +363,7 @@ def plot(result: dict, out: Path, title: str) -> Path:
             ax.set_ylabel("target", fontsize=7)
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
-    png = out.with_name(f"{out.stem}.png")
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return save_figure(fig, out.with_name(f"{out.stem}.png"), dpi=100)
 
 
 BENCHMARK = Benchmark(name="flip", help="FLIP landscapes (GB1, AAV, Meltome): a folder of split CSVs (+ the wild "

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from pipeline.eval.benchmark import Benchmark
+from pipeline.eval.plots import save_figure
 
 AMINO = "ACDEFGHIKLMNPQRSTVWY"
 # BLOSUM62 (Henikoff and Henikoff 1992), rows and columns in AMINO order
@@ -298,10 +299,7 @@ def plot(result: dict, out: Path, title: str) -> Path:
         ax.set_ylabel(ylabel, fontsize=8)
     fig.suptitle(f"memory before block {result['memory_layer']}: {title}", fontsize=7)
     fig.tight_layout()
-    png = out.with_name(f"{out.stem}.png")
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return save_figure(fig, out.with_name(f"{out.stem}.png"), dpi=100)
 
 
 BENCHMARK = Benchmark(name="memory_motifs", help="latent N-gram memory against motif occurrences (--motifs TSV; "

@@ -92,7 +92,7 @@ def plot_depth(columns, rows, title: str, path: Path, chance: dict | None = None
         ax.set(xlabel="core iterations K", ylabel=name + (" (nats)" if name == "loss" else ""))
         ax.grid(alpha=0.3)
     _title(fig, title, len(names))
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
 
 
 def plot_validation(history: list[dict], train: list[tuple[int, float]], path: Path,
@@ -133,7 +133,7 @@ def plot_validation(history: list[dict], train: list[tuple[int, float]], path: P
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     _title(fig, title, len(panels))
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
 
 
 def _title(fig, title: str, panels: int) -> None:
@@ -143,10 +143,13 @@ def _title(fig, title: str, panels: int) -> None:
     fig.tight_layout()
 
 
-def _save(fig, plt, path: Path) -> Path:
+def save_figure(fig, path: Path, dpi: int = 110) -> Path:
+    """Write ``fig`` as the PNG ``path`` whole (a reader, MLflow or a browser, never sees half a PNG) and close it."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")  # a reader (MLflow, a browser) never sees half a PNG
-    fig.savefig(tmp, dpi=110)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=dpi)
     plt.close(fig)
     tmp.replace(path)
     return path
@@ -179,4 +182,4 @@ def plot_curves(columns, rows, title: str, path: Path) -> Path:
     for j in range(len(names), nrows * cols):
         axes[j // cols][j % cols].axis("off")
     _title(fig, title, cols)
-    return _save(fig, plt, path)
+    return save_figure(fig, path)

@@ -35,6 +35,7 @@ import torch
 
 from pipeline.eval import annotations as ann
 from pipeline.eval.benchmark import Benchmark
+from pipeline.eval.plots import save_figure
 
 MIN_RESIDUES = 20
 
@@ -220,10 +221,7 @@ def plot_specialization(result: dict, out: Path, title: str) -> Path:
         fig.colorbar(im, ax=ax, label=label)
     fig.suptitle(title, fontsize=7)
     fig.tight_layout()
-    png = out.with_name(f"{out.stem}.png")
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return save_figure(fig, out.with_name(f"{out.stem}.png"), dpi=100)
 
 
 # ---- Fig. 4b ---------------------------------------------------------------------------------------------------------
@@ -332,10 +330,7 @@ def plot_intervention(result: dict, out: Path, title: str) -> Path:
     ax.legend(fontsize=7)
     ax.set_title(title, fontsize=7)
     fig.tight_layout()
-    png = out.with_name(f"{out.stem}.png")
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return save_figure(fig, out.with_name(f"{out.stem}.png"), dpi=100)
 
 
 SPECIALIZATION = Benchmark(name="expert_specialization", help="MoE expert specialization over residue annotations "
