@@ -397,11 +397,14 @@ prepped() {  # NAME: wait for its data step (each family's own, so Eco-RNA need 
 }
 need_family rna && prep rna "$PY" -m data_prep rnacentral --input "$RNA_FASTA" --output "$WORK/shards_rna" \
   --shard-size 500 --progress off
-need_family protlingo && prep protlingo bash -c '"$PY" -m data_prep uniref --input "$1" --clusters "$2" \
-    --output "$3/shards_protlingo" --shard-size 100 --progress off \
+# ProtLingo's cluster shards: built by scripts/prepare_gpu_check.sh where data_prep's cluster join (DuckDB, pyarrow:
+# 75 MB of wheels, not carried) is installed, copied here; else built here from the FASTA and the mapping
+need_family protlingo && prep protlingo bash -c '{ if [ -f "$6/manifest.json" ]; then cp -r "$6" "$3/shards_protlingo" \
+    && echo "data_prep ran where its cluster join is installed: the carried $6"; else "$PY" -m data_prep uniref --input "$1" \
+    --clusters "$2" --output "$3/shards_protlingo" --shard-size 100 --progress off; fi; } \
   && "$PY" tools/make_random_esm2.py --size "$4" --out "$3/esm2_random" \
   && "$PY" tools/upcycle_esm2.py --esm "$3/esm2_random" --config "$5" --out "$3/protlingo_init" --perturb 0.01' \
-  _ "$PROT_FASTA" "$PROT_TSV" "$WORK" "$ESM_SIZE" "$PROT_CONFIG"
+  _ "$PROT_FASTA" "$PROT_TSV" "$WORK" "$ESM_SIZE" "$PROT_CONFIG" "$DATA/protein/shards"
 need_family gpt && prep gpt bash -c '"$PY" -m data_prep train-spm --input "${@:3}" --output "$1/spm" --vocab-size "$2" \
   && "$PY" -m data_prep babylm --spm "$1/spm.model" --input "${@:3}" --output "$1/shards_gpt" --shard-size 4000 \
     --progress off' _ "$WORK" "$VOCAB" "${TEXTS[@]}"

@@ -11,7 +11,8 @@
 #   build/gpu_data/    real data from ../shared/data (docs: /work/shared/data/SOURCES.md), one folder a family:
 #                      rna/      RNAcentral FASTA (3.6 MB; Eco-RNA; else the shipped Rfam sample)
 #                      protein/  UniRef90 members of 2,500 UniRef50 clusters + their mapping (2.5 MB; ProtLingo;
-#                                else the shipped 400-cluster sample)
+#                                else the shipped 400-cluster sample), and shards/: their cluster shards, built
+#                                here (data_prep's cluster join needs DuckDB and pyarrow, 75 MB of wheels not carried)
 #                      text/     four public-domain/CC English texts (2.5 MB; RecursiveGPT; else the repo's docs/*.md)
 # bench/gpu.sh installs the wheels offline (pip install --no-index --no-deps --target) when build/gpu_wheels exists.
 # Both folders travel as carried paths, 64 MiB in all with anything else carried: this script fails above 48 MiB.
@@ -64,7 +65,9 @@ target, image_file, pyproject = sys.argv[1:4]
 # Not carried though a runtime dependency: the check runs with tracking.enabled=false, so nothing it runs imports
 # mlflow (deepspeed probes for it and goes on without it; tests/bench/test_gpu_env.py runs the check without it),
 # and mlflow with its own requirements (pandas, pyarrow, sqlalchemy, ...) is about 60 MB of wheels.
-EXEMPT = {"mlflow": "tracking is off in the check"}
+EXEMPT = {"mlflow": "tracking is off in the check",
+          # data_prep --clusters' join only (75 MB of wheels): ProtLingo's cluster shards are built here, below
+          "duckdb": "the cluster shards are built here", "pyarrow": "the cluster shards are built here"}
 # Carried though the image holds it: pydantic 2.14 needs typing-extensions >= 4.16, newer than an image built with
 # an older torch may hold; the --target install puts ours first on the path.
 FORCE = {"typing-extensions": "pydantic needs a newer one than the image may hold"}
@@ -146,6 +149,14 @@ if [ "$DATA_TOO" = 1 ]; then
   copy rna/rnacentral_ncrna6_testset.fasta "$DATA/rna" "Eco-RNA will train on the shipped Rfam sample"
   copy protein/uniref90_202104_members_of_ur50_first2500.fasta "$DATA/protein" "ProtLingo: shipped sample"
   copy protein/uniref50_to_uniref90_mapping_first2500.tsv "$DATA/protein" "ProtLingo: shipped sample"
+  # ProtLingo's cluster shards, built here: data_prep's cluster join (DuckDB, pyarrow) is not carried
+  members=$(ls "$DATA"/protein/*.fasta 2>/dev/null | head -n 1 || true)
+  mapping=$(ls "$DATA"/protein/*.tsv 2>/dev/null | head -n 1 || true)
+  if [ -z "$members" ] || [ -z "$mapping" ]; then
+    members=data/samples/uniref90_clusters_sample.fasta.gz mapping=data/samples/uniref50_to_uniref90_sample.tsv
+  fi
+  "$PY" -m data_prep uniref --input "$members" --clusters "$mapping" --output "$DATA/protein/shards" \
+    --shard-size 100 --progress off || die "data_prep uniref --clusters failed on $members"
   for t in gutenberg_pg11_alice_in_wonderland.txt tinyshakespeare.txt switchboard_swda_val_set.txt \
            wikitext2_raw_valid.txt; do
     copy "text/$t" "$DATA/text" "RecursiveGPT: fewer texts (the repo's docs/*.md when none)"

@@ -73,10 +73,13 @@ def working_tree_copy(dest: Path) -> None:
 def test_dry_run_on_the_image_python_without_venv(tmp_path):
     wheels = tmp_path / "wheels"
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
-    r = subprocess.run(["bash", "scripts/prepare_gpu_check.sh", "--wheels-only"], cwd=REPO, capture_output=True,
-                       text=True, env={**os.environ, "PY": sys.executable, "GPU_PYTHON": here,
-                                       "GPU_WHEELS": str(wheels)}, timeout=300)
+    data = tmp_path / "data"  # no shared data: ProtLingo's cluster shards of the shipped sample, built here
+    r = subprocess.run(["bash", "scripts/prepare_gpu_check.sh"], cwd=REPO, capture_output=True, text=True,
+                       env={**os.environ, "PY": sys.executable, "GPU_PYTHON": here, "GPU_WHEELS": str(wheels),
+                            "GPU_DATA": str(data), "SHARED_DATA": str(tmp_path / "no_shared")}, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert (data / "protein" / "shards" / "manifest.json").is_file()
+    assert not list(wheels.glob("duckdb-*")) and not list(wheels.glob("pyarrow-*"))  # the cluster join stays here
     n_wheels = len(list(wheels.glob("*.whl")))
 
     py = image_python(tmp_path / "image")
@@ -89,7 +92,7 @@ def test_dry_run_on_the_image_python_without_venv(tmp_path):
     assert not (tree / ".venv").exists() and (tree / "bench" / "gpu.sh").is_file()
     env = {k: v for k, v in os.environ.items() if k not in ("PY", "PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(PATH=f"{py.parent}:/usr/bin:/bin", GPU_WORK=str(tmp_path / "work"), GPU_WHEELS=str(wheels),
-               GPU_DATA=str(tmp_path / "no_data"),  # the fallbacks in the repo: data/samples, docs/*.md
+               GPU_DATA=str(data),  # the carried cluster shards; the fallbacks in the repo: data/samples, docs/*.md
                GPU_SKIP="eco_rna eval protlingo gpt ab")
     r = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], cwd=tree, env=env, capture_output=True, text=True,
                        timeout=400)
@@ -104,6 +107,8 @@ def test_dry_run_on_the_image_python_without_venv(tmp_path):
     assert f"({py.parent}/python3)" in out  # the environment line names the python that ran
     for family in ("rna", "protlingo", "gpt"):  # a skipped family's data step runs all the same
         assert f"data {family}: data_prep " in out
+    assert f"data protlingo: data_prep ran where its cluster join is installed: the carried {data}/protein/shards" \
+        in out  # not built where DuckDB is not
     assert "RecursiveGPT trains on docs/*.md" in out
     assert re.search(r"^  tests +ok ", out, re.M) and re.search(r"^  plan +ok ", out, re.M), out[-3000:]
     # the launcher ran its workers with the image python
