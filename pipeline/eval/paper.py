@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from pipeline.eval.plots import _save, _title, y_limits
+from pipeline.eval.plots import _title, save_figure, y_limits
 
 METRIC_NAMES = {"spearman": "|Spearman|", "auc": "AUC", "mcc": "|MCC|"}
 
@@ -125,7 +125,7 @@ def figure1(ours: list[dict], label: str, control: dict | None, others: list[dic
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="lower right")
     _title(fig, title, 1)
-    _save(fig, plt, path)
+    save_figure(fig, path)
     return {"frontier": [points[i][0] for i in front],
             "points": [{"name": n, "gflops": g, "spearman": s} for n, g, s in points]}
 
@@ -178,7 +178,7 @@ def figure3(result: dict, control: dict | None, assays: list[str], path: Path, t
         ax.set_yticks(range(len(rows)), rows, fontsize=7)
         ax.set_title(METRIC_NAMES[m], fontsize=9)
     _title(fig, title, 3)
-    _save(fig, plt, path)
+    save_figure(fig, path)
     return table
 
 
@@ -206,4 +206,4 @@ def table1_plot(sweeps: list[tuple[int, dict]], depths: list[int], path: Path, t
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     _title(fig, title, 1)
-    return _save(fig, plt, path)
+    return save_figure(fig, path)

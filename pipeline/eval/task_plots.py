@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.eval.plots import _save, _title, y_limits
+from pipeline.eval.plots import _title, save_figure, y_limits
 
 CORRECT, FALSE, MISSED, REFERENCE = "#1b9e9e", "#d62728", "#ff7f0e", "#444444"
 
@@ -43,7 +43,7 @@ def per_class(result: dict, entries: dict, depths: list, tcfg, path: Path, title
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2, loc="lower right")
     _title(fig, title, 1)
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
 
 
 def structure_metrics(result: dict, entries: dict, depths: list, tcfg, path: Path, title: str) -> Path:
@@ -57,7 +57,7 @@ def structure_metrics(result: dict, entries: dict, depths: list, tcfg, path: Pat
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _title(fig, title, 1)
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
 
 
 def _arcs(ax, n: int, pairs: list, color: str, style: str = "-", lw: float = 1.0):
@@ -116,7 +116,7 @@ def structure_cases(result: dict, entries: dict, depths: list, tcfg, path: Path,
         ax.set_title("sequence F1 against K", fontsize=7)
         ax.grid(alpha=0.3)
     _title(fig, title + "\nteal: correct pairs, red: false, dashed orange: missed", len(shown) + 2)
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
 
 
 def per_probe(result: dict, entries: dict, depths: list, tcfg, path: Path, title: str) -> Path:
@@ -138,4 +138,4 @@ def per_probe(result: dict, entries: dict, depths: list, tcfg, path: Path, title
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     _title(fig, title, 3)
-    return _save(fig, plt, path)
+    return save_figure(fig, path)
