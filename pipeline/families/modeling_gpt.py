@@ -34,7 +34,10 @@ class _GPTConfig(PipelineConfig):
     """The fields of a pipeline decoder config, the ecosystem's names (module docstring) and the trained context
     ``max_position_embeddings`` (None in exports written before it was recorded). Token ids: the export's
     sentencepiece model (tokenizer.model, and tokenizer.json for AutoTokenizer); pad, bos and eos ids are
-    pipeline.data.tokenizer's SPM_* (written by the export, gpt_hf.config_kwargs)."""
+    pipeline.data.tokenizer's SPM_* (written by the export, gpt_hf.config_kwargs). ``depth_field``: the field that
+    holds the default depth (num_hidden_layers follows it)."""
+
+    depth_field = "n_layers"
 
     def __init__(self, max_position_embeddings: int | None = None, **kwargs):
         for name in DERIVED:  # config.json holds them for readers of the file; they always follow the fields
@@ -48,7 +51,7 @@ class _GPTConfig(PipelineConfig):
         self.num_hidden_layers = self.default_depth()
 
     def default_depth(self) -> int:
-        raise NotImplementedError
+        return int(getattr(self, self.depth_field))
 
 
 class RecursiveGPTConfig(_GPTConfig):
@@ -57,6 +60,7 @@ class RecursiveGPTConfig(_GPTConfig):
 
     model_type = "recursive_gpt"
     model_config_cls = RecursiveModelConfig
+    depth_field = "recurrence"
 
     def __init__(self, trained_recurrence: int | None = None, **kwargs):
         self.trained_recurrence = trained_recurrence
@@ -64,12 +68,9 @@ class RecursiveGPTConfig(_GPTConfig):
         if int(self.recurrence) < 1:
             raise ValueError(f"recurrence: the default depth must be >= 1, got {self.recurrence}")
 
-    def default_depth(self) -> int:
-        return int(self.recurrence)
-
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
-        if name == "recurrence" and "num_hidden_layers" in self.__dict__:  # a depth set after loading
+        if name == self.depth_field and "num_hidden_layers" in self.__dict__:  # a depth set after loading
             super().__setattr__("num_hidden_layers", int(value))
 
     def model_config(self):
@@ -91,9 +92,6 @@ class RecursiveGPTConfig(_GPTConfig):
 class StandardGPTConfig(_GPTConfig):
     model_type = "standard_gpt"
     model_config_cls = StandardModelConfig
-
-    def default_depth(self) -> int:
-        return int(self.n_layers)
 
     @classmethod
     def from_model_config(cls, model_cfg, recurrence: int | None = None, **kwargs):

@@ -17,6 +17,7 @@ reads its registry to build the typed ``task:`` section (one dataclass per task,
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable
@@ -30,7 +31,7 @@ BACKBONE_MODES = ("full", "frozen")
 
 
 @dataclass
-class TaskConfig:
+class TaskConfig(abc.ABC):
     """The ``task:`` section's fields every task has; each task's config subclasses it with its head's sizes.
 
     name: the task (nrc, ssp, reactivity).
@@ -45,10 +46,10 @@ class TaskConfig:
         if self.backbone not in BACKBONE_MODES:
             raise ConfigError(f"task.backbone: must be one of {', '.join(BACKBONE_MODES)}, got {self.backbone!r}")
 
+    @abc.abstractmethod
     def head(self, d_model: int) -> dict:
         """{"name": a class of pipeline/models/heads.py, "kwargs": its arguments, "first": whether it reads the
         first-iteration features}: what builds the head here and in an export's Hugging Face class."""
-        raise NotImplementedError
 
     def outputs(self) -> list[str]:
         """The names of the head's outputs (classes, probes), for an export's id2label; [] when unnamed."""
