@@ -9,21 +9,10 @@ REQUESTS: [{"export": DIR, "auto": "AutoModelForSequenceClassification" | "AutoM
 class, the tokenizer's input ids and attention mask, the logits at each depth (nested lists) and, with "wrong", the
 error that loading with that class raised.
 """
-import importlib.abc
 import json
 import sys
 
-BLOCKED = {"pipeline", "data_prep", "tools", "launchers", "bench"}
-
-
-class Refuse(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {name!r} (this process must not see the repository)")
-        return None
-
-
-sys.meta_path.insert(0, Refuse())
+import no_repository  # first: the repository cannot be imported from here on
 
 
 def main(requests_file: str, results_file: str):
@@ -31,11 +20,7 @@ def main(requests_file: str, results_file: str):
     import transformers
     from transformers import AutoTokenizer
 
-    try:
-        import pipeline as _  # noqa: F401
-        raise SystemExit("the repository is importable: the isolation failed")
-    except ModuleNotFoundError:
-        pass
+    no_repository.check()
     results = []
     for req in json.load(open(requests_file)):
         model = getattr(transformers, req["auto"]).from_pretrained(req["export"], trust_remote_code=True).eval()
