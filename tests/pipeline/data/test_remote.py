@@ -2,6 +2,7 @@
 (tests/conftest.py): the loader reads the samples of the local copy, each shard is fetched once per epoch and never
 read before it is whole and checked, the cache stays under its limit and never evicts a shard in use, faults are
 retried or refused in one line naming the URL."""
+import json
 import multiprocessing
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from conftest import REPO, SAMPLE_FASTA, TINY, http_server, pretrain_cmd, run_la
 from pipeline.data import remote, shard_reader
 from pipeline.data.loader import ShardStream
 from pipeline.data.remote import COUNTERS, CacheSettings, FetchError, RetryPolicy, ShardCache
+from pipeline.data.shards import ShardError
 from pipeline.data.streams import resolve_shards
 
 FAST = RetryPolicy(retries=3, backoff_s=0.01)
@@ -298,3 +300,19 @@ def test_cache_smaller_than_a_shard_and_missing_credentials_fail_before_deepspee
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(errors) == 1, r.stderr[-2000:]
     assert errors[0].startswith(f"error: {small_set}/manifest.json: cannot read it: no credentials"), errors[0]
     assert "resolved:" not in r.stdout and not (tmp_path / "b").exists()
+
+
+def test_a_remote_manifest_whose_counts_cannot_fit_its_shards_is_one_line(s3, shards20, tmp_path):
+    """As for a local shard set (pipeline/data/shards.py check_counts_fit): a sample count larger than the shard's
+    object (each sample takes at least one byte of its tar) is refused when the set is opened, naming the manifest's
+    URL, before anything is allocated from it."""
+    server, bucket = s3
+    url = put(server, bucket, shards20, "counts")
+    manifest = json.loads((shards20 / "manifest.json").read_text())
+    manifest["shards"][3]["samples"] = 10**15
+    server.client().put_object(Bucket=bucket, Key="counts/manifest.json", Body=json.dumps(manifest).encode())
+    with pytest.raises(ShardError) as e:
+        remote.open_set(url)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{url}/manifest.json: shards[3].samples 1000000000000000 is more "
+                                                "than shard ") and "could hold" in line, line
