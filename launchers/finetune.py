@@ -55,8 +55,7 @@ def backbone_source(raw: dict) -> Path | None:
 def task_config(config: str, overrides: list[str]):
     """The run config of a task YAML and --set: the backbone's sections from its source (module docstring)."""
     from pipeline.config import ConfigError, build_config
-    from pipeline.config_files import _merge, apply_overrides, load_yaml
-    from pipeline.eval.cli import resolve_config
+    from pipeline.config_files import _merge, apply_overrides, load_yaml, resolve_config
 
     path = resolve_config(config)
     raw = apply_overrides(load_yaml(path), list(overrides))

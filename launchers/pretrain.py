@@ -121,7 +121,7 @@ def planned_world(world_size: int | None, nproc_per_node: int | None, env=os.env
 def run_config(config: str, overrides: list[str]):
     """The run config of --config (a path, or a name of launchers/configs) with --set overrides applied."""
     from pipeline.config import load_config
-    from pipeline.eval.cli import resolve_config
+    from pipeline.config_files import resolve_config
 
     return load_config(resolve_config(config), overrides)
 

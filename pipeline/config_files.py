@@ -1,6 +1,7 @@
 """Config files read strictly, for the run config (pipeline/config.py) and the DeepSpeed config
 (pipeline/ds_config.py): one-line YAML errors with file, line and column, a key given twice refused, non-finite
-numbers refused, ``inherit:`` chains, and ``--set key.path=value`` overrides."""
+numbers refused, ``inherit:`` chains, and ``--set key.path=value`` overrides; and ``--config``, a file path or the
+bare name of a run config in launchers/configs."""
 from __future__ import annotations
 
 import math
@@ -10,6 +11,20 @@ from typing import Any
 import yaml
 
 from pipeline.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "launchers" / "configs"
+
+
+def resolve_config(spec: str) -> Path:
+    """A config file path, or the bare name of one in launchers/configs (``standard_h384``)."""
+    p = Path(spec)
+    if p.is_file():
+        return p
+    if p.parent == Path(".") and (CONFIG_DIR / f"{p.name}.yaml").is_file() and not p.suffix:
+        return CONFIG_DIR / f"{p.name}.yaml"
+    known = ", ".join(sorted(f.stem for f in CONFIG_DIR.glob("*.yaml")))
+    raise ConfigError(f"--config {spec}: no such file, nor a config name of launchers/configs (known: {known})")
+
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """``a.b=c`` sets raw['a']['b'] to YAML-parsed 'c' (so numbers, booleans, lists and null work)."""

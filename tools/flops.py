@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     from pipeline.config import ConfigError, load_config
-    from pipeline.eval.cli import check_depths, parse_depths, resolve_config
+    from pipeline.config_files import resolve_config
+    from pipeline.eval.cli import check_depths, parse_depths
 
     try:
         if args.length < 1:

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     from pipeline.config import ConfigError, load_config
-    from pipeline.eval.cli import resolve_config
+    from pipeline.config_files import resolve_config
 
     try:
         cfg = load_config(resolve_config(args.config), args.overrides)

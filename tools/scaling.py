@@ -411,7 +411,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from pipeline.config import ConfigError, load_config
     from pipeline.ds_config import load_ds_config, resolve_ds_config
-    from pipeline.eval.cli import resolve_config
+    from pipeline.config_files import resolve_config
     from pipeline.parallel import check_expert_parallel
 
     hw = Hardware(**{k: getattr(args, k) for k in asdict(defaults)})

@@ -1,5 +1,5 @@
-"""Command-line pieces shared by launchers/evaluate.py, tools/convert_checkpoint.py, tools/flops.py and
-tools/params.py: depth lists and their cap, config names, opening a checkpoint (with the pickle rule), progress bars.
+"""Command-line pieces shared by launchers/evaluate.py, tools/convert_checkpoint.py, tools/flops.py and the other
+commands: depth lists and their cap, opening a checkpoint (with the pickle rule), progress bars.
 
 Every error raised here is a ValueError (ConfigError) or FileNotFoundError whose message starts with the flag, file
 or directory it is about, so a command prints it as one ``error:`` line.
@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
-CONFIG_DIR = REPO / "launchers" / "configs"
 
 # ---- depths ----------------------------------------------------------------------------------------------------------
 # --depths accepts at most this many values and no value above it before the model is known (a typo such as
@@ -70,20 +67,6 @@ def check_depths(depths: list[int], cfg, source, flag: str = "--depths", text: s
         shown = text if text is not None else ",".join(map(str, depths))
         raise ValueError(f"{flag} {shown!r}: depth {max(depths)} is above the maximum {cap} for {source} ({why}; "
                          "sweeps cost time linear in K and measure depths the model never trained near)")
-
-
-# ---- configs ---------------------------------------------------------------------------------------------------------
-def resolve_config(spec: str) -> Path:
-    """A config file path, or the bare name of one in launchers/configs (``standard_h384``)."""
-    from pipeline.config import ConfigError
-
-    p = Path(spec)
-    if p.is_file():
-        return p
-    if p.parent == Path(".") and (CONFIG_DIR / f"{p.name}.yaml").is_file() and not p.suffix:
-        return CONFIG_DIR / f"{p.name}.yaml"
-    known = ", ".join(sorted(f.stem for f in CONFIG_DIR.glob("*.yaml")))
-    raise ConfigError(f"--config {spec}: no such file, nor a config name of launchers/configs (known: {known})")
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------------

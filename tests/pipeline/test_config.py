@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, load_config
+from pipeline.config_files import resolve_config
 from pipeline.ds_config import load_ds_config, resolve_ds_config
 from pipeline.models.eco_rna import EcoRNAConfig
 
@@ -323,3 +324,14 @@ def test_seed_run_dir_and_word_milestones():
     with pytest.raises(ConfigError, match=r"^checkpoint.at_words: word totals must be >= 1"):
         load_config(None, ["checkpoint.at_words=[0]"])
     assert load_config(None, ["checkpoint.at_words=[10_000_000]"]).checkpoint.at_words == [10_000_000]
+
+
+def test_resolve_config(tmp_path):
+    assert resolve_config("standard_h384") == REPO / "launchers" / "configs" / "standard_h384.yaml"
+    f = tmp_path / "mine.yaml"
+    f.write_text("family: eco_rna\n")
+    assert resolve_config(str(f)) == f
+    with pytest.raises(ConfigError, match=r"^--config standard_h38: no such file, nor a config name .*standard_h384"):
+        resolve_config("standard_h38")
+    with pytest.raises(ConfigError, match="^--config nope/standard_h384: no such file"):
+        resolve_config("nope/standard_h384")

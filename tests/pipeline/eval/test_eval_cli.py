@@ -1,4 +1,4 @@
-"""pipeline/eval/cli.py: the --depths parser and cap shared by evaluate.py and flops.py, config names, locating a
+"""pipeline/eval/cli.py: the --depths parser and cap shared by evaluate.py and flops.py, locating a
 checkpoint with named errors, the pickle rule, progress bars."""
 import pickle
 import sys
@@ -54,17 +54,6 @@ def test_depth_cap_follows_the_objective():
     assert cli.max_depth(load_config(CONFIGS / "recursive_gpt_demo.yaml", ["objective.train_depth=6"]))[0] == 24
     for cfg in (fixed, uncapped):  # the default sweep 1-8 always fits
         cli.check_depths(list(range(1, 9)), cfg, "x")
-
-
-def test_resolve_config(tmp_path):
-    assert cli.resolve_config("standard_h384") == CONFIGS / "standard_h384.yaml"
-    f = tmp_path / "mine.yaml"
-    f.write_text("family: eco_rna\n")
-    assert cli.resolve_config(str(f)) == f
-    with pytest.raises(ConfigError, match=r"^--config standard_h38: no such file, nor a config name .*standard_h384"):
-        cli.resolve_config("standard_h38")
-    with pytest.raises(ConfigError, match="^--config nope/standard_h384: no such file"):
-        cli.resolve_config("nope/standard_h384")
 
 
 def tiny_dirs(tmp_path):
