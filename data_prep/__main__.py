@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 "comma-separated, ids = the --input FASTA ids): --input is then the UniRef90 member "
                                 "FASTA and each sample is one UniRef50 cluster with all its member sequences "
                                 "(ESM-2 sampling; --num-jobs splits by cluster)")
+            p.add_argument("--stage", choices=("scan", "build"), default=None,
+                           help="with --clusters and --num-jobs N, run the array in two stages so that the member "
+                                "FASTA is read once across the jobs: scan (job I parses its share of the FASTA "
+                                "into DIR/.scan-of-NNNN), then build (job I joins its clusters against every part; "
+                                "after all scans), then merge. Default: each job reads the whole FASTA")
         p.add_argument("--shard-size", type=_positive, default=10_000, metavar="N", help="samples per shard")
         unit = "characters" if src.tokenizer == "sentencepiece" else "residues"
         p.add_argument("--min-length", type=_nonnegative, default=src.min_length, metavar="N",
@@ -332,7 +337,7 @@ def _main(parser, args) -> int:
                             args.strict, args.dedup, args.max_filtered_fraction,
                             getattr(args, "replace_invalid", None), getattr(args, "window", None),
                             getattr(args, "stride", None), getattr(args, "window_tail", "short"), args.val_fraction,
-                            max_record_length=args.max_record_length)
+                            max_record_length=args.max_record_length, stage=getattr(args, "stage", None))
         kwargs = dict(spm=getattr(args, "spm", None), members=getattr(args, "uniref90_members", None),
                       clusters=getattr(args, "clusters", None), progress=(args.progress, args.progress_interval),
                       text_column=getattr(args, "text_column", None))
@@ -349,6 +354,10 @@ def _main(parser, args) -> int:
         print("data_prep: interrupted; finished shards are kept, rerun the same command to resume", file=sys.stderr)
         return 130
     job = f" job {args.job_index}/{args.num_jobs}" if args.num_jobs > 1 else ""
+    if result.manifest is None:  # --stage scan
+        print(f"data_prep {src.name}{job}: scanned {result.records_seen} member records into {result.location}; "
+              "build the clusters once every part is scanned (--stage build)")
+        return 0
     if args.workers > 1:
         job = f" ({args.workers} workers)"
         if not result.splits:  # merged: the records of all jobs, like a single run's summary

@@ -97,6 +97,7 @@ class LongRecord:
     line: int
     residues: int
     nbytes: int
+    lines: int = 0  # the line breaks it held (a byte-range scan part counts its lines: data_prep/scan.py)
 
 
 class _Tail:
@@ -139,7 +140,7 @@ class _Tail:
         """The record's text (read back from the file), or a LongRecord when it was too long."""
         if self.file is None:
             head = self.header[1:HEADER_MAX + 1].rstrip(b"\r")  # without the '>'
-            return LongRecord(head, self.line, self.residues, self.nbytes)
+            return LongRecord(head, self.line, self.residues, self.nbytes, self.newlines)
         self.file.seek(0)
         text = self.file.read()
         self.file.close()

@@ -19,6 +19,7 @@ TSV (pass 1 and the re-read of pass 4) and runs the passes (``build``).
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,10 @@ import numpy as np
 
 from .checks import DamageCheck, PrepError, sum_stats
 from .cluster_write import Writer
-from .common import FINGERPRINT, TSV_HEADER
+from .common import FINGERPRINT, TSV_HEADER, input_fingerprint
 from .fasta import GZIP_ERRORS, FastaError, input_position, numbered_lines, open_input
-from .join import NAME, OTHER, TSV_COLUMNS, Outcomes, Spill, TableWriter, join, read_fasta
+from .join import NAME, OTHER, TSV_COLUMNS, Spill, TableWriter, join, offsets
+from .scan import part_name, scan, scan_fingerprint
 from .progress import Progress
 from .rule import ALL_MEMBERS_FILTERED, NO_MEMBER_IN_FASTA, member_reasons
 
@@ -257,11 +259,11 @@ def _member(cmap: ClusterMap, slot: int) -> str:
 
 
 def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict, source=None,
-          progress: tuple = ("auto", 60.0), feed=None) -> tuple[dict, int]:
+          progress: tuple = ("auto", 60.0), scanned: Path | None = None) -> tuple[dict, int]:
     """Read the member FASTA files, then write this job's clusters in TSV order; returns ({"": manifest}, FASTA
     records). ``splits``: data_prep.workdir.open_splits (one, ""; --val-fraction is refused with --clusters).
-    ``feed``: a fed --workers job (data_prep/workers.py) reads only the chunks its parent deals it into the shared
-    spill, then waits until every worker has (``Feed.wait_for_peers``) and joins them all.
+    ``scanned``: the folder of the scan parts of an array's scan stage (data_prep/scan.py; all of them must be
+    there); None: this job scans the whole FASTA itself, into its spill.
 
     Filtered and counted (nothing is dropped silently), each member and cluster not written also listed in
     ``filtered.tsv`` (id, reason, input, line, detail naming the cluster):
@@ -290,12 +292,13 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
                       "replaced": {}} if s.replace_invalid is not None else None
     invalid_chars: Counter = Counter()
     try:
-        outcomes = Outcomes(encoder, s, cmap.spill)
-        counts = read_fasta(outcomes, encoder, inputs, source, progress, feed)
-        if feed is not None:
-            feed.wait_for_peers()
-        records = sum(c["records"] for c in counts)
-        got = join(cmap, counts, damage, invalid_chars, replaced_stats)
+        if scanned is None:
+            parts = [(cmap.spill.path / f"{part_name(0, 1)}.parquet",
+                      scan(encoder, inputs, s, source, cmap.spill.path, 0, 1, progress))]
+        else:
+            parts = load_parts(scanned, scan_fingerprint(encoder, inputs, s))
+        counts, records, first_record = _fasta_counts(inputs, [m for _, m in parts])
+        got = join(cmap, parts, inputs, counts, damage, invalid_chars, replaced_stats)
         # the error a reader in FASTA order meets first: a member --strict refuses, or a member's second record
         if got.strict and not (got.repeat and got.repeat[0] < got.strict[0]):
             raise FastaError(got.strict[1])
@@ -308,7 +311,7 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
             raise PrepError(f"{cmap.path}: none of the {cmap.own_members} member ids of "
                             f"{'the' if s.num_jobs == 1 else 'this job' + chr(39) + 's'} clusters is a record id of "
                             f"the FASTA inputs (first member {cmap.first_member!r}, first FASTA record "
-                            f"{outcomes.first_record!r}); do the TSV and the FASTA belong together?")
+                            f"{first_record!r}); do the TSV and the FASTA belong together?")
         damage.check(members_found, False)
 
         filtered = {NO_MEMBER_IN_FASTA: 0, ALL_MEMBERS_FILTERED: 0}
@@ -336,6 +339,43 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
     from pipeline.data.shards import Manifest  # torch's import time: see data_prep/workdir.py
     return {"": Manifest(source=source_name, tokenizer=encoder.entry, shards=shards, filtered=filtered,
                          inputs=counts, stats=stats, layout="clusters")}, records
+
+
+def load_parts(folder: Path, fingerprint: dict) -> list[tuple[Path, dict]]:
+    """The scan parts of ``folder`` (table, marker), checked: all N of them done, made of these inputs with these
+    options."""
+    markers = sorted(folder.glob("part-*-of-*.json")) if folder.is_dir() else []
+    if not markers:
+        raise PrepError(f"{folder}: no scan part; run the scan stage (--stage scan) of every job first")
+    docs = [json.loads(p.read_text()) for p in markers]
+    n = docs[0]["parts"]
+    done = {d["part"] for d in docs if d["parts"] == n}
+    missing = [k for k in range(n) if k not in done]
+    if missing or len(docs) != n:
+        raise PrepError(f"{folder}: scan part {missing[0] if missing else '?'} of {n} has not finished "
+                        f"({len(done)} of {n} done); run its scan stage (--stage scan --job-index "
+                        f"{missing[0] if missing else '?'}) before the build")
+    for p, d in zip(markers, docs):
+        if d["fingerprint"] != fingerprint:
+            raise PrepError(f"{p}: this scan part was made from other inputs or with other options "
+                            "(--min-length, --max-length, --strict, --replace-invalid, ...) than this build; rerun "
+                            "the scan stage with the build's command line (--overwrite)")
+    return [(p.with_suffix(".parquet"), d) for p, d in sorted(zip(markers, docs), key=lambda x: x[1]["part"])]
+
+
+def _fasta_counts(inputs: list[Path], markers: list[dict]) -> tuple[list[dict], int, str | None]:
+    """Each input's counts for the manifest, the FASTA's records and its first record id, from the scan parts."""
+    counts = []
+    for i, path in enumerate(inputs):
+        n = sum(m["inputs"][i]["records"] for m in markers)
+        if n == 0:
+            raise PrepError(f"{path}: no records in this input (empty after decompression?)")
+        counts.append({"path": str(path), **input_fingerprint(path), "records": n, "members": 0, "kept": 0,
+                       "residues": 0})
+    off = offsets(markers)
+    firsts = [(m["first"][0], off[(m["part"], m["first"][0])][0] + m["first"][1], m["first"][2])
+              for m in markers if m["first"] is not None]
+    return counts, sum(c["records"] for c in counts), min(firsts)[2] if firsts else None
 
 
 SUMMED = ("clusters", "clusters_kept", "members_listed", "members_kept", "residues", "lowercase_residues",

@@ -40,6 +40,7 @@ from .common import (FILTERED, MANIFEST, SPLIT_FILE, SPLITS, TOOL, check_output_
 from .encode import Encoder
 from .fasta import FastaError
 from .join import Spill
+from .scan import scan_folder, scan_stage
 from .settings import Result, Settings, check_settings, record_options
 from .sources import check_text_inputs, load_members
 from .workdir import WorkDir, fingerprint, open_splits
@@ -108,6 +109,9 @@ def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path,
     encoder = Encoder(source, alphabet, spm)
     settings = check_settings(source, encoder, settings)
     spill = None
+    if settings.stage is not None and clusters is None:
+        raise PrepError(f"--stage {settings.stage} is a stage of a --clusters array (scan the member FASTA, then "
+                        "build the clusters); without --clusters a job has one stage")
     if clusters is not None:
         if source.name != "uniref":
             raise PrepError(f"--clusters is a uniref option, not {source.name}'s")
@@ -127,9 +131,12 @@ def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path,
             raise PrepError(f"--clusters {clusters} does not exist or is not a file")
         if clusters in inputs:
             raise PrepError(f"{clusters} is given both as --input and as --clusters")
+        if settings.stage == "scan":  # the FASTA share of this job, no TSV (data_prep/scan.py)
+            marker, path = scan_stage(encoder, inputs, output, settings, overwrite, source, progress)
+            return Result(None, sum(x["records"] for x in marker["inputs"]), path)
         # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind. The spill (the
         # tables and DuckDB's files of join.py, under $TMPDIR) is removed however the job ends.
-        spill = Spill() if feed is None else Spill(feed.spill, settings.job_index, settings.num_jobs)
+        spill = Spill()
         try:
             cmap = load_clusters(clusters, spill, settings.num_jobs, settings.job_index, progress)
         except BaseException:
@@ -138,7 +145,7 @@ def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path,
 
         def build(work: WorkDir):
             return build_clusters(encoder, inputs, cmap, settings, open_splits(work, settings, encoder, "clusters"),
-                                  source, progress, feed)
+                                  source, progress, scan_folder(output, settings) if settings.stage else None)
         work_fingerprint = fingerprint(source, encoder, inputs, settings, None, clusters)
     else:
         member_map = None

@@ -3,23 +3,23 @@
 1. TSV (data_prep/clusters.py ``load_clusters``): every member id and cluster name of the mapping, with this job's
    members' slots (a member's position among the job's members in TSV order), into a Parquet table (``Spill.tsv``);
    DuckDB finds the ids listed twice.
-2. FASTA (``read_fasta``): the member FASTA parsed once, in bulk (data_prep/batch.py chunks), every record's outcome
-   by the record rule (data_prep/rule.py) into a Parquet table (id, record number, input, line, outcome, tokens).
-3. Join (``join``): DuckDB joins the job's members to their records into a table, from which the manifest's counts
-   and checks are read.
-4. Write (``Writer``): the TSV again, cluster by cluster in TSV order, each member's outcome read from the joined
-   table ordered by slot.
+2. FASTA (data_prep/scan.py): the member FASTA parsed once, in bulk, every record's outcome by the record rule
+   (data_prep/rule.py) into one Parquet table per scan part (id, record number, input, line, outcome, tokens).
+3. Join (``join``): DuckDB joins the job's members to their records in every part into a table, from which the
+   manifest's counts and checks are read.
+4. Write (data_prep/cluster_write.py): the TSV again, cluster by cluster in TSV order, each member's outcome read
+   from the joined table ordered by slot.
 
 The join, the ordering and their spill to disk are DuckDB's, under ``memory_limit`` (a share of the job's
-``JOB_MEMORY``) with its temporary files in the spill folder under ``$TMPDIR`` (removed at the end, whatever the
-end). A fed --workers run (data_prep/workers.py) shares one folder: each worker writes its records' table, waits for
-the others (``Feed.wait_for_peers``) and joins them all.
+``JOB_MEMORY``) with its temporary files in the job's spill folder under ``$TMPDIR`` (removed at the end, whatever
+the end).
 """
 from __future__ import annotations
 
 import heapq
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -28,42 +28,26 @@ from pathlib import Path
 
 import numpy as np
 
-from . import rule
-from .batch import Chunk, Reader, starts_with_header
-from .build import BatchReader
-from .checks import DamageCheck, PrepError, sum_stats
-from .cluster_write import Slots, Writer  # noqa: F401 -- pass 4, named here with the passes before it
-from .common import LOWERCASE, input_fingerprint
-from .fasta import Record, input_position, iter_fasta
-from .gather import gather
-from .progress import Progress
+from .checks import DamageCheck, sum_stats
 from .rule import FILTERED, KEPT, REPLACED, STRICT
-from .sources import Context
 
 JOB_MEMORY = 512 << 20  # what one --clusters job may hold; the join engine gets JOIN_SHARE of it, Python the rest
 JOIN_SHARE = 0.25
 OTHER, NAME = -1, -2  # slot of another job's member, of a cluster name (keyed with a \x01 prefix)
 
 
-def memory_limit(jobs: int = 1) -> int:
-    """DuckDB's memory_limit in bytes: its share of the job's budget (``jobs`` of a --workers run share one)."""
-    return max(16 << 20, int(JOB_MEMORY * JOIN_SHARE) // max(jobs, 1))
+def memory_limit() -> int:
+    """DuckDB's memory_limit in bytes: its share of the job's budget."""
+    return max(16 << 20, int(JOB_MEMORY * JOIN_SHARE))
 
 
 class Spill:
-    """The job's temporary folder (under $TMPDIR): the TSV's and the FASTA's tables and DuckDB's temporary files,
-    removed by ``remove``. ``shared``: in a fed --workers run (data_prep/workers.py), the folder its parent made for
-    all ``jobs`` workers and removes at the end: each job's files are named by its ``job`` index, and every job
-    joins the FASTA tables of all of them (each worker read only the chunks its parent dealt it)."""
+    """The job's temporary folder (under $TMPDIR): the TSV's table, the FASTA's when the job scans it itself, and
+    DuckDB's temporary files; removed by ``remove``."""
 
-    def __init__(self, shared: Path | None = None, job: int = 0, jobs: int = 1):
-        self.shared = shared is not None
-        self.path = Path(shared) if self.shared else Path(tempfile.mkdtemp(prefix="data_prep-clusters-"))
-        self.job, self.jobs = job, jobs
-        tag = f"-j{job:04d}" if self.shared else ""
-        self.tsv, self.fasta = self.path / f"tsv{tag}.parquet", self.path / f"fasta{tag}.parquet"
-        self.temp = self.path / f"duckdb{tag}"
-        self.fasta_all = [self.path / f"fasta-j{k:04d}.parquet" for k in range(jobs)] if self.shared else [self.fasta]
+    def __init__(self):
+        self.path = Path(tempfile.mkdtemp(prefix="data_prep-clusters-"))
+        self.tsv, self.temp = self.path / "tsv.parquet", self.path / "duckdb"
         self._db = None
 
     def db(self):
@@ -73,9 +57,8 @@ class Spill:
             import duckdb
 
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            self._db = duckdb.connect(config={
-                "memory_limit": f"{memory_limit(self.jobs if self.shared else 1)}B", "temp_directory": str(self.temp),
-                "threads": max(1, cores // (self.jobs if self.shared else 1)), "preserve_insertion_order": False})
+            self._db = duckdb.connect(config={"memory_limit": f"{memory_limit()}B", "temp_directory": str(self.temp),
+                                              "threads": cores, "preserve_insertion_order": False})
         return self._db
 
     def sql(self, query: str, *params):
@@ -90,11 +73,7 @@ class Spill:
         if self._db is not None:
             self._db.close()
             self._db = None
-        if not self.shared:
-            shutil.rmtree(self.path, ignore_errors=True)
-            return
-        self.tsv.unlink(missing_ok=True)  # the FASTA table stays: the other workers may still be joining it
-        shutil.rmtree(self.temp, ignore_errors=True)
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def _paths(paths: list[Path]) -> str:
@@ -102,10 +81,8 @@ def _paths(paths: list[Path]) -> str:
     return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
 
 
-# the columns of the TSV's and the FASTA's tables (pyarrow type names)
+# the columns of the TSV's table (pyarrow type names; the FASTA's: data_prep/scan.py)
 TSV_COLUMNS = {"id": "string", "slot": "int64"}
-FASTA_COLUMNS = {"id": "string", "rec": "int64", "input": "int32", "line": "int64", "status": "uint8",
-                 "lower": "int64", "ntok": "int64", "tokens": "large_binary", "extra": "string"}
 
 
 class TableWriter:
@@ -158,148 +135,39 @@ def binary(data: bytes | np.ndarray, sizes: np.ndarray):
                                                                             pa.py_buffer(data)])
 
 
-def _extra(verdict: rule.Verdict) -> str:
-    """A dropped member's verdict as the table holds it: [reason, detail, characters, damage message]."""
-    return json.dumps([verdict.reason, verdict.detail, dict(verdict.chars) if verdict.chars else None,
-                       verdict.damage])
-
-
-# ---------------------------------------------------------------------------------------- pass 2: the FASTA
-class Outcomes:
-    """What becomes of each FASTA record as a cluster member, decided by the record rule while it is read and
-    written to the spill's FASTA table (lowercase upper-cased, --replace-invalid, --strict, the length filters)."""
-
-    def __init__(self, encoder, settings, spill: Spill):
-        self.encoder, self.s, self.spill = encoder, settings, spill
-        self.out = TableWriter(spill.fasta, FASTA_COLUMNS)
-        self.records = 0  # records read by this process
-        self.first_record: str | None = None  # the first of them (a fed worker's: its first chunk's)
-
-    def record(self, rec: Record, path: Path) -> tuple[int, bytes, str | None, int]:
-        """(status, tokens, extra JSON, lowercase residues) of one record read on the per-record path."""
-        s, encoder = self.s, self.encoder
-        if rec.length is not None:  # longer than the bound: skipped unread (batch.chunks, fasta.iter_fasta)
-            return FILTERED, b"", self.length_filter(rec.length, path, rec.line, rec.id), 0
-        verdict, seq, replaced = rule.invalid(s, encoder, rec, rec.seq.upper(), path)
-        if verdict is not None and verdict.status == STRICT:
-            return STRICT, b"", json.dumps([verdict.damage]), 0
-        if verdict is not None and verdict.status == FILTERED:
-            return FILTERED, b"", _extra(verdict), 0
-        drop = self.length_filter(len(seq), path, rec.line, rec.id)
-        if drop is not None:
-            return FILTERED, b"", drop, 0
-        lower = int(LOWERCASE[np.frombuffer(rec.seq, np.uint8)].sum()) if rec.seq.upper() != rec.seq else 0
-        tokens = encoder.encode(seq).tobytes()
-        if replaced:
-            return REPLACED, tokens, json.dumps(replaced), lower
-        return KEPT, tokens, None, lower
-
-    def length_filter(self, n: int, path: Path, line: int, rid: str) -> str | None:
-        verdict = rule.length(self.s, n, rid, path, line, "member")
-        return None if verdict is None else _extra(verdict)
-
-    def records_of(self, recs: list[Record], path: Path, n_input: int, first: int) -> None:
-        """Records read one by one (an input the batch reader does not take, or a chunk it hands over whole), the
-        first of them global record ``first``."""
-        out = [self.record(rec, path) for rec in recs]
-        self._write([r.id for r in recs], np.arange(first, first + len(recs)), n_input,
-                    np.array([r.line for r in recs], np.int64), np.array([o[0] for o in out], np.uint8),
-                    np.array([o[3] for o in out], np.int64), b"".join(o[1] for o in out),
-                    np.array([len(o[1]) for o in out], np.int64), [o[2] for o in out])
-
-    def chunk(self, chunk: Chunk, path: Path, n_input: int) -> None:
-        """A batch-reader chunk: its records' outcomes with a few numpy operations; the records it hands over
-        (``slow``) and those the length filters drop, one by one."""
-        n, bounds = len(chunk), chunk.bounds
-        ntok = np.diff(bounds)
-        newlines = np.flatnonzero(np.frombuffer(chunk.text, np.uint8) == 10)
-        line = chunk.first_line + np.searchsorted(newlines, chunk.header_starts)
-        cum = chunk.lowercase_cum()
-        lower = cum[bounds[1:]] - cum[bounds[:-1]] if cum is not None else np.zeros(n, np.int64)
-        status, extra = np.zeros(n, np.uint8), [None] * n
-        starts = bounds[:-1].copy()  # of each record's tokens in tokens + aux
-        aux, at = [], len(chunk.tokens)
-        special = sorted(set(np.flatnonzero(rule.length_drops(self.s, ntok)).tolist()) | set(chunk.slow))
-        for j in special:
-            if j in chunk.slow:
-                rec = chunk.slow[j]
-                if isinstance(rec, Exception):
-                    raise rec
-                status[j], tokens, extra[j], lower[j] = self.record(rec, path)
-            else:
-                status[j], tokens, lower[j] = FILTERED, b"", 0
-                extra[j] = self.length_filter(int(ntok[j]), path, int(line[j]), chunk.ids[j])
-            ntok[j], starts[j] = len(tokens), at
-            aux.append(tokens)
-            at += len(tokens)
-        data = chunk.tokens
-        if special:  # tokens in record order (the records' in place, the others' from aux)
-            data = gather(np.frombuffer(chunk.tokens + b"".join(aux), np.uint8), starts, ntok)
-        self._write(chunk.ids, chunk.index, n_input, line, status, lower, data, ntok, extra)
-
-    def _write(self, ids: list[str], rec: np.ndarray, n_input: int, line: np.ndarray, status: np.ndarray,
-               lower: np.ndarray, data, ntok: np.ndarray, extra: list) -> None:
-        if not len(ids):
-            return
-        if self.first_record is None:
-            self.first_record = ids[0]
-        self.records += len(ids)
-        self.out.write({"id": ids, "rec": np.asarray(rec, np.int64), "input": np.full(len(ids), n_input, np.int32),
-                        "line": np.asarray(line, np.int64), "status": status, "lower": np.asarray(lower, np.int64),
-                        "ntok": np.asarray(ntok, np.int64), "tokens": binary(data, np.asarray(ntok, np.int64)),
-                        "extra": extra})
-
-
-def read_fasta(outcomes: Outcomes, encoder, inputs: list[Path], source, progress: tuple, feed=None) -> list[dict]:
-    """Pass 2: every record of the member FASTA files into the spill (``feed``, a fed --workers job: the chunks
-    its parent dealt it, each input starting with a header); returns each input's counts."""
-
-    batch = BatchReader(source, encoder, Context(encoder.invalid_positions, bound=rule.read_bound(outcomes.s)))
-    sizes = [p.stat().st_size for p in inputs]
-    counts = []
-    first = 0  # global record number of the input's first record
-    try:
-        with Progress(f"{source.name} members", sum(sizes), *progress) as bar:
-            for n_input, path in enumerate(inputs):
-                if feed is not None or starts_with_header(path):  # ids, no meta
-                    texts = Reader(path, batch.tokens, batch.check, None, first_index=first,
-                                   texts=None if feed is None else feed.texts(path), bound=batch.bound)
-                else:  # a BOM, blank lines first: record by record, in batches
-                    texts = _batches(iter_fasta(path, batch.check, on_invalid="yield", bound=batch.bound))
-                end = first
-                for part in texts:
-                    if isinstance(part, Chunk):
-                        outcomes.chunk(part, path, n_input)
-                    else:  # a batch, or a chunk the Reader read record by record (starting at its ``start``)
-                        at = texts.start if isinstance(texts, Reader) else end
-                        outcomes.records_of(part, path, n_input, at)
-                        end = at + len(part)
-                    bar.update(sum(sizes[:n_input]) + input_position(path), records=outcomes.records)
-                if isinstance(texts, Reader):
-                    end = texts.index  # after the input's last record (fed: as the parent counted them)
-                if end == first:
-                    raise PrepError(f"{path}: no records in this input (empty after decompression?)")
-                counts.append({"path": str(path), **input_fingerprint(path), "records": end - first,
-                               "members": 0, "kept": 0, "residues": 0})
-                first = end
-            bar.update(sum(sizes), records=outcomes.records)
-    finally:
-        outcomes.out.close()
-    return counts
-
-
-def _batches(records, size: int = 4096):
-    batch = []
-    for rec in records:
-        batch.append(rec)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 # ------------------------------------------------------------------------------------------ pass 3: the join
+# ------------------------------------------------------------------------------------- the scan parts, joined
+def offsets(markers: list[dict]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(part, input) -> (records, lines) before that part's first record of that input: zero for chunk parts
+    (their numbers are the input's); for byte-range parts the records of all earlier inputs and of the earlier
+    parts of this input, and the lines of the earlier parts of this input."""
+    out = {}
+    n_inputs = len(markers[0]["inputs"])
+    totals = [sum(m["inputs"][i]["records"] for m in markers) for i in range(n_inputs)]
+    for m in markers:
+        for i in range(n_inputs):
+            if not m["local"]:
+                out[(m["part"], i)] = (0, 0)
+                continue
+            earlier = [x for x in markers if x["part"] < m["part"]]
+            out[(m["part"], i)] = (sum(totals[:i]) + sum(x["inputs"][i]["records"] for x in earlier),
+                                   sum(x["inputs"][i]["lines"] for x in earlier))
+    return out
+
+
+def shift_lines(text: str | None, path: str, lines: int) -> str | None:
+    """A message stored by a byte-range part with its line numbers made the input's: ``path:LINE...`` (an error)
+    or ``LINE:...`` (a filtered.tsv detail) with ``lines`` added to LINE."""
+    if not text or not lines:
+        return text
+    prefix = f"{path}:"
+    head = prefix if text.startswith(prefix) else ""
+    m = re.match(r"(\d+)(?=:)", text[len(head):])
+    if m is None:
+        return text
+    return f"{head}{int(m[1]) + lines}{text[len(head) + m.end():]}"
+
+
 @dataclass
 class Joined:
     members_found: int = 0
@@ -308,18 +176,21 @@ class Joined:
     repeat: tuple | None = None  # (record number, slot, input, line) of the first member record seen twice
 
 
-def join(cmap, counts: list[dict], damage: DamageCheck, invalid_chars: Counter,
-         replaced_stats: dict | None) -> Joined:
-    """Pass 3: this job's members joined to their FASTA records by DuckDB into the table ``joined`` (slot, the
-    record's place, outcome and tokens); the counts and checks of the manifest read from it (a member with two
-    records is an error: ``repeat``)."""
+def join(cmap, parts: list[tuple[Path, dict]], inputs: list[Path], counts: list[dict], damage: DamageCheck,
+         invalid_chars: Counter, replaced_stats: dict | None) -> Joined:
+    """Pass 3: this job's members joined to their FASTA records in the scan parts (table, marker) by DuckDB into
+    the table ``joined`` (slot, the record's place, outcome and tokens), each part's record and line numbers made
+    the input's (scan.offsets, scan.shift_lines); the counts and checks of the manifest read from it (a member with
+    two records is an error: ``repeat``)."""
     spill, got = cmap.spill, Joined()
-    tables = [p for p in spill.fasta_all if p.exists()]
-    fasta = f"read_parquet({_paths(tables)})" if tables else \
-        "(SELECT ''::VARCHAR id, 0::BIGINT rec, 0 input, 0::BIGINT line, 0::UTINYINT status, 0::BIGINT lower, " \
-        "0::BIGINT ntok, ''::BLOB tokens, ''::VARCHAR extra WHERE false)"
-    spill.sql(f"CREATE TEMP TABLE joined AS SELECT t.slot, f.rec, f.input, f.line, f.status, f.lower, f.ntok, "
-              f"f.tokens, f.extra FROM read_parquet({_paths([spill.tsv])}) t JOIN {fasta} f ON t.id = f.id "
+    spill.sql("CREATE TEMP TABLE offs (file VARCHAR, input INTEGER, rec_off BIGINT, line_off BIGINT)")
+    spill.db().executemany("INSERT INTO offs VALUES (?, ?, ?, ?)", [
+        [str(table), i, *off] for (part, i), off in offsets([m for _, m in parts]).items()
+        for table, m in parts if m["part"] == part])
+    spill.sql(f"CREATE TEMP TABLE joined AS SELECT t.slot, f.rec + o.rec_off AS rec, f.input, f.line + o.line_off "
+              f"AS line, f.status, f.lower, f.ntok, f.tokens, f.extra, o.line_off AS shift FROM "
+              f"read_parquet({_paths([spill.tsv])}) t JOIN read_parquet({_paths([t for t, _ in parts])}, "
+              "filename = true) f ON t.id = f.id JOIN offs o ON o.file = f.filename AND o.input = f.input "
               "WHERE t.slot >= 0")
     twice = "SELECT slot FROM joined GROUP BY slot HAVING count(*) > 1"
     if spill.sql(f"SELECT count(*) FROM ({twice})").fetchone()[0]:  # a member's second record: an error (build)
@@ -328,6 +199,18 @@ def join(cmap, counts: list[dict], damage: DamageCheck, invalid_chars: Counter,
                                ).fetchone()
         spill.sql("DELETE FROM joined WHERE rowid IN (SELECT rowid FROM joined QUALIFY row_number() OVER "
                   "(PARTITION BY slot ORDER BY rec) > 1)")
+    shifted = spill.sql(f"SELECT slot, input, shift, status, extra FROM joined WHERE shift > 0 AND status IN "
+                        f"({FILTERED}, {STRICT})").fetchall()
+    if shifted:  # a byte-range part's messages, their lines counted from its start (data_prep/scan.py)
+        fixed = []
+        for slot, n_input, shift, status, extra in shifted:
+            path, doc = str(inputs[n_input]), json.loads(extra)
+            doc = [shift_lines(doc[0], path, shift)] if status == STRICT else \
+                [doc[0], shift_lines(doc[1], path, shift), doc[2], shift_lines(doc[3], path, shift)]
+            fixed.append([slot, json.dumps(doc)])
+        spill.sql("CREATE TEMP TABLE fixed (slot BIGINT, extra VARCHAR)")
+        spill.db().executemany("INSERT INTO fixed VALUES (?, ?)", fixed)
+        spill.sql("UPDATE joined SET extra = fixed.extra FROM fixed WHERE joined.slot = fixed.slot")
     kept = f"status IN ({KEPT}, {REPLACED})"
     per_input = spill.sql(f"SELECT input, count(*), count(*) FILTER ({kept}), coalesce(sum(ntok) FILTER ({kept}), 0), "
                           f"coalesce(sum(lower) FILTER ({kept}), 0) FROM joined GROUP BY input").fetchall()

@@ -24,7 +24,10 @@ def merge(output: Path) -> Result:
     if not output.is_dir():
         raise PrepError(f"output directory {output} does not exist")
     with output_lock(output, "data_prep merge"):  # not while a job of the array or another run writes there
-        return _merge(output)
+        result = _merge(output)
+        for scanned in output.glob(".scan-of-*"):  # a --clusters array's scan parts (data_prep/scan.py): used up
+            shutil.rmtree(scanned)
+        return result
 
 
 def _merge(output: Path) -> Result:

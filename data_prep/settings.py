@@ -40,12 +40,14 @@ class Settings:
     # usual reference genomes (wheat 3B: 0.83 Gb); the giant chromosomes of some conifers, onion, axolotl and
     # lungfish are longer and need it raised.
     max_record_length: int = MAX_RECORD_LENGTH
+    stage: str | None = None  # --clusters arrays: "scan" (a share of the member FASTA) or "build" (data_prep/scan.py)
 
 
 # Settings added after the first resumable release: left out of the fingerprint at their defaults, so that a work
 # directory left by an older version resumes; max_filtered_fraction never fixes shard bytes, so never in it.
 _NEW_SETTINGS = {"replace_invalid": None, "window": None, "stride": None, "window_tail": "short",
-                 "val_fraction": None, "max_record_length": MAX_RECORD_LENGTH}
+                 "val_fraction": None, "max_record_length": MAX_RECORD_LENGTH,
+                 "stage": None}
 
 
 def settings_doc(settings: Settings) -> dict:
@@ -77,6 +79,7 @@ JOB_LOCAL_OPTIONS = {
     "overwrite": "whether the job may replace its own earlier files",
     "progress": "what the job prints",
     "progress_interval": "what the job prints",
+    "stage": "which stage of a --clusters array the job runs: the scan parts and the builds share every option",
 }
 
 

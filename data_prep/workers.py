@@ -39,10 +39,7 @@ def _fed(source: Source, settings: Settings, kwargs: dict, inputs: list[Path]) -
     if not batch_source(source, settings, kwargs.get("members")) or not all(p.is_file() for p in inputs):
         return False
     if kwargs.get("clusters") is not None:
-        try:
-            return all(batch.starts_with_header(p) for p in inputs)
-        except (OSError, *batch.GZIP_ERRORS):  # a damaged input: the workers report it as one job would
-            return False
+        return False
     return any(batch.is_gzip(p) for p in inputs)
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import batch, join
+from data_prep import batch, cluster_write, join, scan
 from data_prep import feed as feed_module
 from data_prep.__main__ import main
+from data_prep.gather import gather
 from pipeline.data.shard_reader import read_clusters, read_shard
 
 REPO = Path(__file__).resolve().parents[2]
@@ -183,8 +184,8 @@ def test_cluster_memory_limit_and_batches_do_not_change_the_output(cluster_input
     assert run(*args, "--output", tmp_path / "one") == 0
     with monkeypatch.context() as mp:
         mp.setattr(join, "JOB_MEMORY", 0)
-        mp.setattr(join.Writer, "BATCH", 7)
-        mp.setattr(join.Slots, "BATCH", 5)
+        mp.setattr(cluster_write.Writer, "BATCH", 7)
+        mp.setattr(cluster_write.Slots, "BATCH", 5)
         assert join.memory_limit() == 16 << 20
         assert run(*args, "--output", tmp_path / "many") == 0
     assert content(tmp_path / "many", "clusters") == content(tmp_path / "one", "clusters")
@@ -224,7 +225,7 @@ def test_gather_equals_slicing():
     starts = rng.integers(0, 4000, 300)
     sizes = rng.integers(0, 100, 300)
     want = np.concatenate([data[a:a + n] for a, n in zip(starts, sizes)])
-    assert np.array_equal(join.gather(data, starts, sizes, group=7), want)
+    assert np.array_equal(gather(data, starts, sizes, group=7), want)
 
 
 def test_cluster_members_read_record_by_record_give_the_same_clusters(cluster_inputs, tmp_path):
@@ -274,7 +275,7 @@ def test_cluster_join_tells_apart_ids_that_share_a_prefix(cluster_inputs, tmp_pa
 def cluster_workers_run(args: list, out: Path, workers: int, monkeypatch, log: Path) -> int:
     """``args --workers N`` with chunks of 2 KB (the members' FASTA spread over every worker), each worker logging
     (pid, records) of every chunk it parsed into ``log``."""
-    real = join.Outcomes.chunk
+    real = scan.Outcomes.chunk
 
     def logged(self, chunk, path, n_input):
         with open(log, "a") as f:
@@ -282,7 +283,7 @@ def cluster_workers_run(args: list, out: Path, workers: int, monkeypatch, log: P
         return real(self, chunk, path, n_input)
     with monkeypatch.context() as mp:
         mp.setattr(batch, "CHUNK", 2048)
-        mp.setattr(join.Outcomes, "chunk", logged)
+        mp.setattr(scan.Outcomes, "chunk", logged)
         return run(*args, "--output", out, "--workers", workers)
 
 

@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from data_prep import batch, clusters, join
+from data_prep import batch, cluster_write, clusters, join
 
 from test_job_split import RFAM, UR90, UR_TSV, content, run  # same folder
 
@@ -104,8 +104,8 @@ def test_rnacentral_jobs_equal_one_job(tmp_path, monkeypatch, seed):
 def test_cluster_jobs_equal_one_job(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)
     monkeypatch.setattr(batch, "CHUNK", rng.choice([300, 5000, 1 << 16, batch.CHUNK]))
-    monkeypatch.setattr(join.Slots, "BATCH", rng.choice([5, 300, join.Slots.BATCH]))  # joined rows read at a time
-    monkeypatch.setattr(join.Writer, "BATCH", rng.choice([3, 50, join.Writer.BATCH]))
+    monkeypatch.setattr(cluster_write.Slots, "BATCH", rng.choice([5, 300, cluster_write.Slots.BATCH]))  # joined rows read at a time
+    monkeypatch.setattr(cluster_write.Writer, "BATCH", rng.choice([3, 50, cluster_write.Writer.BATCH]))
     tsv_block = rng.choice([64, 700, 1 << 20])  # bytes of the TSV parsed at a time (64: less than a line)
     monkeypatch.setattr(clusters, "_row_blocks", functools.partial(clusters._row_blocks, size=tsv_block))
     members = [damaged(rng, r, "J") for r in PROTEIN if rng.random() > 0.05]  # some members missing
