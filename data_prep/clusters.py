@@ -19,19 +19,18 @@ TSV (pass 1 and the re-read of pass 4) and runs the passes (``build``).
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .checks import DamageCheck, PrepError, sum_stats
+from .checks import DamageCheck, PrepError
 from .cluster_write import Writer
-from .common import FINGERPRINT, TSV_HEADER, input_fingerprint
+from .common import TSV_HEADER, input_fingerprint
 from .fasta import GZIP_ERRORS, FastaError, input_position, numbered_lines, open_input
 from .join import NAME, OTHER, TSV_COLUMNS, Spill, TableWriter, join, offsets
-from .scan import part_name, scan, scan_fingerprint
+from .scan import load_parts, part_name, scan, scan_fingerprint
 from .progress import Progress
 from .rule import ALL_MEMBERS_FILTERED, NO_MEMBER_IN_FASTA, member_reasons
 
@@ -341,28 +340,6 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
                          inputs=counts, stats=stats, layout="clusters")}, records
 
 
-def load_parts(folder: Path, fingerprint: dict) -> list[tuple[Path, dict]]:
-    """The scan parts of ``folder`` (table, marker), checked: all N of them done, made of these inputs with these
-    options."""
-    markers = sorted(folder.glob("part-*-of-*.json")) if folder.is_dir() else []
-    if not markers:
-        raise PrepError(f"{folder}: no scan part; run the scan stage (--stage scan) of every job first")
-    docs = [json.loads(p.read_text()) for p in markers]
-    n = docs[0]["parts"]
-    done = {d["part"] for d in docs if d["parts"] == n}
-    missing = [k for k in range(n) if k not in done]
-    if missing or len(docs) != n:
-        raise PrepError(f"{folder}: scan part {missing[0] if missing else '?'} of {n} has not finished "
-                        f"({len(done)} of {n} done); run its scan stage (--stage scan --job-index "
-                        f"{missing[0] if missing else '?'}) before the build")
-    for p, d in zip(markers, docs):
-        if d["fingerprint"] != fingerprint:
-            raise PrepError(f"{p}: this scan part was made from other inputs or with other options "
-                            "(--min-length, --max-length, --strict, --replace-invalid, ...) than this build; rerun "
-                            "the scan stage with the build's command line (--overwrite)")
-    return [(p.with_suffix(".parquet"), d) for p, d in sorted(zip(markers, docs), key=lambda x: x[1]["part"])]
-
-
 def _fasta_counts(inputs: list[Path], markers: list[dict]) -> tuple[list[dict], int, str | None]:
     """Each input's counts for the manifest, the FASTA's records and its first record id, from the scan parts."""
     counts = []
@@ -376,42 +353,3 @@ def _fasta_counts(inputs: list[Path], markers: list[dict]) -> tuple[list[dict], 
     firsts = [(m["first"][0], off[(m["part"], m["first"][0])][0] + m["first"][1], m["first"][2])
               for m in markers if m["first"] is not None]
     return counts, sum(c["records"] for c in counts), min(firsts)[2] if firsts else None
-
-
-SUMMED = ("clusters", "clusters_kept", "members_listed", "members_kept", "residues", "lowercase_residues",
-          "members_found")
-
-
-def merge_stats(docs: list[dict], names: list[str]) -> tuple[list, dict]:
-    """(inputs, stats) of N cluster job manifests: job counts summed, whole-input counts checked equal, and the
-    records in no cluster computed (every FASTA record that no job matched)."""
-    first = docs[0]
-    for d, name in zip(docs, names):
-        st = d["stats"]
-        for key in ("fasta_records", "mapping"):
-            if st[key] != first["stats"][key]:
-                raise PrepError(f"{name}: stats.{key} differs from job 0's (jobs ran on different inputs)")
-        if [x["records"] for x in d["inputs"]] != [x["records"] for x in first["inputs"]]:
-            raise PrepError(f"{name}: read other FASTA record counts than job 0")
-    inputs = [{**{k: v for k, v in x.items() if k in FINGERPRINT}, "records": x["records"],
-               **{c: sum(d["inputs"][k][c] for d in docs) for c in ("members", "kept", "residues")}}
-              for k, x in enumerate(first["inputs"])]
-    stats: dict = {k: sum(d["stats"][k] for d in docs) for k in SUMMED}
-    mf: dict = {}
-    for d in docs:
-        for k, v in d["stats"]["members_filtered"].items():
-            mf[k] = mf.get(k, 0) + v
-    stats["members_filtered"] = mf
-    stats["fasta_records"] = first["stats"]["fasta_records"]
-    stats["records_in_no_cluster"] = stats["fasta_records"] - stats["members_found"]
-    stats["mapping"] = first["stats"]["mapping"]
-    extra: dict = {}
-    for d in docs:  # --replace-invalid counters and the characters outside the alphabet
-        extra = sum_stats(extra, {k: v for k, v in d["stats"].items() if k not in stats and k not in (
-            "members_filtered", "records_in_no_cluster", "filtered_list")})
-    stats.update(extra)
-    mapping = stats["mapping"]
-    if (stats["clusters"], stats["members_listed"]) != (mapping["clusters"], mapping["members"]):
-        raise PrepError(f"the jobs cover {stats['clusters']} clusters / {stats['members_listed']} members but "
-                        f"{mapping['path']} lists {mapping['clusters']} / {mapping['members']}")
-    return inputs, stats

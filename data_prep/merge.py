@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 from .checks import PrepError, sum_stats
-from .clusters import merge_stats
 from .common import (FILTERED, FILTERED_HEADER, FINGERPRINT, JOB_MANIFEST_RE, SPLIT_FILE, SPLITS, job_manifest_name,
                      output_lock, split_doc, write_json)
 from .settings import Result
@@ -186,3 +185,42 @@ def _merge_dir(output: Path):
             os.replace(tmp, output / FILTERED)
         return Result(manifest, seen, write_manifest(output, manifest))
     return write
+
+
+SUMMED = ("clusters", "clusters_kept", "members_listed", "members_kept", "residues", "lowercase_residues",
+          "members_found")
+
+
+def merge_stats(docs: list[dict], names: list[str]) -> tuple[list, dict]:
+    """(inputs, stats) of N cluster job manifests: job counts summed, whole-input counts checked equal, and the
+    records in no cluster computed (every FASTA record that no job matched)."""
+    first = docs[0]
+    for d, name in zip(docs, names):
+        st = d["stats"]
+        for key in ("fasta_records", "mapping"):
+            if st[key] != first["stats"][key]:
+                raise PrepError(f"{name}: stats.{key} differs from job 0's (jobs ran on different inputs)")
+        if [x["records"] for x in d["inputs"]] != [x["records"] for x in first["inputs"]]:
+            raise PrepError(f"{name}: read other FASTA record counts than job 0")
+    inputs = [{**{k: v for k, v in x.items() if k in FINGERPRINT}, "records": x["records"],
+               **{c: sum(d["inputs"][k][c] for d in docs) for c in ("members", "kept", "residues")}}
+              for k, x in enumerate(first["inputs"])]
+    stats: dict = {k: sum(d["stats"][k] for d in docs) for k in SUMMED}
+    mf: dict = {}
+    for d in docs:
+        for k, v in d["stats"]["members_filtered"].items():
+            mf[k] = mf.get(k, 0) + v
+    stats["members_filtered"] = mf
+    stats["fasta_records"] = first["stats"]["fasta_records"]
+    stats["records_in_no_cluster"] = stats["fasta_records"] - stats["members_found"]
+    stats["mapping"] = first["stats"]["mapping"]
+    extra: dict = {}
+    for d in docs:  # --replace-invalid counters and the characters outside the alphabet
+        extra = sum_stats(extra, {k: v for k, v in d["stats"].items() if k not in stats and k not in (
+            "members_filtered", "records_in_no_cluster", "filtered_list")})
+    stats.update(extra)
+    mapping = stats["mapping"]
+    if (stats["clusters"], stats["members_listed"]) != (mapping["clusters"], mapping["members"]):
+        raise PrepError(f"the jobs cover {stats['clusters']} clusters / {stats['members_listed']} members but "
+                        f"{mapping['path']} lists {mapping['clusters']} / {mapping['members']}")
+    return inputs, stats

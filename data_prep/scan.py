@@ -288,6 +288,28 @@ def _batches(records, size: int = 4096):
         yield batch
 
 
+def load_parts(folder: Path, fingerprint: dict) -> list[tuple[Path, dict]]:
+    """The scan parts of ``folder`` (table, marker), checked: all N of them done, made of these inputs with these
+    options."""
+    markers = sorted(folder.glob("part-*-of-*.json")) if folder.is_dir() else []
+    if not markers:
+        raise PrepError(f"{folder}: no scan part; run the scan stage (--stage scan) of every job first")
+    docs = [json.loads(p.read_text()) for p in markers]
+    n = docs[0]["parts"]
+    done = {d["part"] for d in docs if d["parts"] == n}
+    missing = [k for k in range(n) if k not in done]
+    if missing or len(docs) != n:
+        raise PrepError(f"{folder}: scan part {missing[0] if missing else '?'} of {n} has not finished "
+                        f"({len(done)} of {n} done); run its scan stage (--stage scan --job-index "
+                        f"{missing[0] if missing else '?'}) before the build")
+    for p, d in zip(markers, docs):
+        if d["fingerprint"] != fingerprint:
+            raise PrepError(f"{p}: this scan part was made from other inputs or with other options "
+                            "(--min-length, --max-length, --strict, --replace-invalid, ...) than this build; rerun "
+                            "the scan stage with the build's command line (--overwrite)")
+    return [(p.with_suffix(".parquet"), d) for p, d in sorted(zip(markers, docs), key=lambda x: x[1]["part"])]
+
+
 def scan_folder(output: Path, settings) -> Path:
     """Where the scan stage of an array of N jobs writes its N parts: a hidden folder of the output, removed by
     ``merge``."""
