@@ -98,7 +98,9 @@ class TableWriter:
         schema = pa.schema([(k, getattr(pa, t)()) for k, t in self.columns.items()])
         table = pa.Table.from_arrays([_array(columns[k], t) for k, t in self.columns.items()], schema=schema)
         if self.writer is None:
-            self.writer = pq.ParquetWriter(self.path, schema, compression="none")
+            # ids are unique and tokens read whole: dictionaries and min/max statistics would be work for nothing
+            self.writer = pq.ParquetWriter(self.path, schema, compression="none", use_dictionary=False,
+                                           write_statistics=False)
         self.writer.write_table(table)
 
     def close(self) -> None:
@@ -115,12 +117,19 @@ def _array(values, kind: str):
     if isinstance(values, pa.Array):
         return values
     if kind == "string":  # a list of str or None
-        enc = [b"" if v is None else v.encode() for v in values]
-        offsets = np.zeros(len(enc) + 1, np.int32)
-        np.cumsum(np.fromiter(map(len, enc), np.int32, len(enc)), out=offsets[1:])
-        valid = np.fromiter((v is not None for v in values), bool, len(enc))
-        mask = None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
-        return pa.Array.from_buffers(pa.string(), len(enc), [mask, pa.py_buffer(offsets), pa.py_buffer(b"".join(enc))])
+        n, nulls = len(values), values.count(None)
+        if nulls == n:
+            return pa.nulls(n, pa.string())
+        text = values if not nulls else ["" if v is None else v for v in values]
+        data = "".join(text).encode()
+        sizes = np.fromiter(map(len, text), np.int32, n)
+        if len(data) != int(sizes.sum()):  # non-ASCII text: the sizes in bytes, string by string
+            sizes = np.fromiter((len(v.encode()) for v in text), np.int32, n)
+        offsets = np.zeros(n + 1, np.int32)
+        np.cumsum(sizes, out=offsets[1:])
+        mask = None if not nulls else pa.py_buffer(np.packbits(np.fromiter((v is not None for v in values), bool, n),
+                                                               bitorder="little"))
+        return pa.Array.from_buffers(pa.string(), n, [mask, pa.py_buffer(offsets), pa.py_buffer(data)])
     data = np.ascontiguousarray(values, np.dtype(kind))
     return pa.Array.from_buffers(getattr(pa, kind)(), len(data), [None, pa.py_buffer(data)])
 
@@ -183,15 +192,19 @@ def join(cmap, parts: list[tuple[Path, dict]], inputs: list[Path], counts: list[
     the input's (scan.offsets, scan.shift_lines); the counts and checks of the manifest read from it (a member with
     two records is an error: ``repeat``)."""
     spill, got = cmap.spill, Joined()
-    spill.sql("CREATE TEMP TABLE offs (file VARCHAR, input INTEGER, rec_off BIGINT, line_off BIGINT)")
-    spill.db().executemany("INSERT INTO offs VALUES (?, ?, ?, ?)", [
-        [str(table), i, *off] for (part, i), off in offsets([m for _, m in parts]).items()
-        for table, m in parts if m["part"] == part])
-    spill.sql(f"CREATE TEMP TABLE joined AS SELECT t.slot, f.rec + o.rec_off AS rec, f.input, f.line + o.line_off "
-              f"AS line, f.status, f.lower, f.ntok, f.tokens, f.extra, o.line_off AS shift FROM "
-              f"read_parquet({_paths([spill.tsv])}) t JOIN read_parquet({_paths([t for t, _ in parts])}, "
-              "filename = true) f ON t.id = f.id JOIN offs o ON o.file = f.filename AND o.input = f.input "
-              "WHERE t.slot >= 0")
+    shifts = [[str(table), i, *off] for (part, i), off in offsets([m for _, m in parts]).items()
+              for table, m in parts if m["part"] == part]
+    fasta = f"read_parquet({_paths([t for t, _ in parts])}, filename = true) f"
+    if any(rec or line for _, _, rec, line in shifts):  # byte-range parts: numbered from their own starts
+        spill.sql("CREATE TEMP TABLE offs (file VARCHAR, input INTEGER, rec_off BIGINT, line_off BIGINT)")
+        spill.db().executemany("INSERT INTO offs VALUES (?, ?, ?, ?)", shifts)
+        fasta += " JOIN offs o ON o.file = f.filename AND o.input = f.input"
+        rec, line, shift = "f.rec + o.rec_off", "f.line + o.line_off", "o.line_off"
+    else:
+        rec, line, shift = "f.rec", "f.line", "0"
+    spill.sql(f"CREATE TEMP TABLE joined AS SELECT t.slot, {rec} AS rec, f.input, {line} AS line, f.status, "
+              f"f.lower, f.ntok, f.tokens, f.extra, {shift} AS shift FROM read_parquet({_paths([spill.tsv])}) t "
+              f"JOIN {fasta} ON t.id = f.id WHERE t.slot >= 0")
     twice = "SELECT slot FROM joined GROUP BY slot HAVING count(*) > 1"
     if spill.sql(f"SELECT count(*) FROM ({twice})").fetchone()[0]:  # a member's second record: an error (build)
         got.repeat = spill.sql(f"SELECT rec, slot, input, line FROM joined WHERE slot IN ({twice}) QUALIFY "
