@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .batch import CHUNK, ByteRange, Reader, byte_ranges, chunks, is_gzip, json_string, starts_with_header
+from .batch import CHUNK, Reader, chunks, is_gzip, json_string, starts_with_header
 from .checks import DamageCheck, PrepError
 from .common import LOWERCASE, input_fingerprint, split_of
 from .fasta import FastaError, input_position
 from .progress import Progress
+from .ranges import ByteRange, byte_ranges
 from . import rule
 from .settings import Settings
 from .sources import Context, iter_fasta_source, iter_uniref, uniref_record
@@ -111,7 +112,7 @@ def batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx: Cont
 
 
 def splits_bytes(source: Source, inputs: list[Path], settings: Settings, members) -> bool:
-    """Whether job I of ``--num-jobs N`` reads only its byte range of the inputs (batch.byte_ranges) rather than
+    """Whether job I of ``--num-jobs N`` reads only its byte range of the inputs (ranges.byte_ranges) rather than
     every record, keeping those whose index % N == I: batch-path jobs whose inputs are all plain FASTA (a gzip
     stream cannot be entered in the middle: its jobs each decompress all of it)."""
     return (settings.num_jobs > 1 and batch_source(source, settings, members)

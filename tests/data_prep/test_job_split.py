@@ -1,5 +1,5 @@
 """``--num-jobs N`` jobs then ``merge`` against one job, on real data: plain FASTA split into byte ranges (job I
-parses only its share, data_prep/batch.py ``byte_ranges``) and UniRef50 clusters (split by cluster, joined on disk in
+parses only its share, data_prep/ranges.py ``byte_ranges``) and UniRef50 clusters (split by cluster, joined on disk in
 hash buckets, data_prep/join.py). The reference is the one-job run of the same command: the merged directory
 must hold the same records (keys, tokens, meta), the same manifest counts and the same filtered.tsv rows."""
 import gzip
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import batch, join
+from data_prep import batch, join, ranges
 from data_prep import feed as feed_module
 from data_prep.__main__ import main
 from pipeline.data.shard_reader import read_clusters, read_shard
@@ -71,10 +71,10 @@ def test_rnacentral_byte_range_jobs_merge_to_one_job(rna_inputs, tmp_path, n):
     assert got == one  # in order too: job 0's bytes come first
     assert len(one[0]) > 1000 and one[1]["filtered"]["shorter_than_60"] > 0
     sizes = [p.stat().st_size for p in rna_inputs]
-    parsed = [sum(r.hi - r.lo for r in batch.byte_ranges(rna_inputs, n, i)) for i in range(n)]
+    parsed = [sum(r.hi - r.lo for r in ranges.byte_ranges(rna_inputs, n, i)) for i in range(n)]
     # each job parses its share: job 0 the most (no bytes to count before it), about SCAN_COST less per job after
-    assert sum(parsed) == sum(sizes) and max(parsed) < sum(sizes) * (batch.cut_fraction(1, n) + 0.02)
-    assert n == 1 or min(parsed) > sum(sizes) * (batch.cut_fraction(n, n) - batch.cut_fraction(n - 1, n) - 0.02)
+    assert sum(parsed) == sum(sizes) and max(parsed) < sum(sizes) * (ranges.cut_fraction(1, n) + 0.02)
+    assert n == 1 or min(parsed) > sum(sizes) * (ranges.cut_fraction(n, n) - ranges.cut_fraction(n - 1, n) - 0.02)
     assert n == 1 or parsed[0] > sum(sizes) * (1 / n + 0.01)  # weighted: job 0 counts nothing before its range
 
 
@@ -90,8 +90,8 @@ def test_a_record_across_a_cut_is_read_once_by_the_job_it_starts_in(tmp_path):
     size = path.stat().st_size
     starts = [0] + [i + 1 for i in range(size) if path.read_bytes()[i:i + 2] == b"\n>"]
     assert starts[1] < size // 3 and 2 * size // 3 < starts[2]  # both cuts inside record 2
-    assert batch.byte_ranges([path], 3, 1) == []
-    assert [(r.lo, r.hi, r.first_index) for r in batch.byte_ranges([path], 3, 2)] == [(starts[2], size, 2)]
+    assert ranges.byte_ranges([path], 3, 1) == []
+    assert [(r.lo, r.hi, r.first_index) for r in ranges.byte_ranges([path], 3, 2)] == [(starts[2], size, 2)]
     args = ["rnacentral", "--input", path]
     assert run(*args, "--output", tmp_path / "one") == 0
     assert content(jobs_then_merge(args, tmp_path / "jobs", 3)) == content(tmp_path / "one")
@@ -117,7 +117,7 @@ def test_record_count_before_a_range_is_the_texts_own(tmp_path, block):
     path.write_bytes(text)
     for end in (0, 1, 2, 5000, 5001, len(text)):
         part = text[:end]
-        assert batch.count_records(path, end, block) == (part.count(b"\n>") + part.startswith(b">"),
+        assert ranges.count_records(path, end, block) == (part.count(b"\n>") + part.startswith(b">"),
                                                          part.count(b"\n")), end
 
 
