@@ -11,12 +11,14 @@ batch path does not take as is -- a character outside the alphabet or whitespace
 without an id, a UniRef header of another shape than the two the template knows -- is handed over as the
 ``Record`` iter_fasta_text parses from its own lines (same errors, lines, columns), and the job treats it on its
 per-record path. Chunks with a CR other than in CRLF line ends, and inputs that do not start with '>', are read
-wholly on the per-record path.
+wholly on the per-record path. With ``--workers N`` the job's process reads and numbers the chunks and writes them
+in input order; N pool processes parse them (``Reader``).
 """
 from __future__ import annotations
 
 import json
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -26,7 +28,8 @@ import numpy as np
 
 from .common import LOWERCASE
 from .fasta import GZIP_ERRORS, GZIP_MAGIC, FastaError, Record, iter_fasta_text, open_input, track_position
-from .ranges import ByteRange, headers  # noqa: F401 -- headers: data_prep/workers.py (batch.headers)
+from .pool import state as pool_state
+from .ranges import ByteRange, headers
 from .sources import parse_uniref_header
 
 CHUNK = 1 << 22  # decompressed bytes read at a time; a record longer than this makes its chunk longer
@@ -281,46 +284,69 @@ class Reader:
     upper-cased residue, 0xff for a byte outside the alphabet (the source's: for UniRef lowercase is accepted and
     upper-cased); ``invalid_positions``: the source reader's own check (for the per-record
     fallback); ``uniref``: the source parses UniRef headers into meta (``to_record`` completes a fallback record
-    the way the source does), None: no meta at all (the chunks' ``tails`` are None; --clusters keeps ids only)."""
+    the way the source does), None: no meta at all (the chunks' ``tails`` are None; --clusters keeps ids only).
+    ``texts``: (text, first line) of whole records (a job's byte range) instead of every chunk of the input.
+    ``pool``: --workers (data_prep/pool.py): the chunks are parsed there, at most ``2 * N`` ahead, and handed out in
+    input order."""
 
     def __init__(self, path: Path, tokens: bytes, invalid_positions: Callable | None, uniref: bool | None,
                  to_record: Callable[[Record], Record] = lambda r: r, first_index: int = 0,
-                 jobs: tuple[int, int] = (1, 0), texts=None, bound: int | None = None):
+                 jobs: tuple[int, int] = (1, 0), texts=None, bound: int | None = None, pool=None):
         self.path, self.uniref, self.to_record, self.bound = path, uniref, to_record, bound
         self.invalid_positions = invalid_positions
         self._tokens = tokens
-        self.index = first_index  # global index of the next record (over all inputs)
-        self.start = first_index  # global index of the first record of the chunk last yielded
-        # (text, first line, index of its first record within the input) of whole records of the input, cut by the
-        # --workers parent (feed.Feed); once they are read, their ``end`` is the input's record count. Default:
-        # every chunk of chunks(path).
-        self.base, self.texts = first_index, texts
+        self.index = first_index  # global index (over all inputs) of the next record read
+        self.start = first_index  # global index of the first record of the chunk last handed out
+        self.texts, self.pool = texts, pool
         self.jobs = jobs  # (N, I): only records whose global index % N == I are parsed past their header line
 
     def __iter__(self) -> Iterator[Chunk | list]:
         """A Chunk per chunk of the input, or the list of its Records when the chunk is read record by record (a
         record longer than ``bound``, skipped unread by ``chunks``, is a list of one Record with its ``length``)."""
-        texts = self.texts if self.texts is not None else (
-            (t, n, None) for t, n in chunks(self.path, CHUNK, bound=self.bound))
-        for text, first_line, first_index in texts:
-            if first_index is not None:
-                self.index = self.base + first_index
-            self.start = self.index
-            if isinstance(text, LongRecord):
-                self.index += 1
-                yield [self.to_record(self._long(text))]
-                continue
-            if b"\r" in text:
-                if text.count(b"\r") != text.count(b"\r\n"):  # a CR that is not a CRLF line end
+        ahead, window = deque(), 2 * self.pool.size if self.pool is not None else 0
+        for item in self._items():
+            ahead.append(item)
+            if len(ahead) > window:
+                yield self._done(*ahead.popleft())
+        while ahead:
+            yield self._done(*ahead.popleft())
+
+    def _items(self):
+        """(first global index, records or Chunk or the Future of a Chunk, text parsed in the pool) per chunk."""
+        texts = self.texts if self.texts is not None else chunks(self.path, CHUNK, bound=self.bound)
+        try:
+            for text, first_line in texts:
+                start = self.index
+                if isinstance(text, LongRecord):
+                    self.index += 1
+                    yield start, [self.to_record(self._long(text))], None
+                elif b"\r" in text and text.count(b"\r") != text.count(b"\r\n"):  # a CR that ends no CRLF
                     records = [self.to_record(r) for r in iter_fasta_text(self.path, text, first_line,
                                                                              self.invalid_positions, "yield")]
                     self.index += len(records)
-                    yield records
-                    continue
-                text = text.replace(b"\r\n", b"\n")  # iter_fasta strips line ends: the same records
-            yield self._parse(text, first_line)
-        if getattr(self.texts, "end", None) is not None:  # fed: the input's records, as the parent counted them
-            self.index = self.base + self.texts.end
+                    yield start, records, None
+                else:
+                    text = text.replace(b"\r\n", b"\n") if b"\r" in text else text  # iter_fasta strips line ends
+                    if self.pool is None:
+                        chunk = self.parse(text, first_line, start)
+                        self.index += chunk.total
+                        yield start, chunk, None
+                    else:  # numbered here (a '>' at a line start is a record), parsed in a worker
+                        self.index += headers(text)
+                        yield start, self.pool.submit(_parse, self.path, self.uniref, self.jobs, text, first_line,
+                                                      start), text
+        except (FastaError, OSError) as e:  # met while reading ahead: raised after the chunks before it
+            yield self.index, e, None
+
+    def _done(self, start: int, item, text: bytes | None):
+        self.start = start
+        if isinstance(item, Exception):
+            raise item
+        if text is None:
+            return item
+        chunk = item.result()
+        chunk.text = text  # not sent back: the parent has it
+        return chunk
 
     def _long(self, skipped: LongRecord) -> Record:
         """The Record of a skipped record: id and description as iter_fasta reads them, no sequence, ``length``."""
@@ -330,7 +356,10 @@ class Reader:
         return Record(head[0], head[1].strip() if len(head) > 1 else "", b"", skipped.line, nbytes=skipped.nbytes,
                       length=skipped.residues)
 
-    def _parse(self, text: bytes, first_line: int) -> Chunk:
+    def parse(self, text: bytes, first_line: int, first_index: int) -> Chunk:
+        """The Chunk of ``text`` (whole records, starting with '>'; its first line ``first_line``, its first record
+        global index ``first_index``). Reads nothing but its arguments and the Reader's settings: it runs in the
+        job's process or in a --workers pool process (``_parse``)."""
         # records located with numpy over the whole chunk (text starts with '>'): header j is the line from its
         # '>' at header_starts[j] to the newline at ends[j], its sequence the text from ends[j] + 1 to the next
         # record's '>' with line breaks removed (what text.split(b"\n>") + partition(b"\n") per record gave)
@@ -344,8 +373,7 @@ class Reader:
         total = len(header_starts)
         at = np.searchsorted(nl, header_starts)  # the first newline at or after each '>'
         ends = np.append(nl, size)[at]  # each header line's end (size: the last line without a newline)
-        index = np.arange(self.index, self.index + total)
-        self.index += total
+        index = np.arange(first_index, first_index + total)
         nexts = np.append(header_starts[1:], size)  # where each record's text ends
         N, I = self.jobs
         if N > 1:  # another job's records cost their header check only
@@ -418,3 +446,14 @@ class Reader:
             slow[j] = self.to_record(recs[0])
         chunk.slow = dict(sorted(slow.items()))
         return chunk
+
+
+def _parse(path: Path, uniref: bool | None, jobs: tuple[int, int], text: bytes, line: int, first: int) -> Chunk:
+    """Reader.parse in a --workers pool process (the reader's tables: the pool's state, build.BatchReader)."""
+    b = pool_state()
+    chunk = Reader(path, b.tokens, b.check, uniref, b.to_record, jobs=jobs).parse(text, line, first)
+    seq = np.frombuffer(chunk.seq_text, np.uint8)
+    if not len(seq) or int(seq.max()) < ord("a"):  # no lowercase: lowercase_cum() needs no seq_text either
+        chunk.seq_text = b""
+    chunk.text = b""  # the parent has it
+    return chunk

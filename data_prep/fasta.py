@@ -37,8 +37,7 @@ _POSITIONS: dict[str, Callable[[], int]] = {}
 
 
 def track_position(path: str | Path, tell: Callable[[], int]) -> None:
-    """Make ``tell`` the source of ``input_position(path)`` (the reader that opened ``path`` last, or a --workers
-    process's feed: the bytes its parent has read)."""
+    """Make ``tell`` the source of ``input_position(path)`` (the reader that opened ``path`` last)."""
     _POSITIONS[str(path)] = tell
 
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from data_prep import batch, join, ranges
-from data_prep import feed as feed_module
 from data_prep.__main__ import main
 from pipeline.data.shard_reader import read_clusters, read_shard
 
@@ -245,16 +244,15 @@ def test_cluster_members_read_record_by_record_give_the_same_clusters(cluster_in
     assert out["records"] == out["batch"]
 
 
-def test_workers_on_plain_fasta_run_byte_range_jobs(rna_inputs, tmp_path):
-    """--workers 2 on plain inputs: two byte-range jobs of this machine (no feeding parent), merged in input order."""
+def test_workers_on_plain_fasta_write_the_one_job(rna_inputs, tmp_path):
+    """--workers 2 on plain inputs: one job whose chunks a pool parses, not byte-range jobs: the one job's
+    shards, byte for byte, and no job manifests."""
     args = ["rnacentral", "--input", *rna_inputs, "--min-length", 60, "--shard-size", 150]
     assert run(*args, "--output", tmp_path / "one") == 0
     assert run(*args, "--output", tmp_path / "w2", "--workers", 2) == 0
     assert content(tmp_path / "w2") == content(tmp_path / "one")
-    # each job read records (fed, worker 1 would get none: the input is one chunk of batch.CHUNK)
-    docs = [json.loads(p.read_text()) for p in sorted((tmp_path / "w2").glob("manifest-job*.json"))]
-    assert [d["job"]["index"] for d in docs] == [0, 1] and all(sum(i["records"] for i in d["inputs"]) > 500
-                                                               for d in docs)
+    shards = [json.loads((d / "manifest.json").read_text())["shards"] for d in (tmp_path / "w2", tmp_path / "one")]
+    assert shards[0] == shards[1] and not list((tmp_path / "w2").glob("manifest-job*.json"))
 
 
 def test_cluster_join_tells_apart_ids_that_share_a_prefix(cluster_inputs, tmp_path):
@@ -287,10 +285,9 @@ def cluster_workers_run(args: list, out: Path, workers: int, monkeypatch, log: P
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_cluster_workers_read_the_members_once_and_join_them_all(cluster_inputs, tmp_path, monkeypatch, workers):
-    """--workers N with --clusters: the parent deals the member FASTA's chunks out, each worker parses only its
-    own into the spill they share, and every worker joins all of them: each record is read by one worker, and the
-    clusters, counts and rows are the one job's. The shared spill is gone afterwards."""
+def test_cluster_workers_are_the_jobs_of_an_array(cluster_inputs, tmp_path, monkeypatch, workers):
+    """--workers N with --clusters: N processes each run a job of --num-jobs N (every job reads every member
+    record), merged: the clusters, counts and rows are the one job's. The spills are gone afterwards."""
     fasta, tsv = cluster_inputs
     args = ["uniref", "--input", fasta, "--clusters", tsv, "--min-length", 30, "--max-filtered-fraction", 1,
             "--shard-size", 60]
@@ -307,7 +304,7 @@ def test_cluster_workers_read_the_members_once_and_join_them_all(cluster_inputs,
     for line in log.read_text().splitlines():
         pid, n = map(int, line.split())
         per_worker[pid] = per_worker.get(pid, 0) + n
-    assert len(per_worker) == workers and sum(per_worker.values()) == one[1]["stats"]["fasta_records"]
+    assert sorted(per_worker.values()) == [one[1]["stats"]["fasta_records"]] * workers
     assert list(spills.iterdir()) == []
 
 
@@ -334,21 +331,20 @@ def test_a_bad_member_record_stops_every_cluster_worker(cluster_inputs, tmp_path
     assert list(spills.iterdir()) == []
 
 
-def test_a_cluster_worker_killed_while_waiting_for_its_peers_stops_the_run(cluster_inputs, tmp_path,
-                                                                              monkeypatch, capsys):
-    """The first worker to finish reading dies (SIGKILL) before the others have: the parent stops them instead of
-    leaving them waiting for a peer that never comes, and names the dead worker."""
+def test_a_cluster_worker_killed_stops_the_run(cluster_inputs, tmp_path, monkeypatch, capsys):
+    """The first worker to parse a chunk dies (SIGKILL) while the other reads on: the parent stops the other,
+    names the dead worker's exit status, and publishes nothing."""
     fasta, tsv = cluster_inputs
     marker = tmp_path / "killed"
-    real = feed_module.Feed.wait_for_peers
+    real = join.Outcomes.chunk
 
-    def die_first(self):
+    def die_first(self, *args):
         try:
             marker.touch(exist_ok=False)
         except FileExistsError:
-            return real(self)
+            return real(self, *args)
         os.kill(os.getpid(), signal.SIGKILL)
-    monkeypatch.setattr(feed_module.Feed, "wait_for_peers", die_first)
+    monkeypatch.setattr(join.Outcomes, "chunk", die_first)
     args = ["uniref", "--input", fasta, "--clusters", tsv, "--max-filtered-fraction", 1]
     assert cluster_workers_run(args, tmp_path / "workers", 2, monkeypatch, tmp_path / "chunks.log") == 1
     err = capsys.readouterr().err
@@ -357,10 +353,8 @@ def test_a_cluster_worker_killed_while_waiting_for_its_peers_stops_the_run(clust
 
 
 def test_cluster_workers_number_the_records_as_one_reader(cluster_inputs, tmp_path, monkeypatch, capsys):
-    """A member's record twice in the FASTA, the first copy closing worker 0's first chunk and the second opening
-    worker 1's: the error names the second copy's line, as a single process does. Each worker numbers its records
-    by their place in the whole input (the parent's count), not by its own count, under which worker 1's copy
-    would come first."""
+    """A member's record twice in the FASTA, the first copy closing the first chunk and the second opening the
+    next: the error names the second copy's line, as a single process does, with --workers 2 too."""
     fasta, tsv = cluster_inputs
     recs = [">" + r for r in fasta.read_text().split("\n>")]
     recs[0] = recs[0][1:]
