@@ -344,7 +344,7 @@ class Reader:
             raise item
         if text is None:
             return item
-        chunk = item.result()
+        chunk = self.pool.result(item)
         chunk.text = text  # not sent back: the parent has it
         return chunk
 

@@ -38,42 +38,65 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _init(parent: int, obj, quiet: bool) -> None:
+def _init(parent: int, obj) -> None:
     global _STATE
     _STATE = obj
     _die_with_parent(parent)
-    if quiet:  # holds nothing: Ctrl-C is the parent's to handle, SIGTERM ends it at once
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Ctrl-C is the parent's to handle; SIGTERM ends a worker at once (a Python handler unwinding a job could leave
+    # the pool's queue locks held, and the other workers waiting on them for good)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class Pool(ProcessPoolExecutor):
+    """A ProcessPoolExecutor of ``size`` forked workers, each with ``state()`` = ``obj``."""
+
+    def __init__(self, size: int, obj=None):
+        super().__init__(size, mp_context=multiprocessing.get_context("fork"), initializer=_init,
+                         initargs=(os.getpid(), obj))
+        self.size = size
+        self.submit(int).result()  # the first call forks all the workers (in this thread, before any other)
+        self.workers = list(self._processes.values())  # (Python 3.14 has terminate_workers())
+
+    def result(self, future):
+        """``future.result()``; BrokenExecutor, naming the worker's exit status, once a worker has ended: one killed
+        while it sent a result leaves the executor's reader waiting for the rest, and the result never comes."""
+        while True:
+            try:
+                return future.result(timeout=0.2)
+            except TimeoutError:
+                if all(p.exitcode is None for p in self.workers):
+                    continue
+            except BrokenExecutor:
+                pass
+            for _ in range(100):  # the executor's thread may be reaping the worker that ended
+                codes = [p.exitcode for p in self.workers if p.exitcode is not None]
+                if codes:
+                    break
+                time.sleep(0.01)
+            raise BrokenExecutor(f"a worker process exited with status {codes[0]}" if codes else
+                                 "a worker process ended") from None
+
+    def stop(self) -> None:
+        """End the workers now and the executor with them. SIGKILL: the kernel drops a job's locks, and a rerun its
+        half-written shard."""
+        for p in self.workers:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.workers:
+            p.join()
+        self._result_queue._writer.close()  # the executor's reader, stuck in a half-sent result, meets its end
+        self.shutdown(wait=True, cancel_futures=True)
 
 
 @contextmanager
-def processes(n: int, obj=None, quiet: bool = True):
-    """A ProcessPoolExecutor of ``n`` forked workers, started here (in this thread, before any other: a fork
-    copies no other thread, and the parent-death signal follows the forking thread). ``obj``: ``state()`` in each
-    worker; ``size``: n. ``quiet``: the workers ignore SIGINT and die of SIGTERM (else they keep the parent's handlers: a job
-    unwinds). On an exception here the workers are terminated (SIGTERM), unfinished calls cancelled; a worker that
-    ended is named by its exit status."""
-    pool = ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork"), initializer=_init,
-                               initargs=(os.getpid(), obj, quiet))
-    pool.size = n
-    pool.submit(int).result()  # the first call forks all n workers
-    workers = list(pool._processes.values())  # (Python 3.14 has pool.terminate_workers())
-    pool.exit_codes = lambda: [p.exitcode for p in workers]
+def processes(n: int, obj=None):
+    """A Pool of ``n`` workers, stopped (``Pool.stop``) on an exception here; a fork copies no other thread of this
+    process, and the parent-death signal follows the forking thread: opened before any other thread starts."""
+    pool = Pool(n, obj)
     try:
         yield pool
-    except BaseException as e:
-        for p in workers:
-            if p.exitcode is None:
-                p.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-        if isinstance(e, BrokenExecutor):
-            raise BrokenExecutor(died(pool)) from None
+    except BaseException:
+        pool.stop()
         raise
     pool.shutdown(wait=True)
-
-
-def died(pool) -> str:
-    """Why the pool broke (BrokenExecutor): the exit status of a worker that ended."""
-    codes = [c for c in pool.exit_codes() if c not in (None, 0)]
-    return f"a worker process exited with status {codes[0]}" if codes else "a worker process ended"

@@ -21,7 +21,7 @@ from .common import TOOL, check_output_replaceable, manifest_files, output_lock
 from .fasta import FastaError
 from .jobs import run
 from .merge import merge
-from .pool import died, processes, state
+from .pool import processes, state
 from .settings import Result, Settings
 
 
@@ -88,14 +88,16 @@ def _jobs_then_merge(workers: int, source: Source, alphabet: str | None, inputs:
     jobs = [dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging, locked=False,
                  settings=replace(settings, num_jobs=workers, job_index=k), overwrite=True,
                  progress=progress if k == 0 else ("off", progress[1])) for k in range(workers)]  # job 0's bar
-    with processes(workers, jobs, quiet=False) as pool:  # a job unwinds on SIGTERM, as a lone job does
+    with processes(workers, jobs) as pool:
         futures = [pool.submit(_job, k) for k in range(workers)]
         status = []
         for f in futures:
             try:
-                status.append(f.result())
-            except BrokenExecutor:
-                status.append((3, died(pool)))
+                status.append(pool.result(f))
+            except BrokenExecutor as e:  # a worker ended: the jobs still running are stopped
+                pool.stop()
+                status += [(3, str(e))] * (workers - len(status))
+                break
     bad = [msg for rc, msg in status if rc == 1]
     if bad:  # bad input: a rerun would fail the same way, so nothing is kept
         shutil.rmtree(staging, ignore_errors=True)
