@@ -76,13 +76,17 @@ class Pool(ProcessPoolExecutor):
                     continue
             except BrokenExecutor:
                 pass
-            for _ in range(100):  # the executor's thread may be reaping the worker that ended
-                codes = [p.exitcode for p in self.workers if p.exitcode is not None]
-                if codes:
-                    break
-                time.sleep(0.01)
-            raise BrokenExecutor(f"a worker process exited with status {codes[0]}" if codes else
-                                 "a worker process ended") from None
+            raise BrokenExecutor(self.ended()) from None
+
+    def ended(self) -> str:
+        """Which worker ended: its exit status (the executor ends the others with SIGTERM: named last)."""
+        for _ in range(100):  # the executor's thread may be reaping it
+            codes = sorted((p.exitcode for p in self.workers if p.exitcode is not None),
+                           key=lambda code: code == -signal.SIGTERM)
+            if codes:
+                return f"a worker process exited with status {codes[0]}"
+            time.sleep(0.01)
+        return "a worker process ended"
 
     def stop(self) -> None:
         """End the workers now and the executor with them. SIGKILL: the kernel drops a job's locks, and a rerun its
@@ -103,7 +107,10 @@ def processes(n: int, obj=None):
     pool = Pool(n, obj)
     try:
         yield pool
-    except BaseException:
+    except BaseException as e:
+        ended = pool.ended() if isinstance(e, BrokenExecutor) else None  # (raised by submit, too)
         pool.stop()
+        if ended is not None:
+            raise BrokenExecutor(ended) from None
         raise
     pool.shutdown(wait=True)

@@ -62,13 +62,12 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
 
 
 def _job(k: int) -> tuple[int, str]:
-    """Job ``k`` of the pool's jobs (``state()``: their arguments), in a worker: (status, its error line)."""
+    """Job ``k`` of the pool's jobs (``state()``: their arguments), in a worker: (status, its error line). (A
+    worker ignores Ctrl-C: the parent stops the pool.)"""
     try:
         run(**state()[k])
     except (PrepError, FastaError, OSError, ValueError) as e:
         return 1, str(e)
-    except KeyboardInterrupt:
-        return 130, "interrupted"
     except BaseException as e:  # noqa: BLE001 -- reported by the parent, which owns the output
         return 2, f"{type(e).__name__}: {e}"
     return 0, ""
@@ -102,8 +101,6 @@ def _jobs_then_merge(workers: int, source: Source, alphabet: str | None, inputs:
     if bad:  # bad input: a rerun would fail the same way, so nothing is kept
         shutil.rmtree(staging, ignore_errors=True)
         raise PrepError(bad[0])
-    if any(rc == 130 for rc, _ in status):
-        raise KeyboardInterrupt
     failed = [(k, msg) for k, (rc, msg) in enumerate(status) if rc != 0]
     if failed:
         k, msg = failed[0]

@@ -8,6 +8,7 @@ equal; only the tar layout differs.
 import gzip
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -187,6 +188,31 @@ def test_workers_report_the_first_error(tmp_path, monkeypatch, capsys, bad):
     # the first bad record (header line 121): its bad character, or its header
     assert (f"{fa}:122:5: character 'X'" if b"X" in bad else f"{fa}:121: header has no record id") in errs[0]
     assert len(set(log.read_text().split()) - {str(os.getpid())}) >= 2  # the --workers runs parsed in the pool
+
+
+def test_a_killed_parse_worker_stops_the_run_and_the_rerun_resumes(tmp_path, monkeypatch, capsys):
+    """A pool worker SIGKILLed (as by the OOM killer) while it parses: one error naming its exit status, the
+    finished shards kept in OUT.partial (no bad input), and the rerun resumes to the 1-process output."""
+    monkeypatch.setattr("data_prep.batch.CHUNK", 3000)
+    plain = tmp_path / "rfam.fa"
+    plain.write_bytes(gzip.decompress(RFAM.read_bytes()))
+    args = ["rnacentral", "--input", str(plain), "--shard-size", "50", "--progress", "off"]
+    real, parent, marker = batch.Reader.parse, os.getpid(), tmp_path / "killed"
+
+    def die_once(self, text, first_line, first_index):
+        if os.getpid() != parent and first_index > 1000 and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, text, first_line, first_index)
+    monkeypatch.setattr(batch.Reader, "parse", die_once)
+    assert main([*args, "--output", str(tmp_path / "w"), "--workers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err == "data_prep: error: --workers 2: a worker process exited with status -9\n", err
+    assert list((tmp_path / "w.partial").glob("*.tar")) and not (tmp_path / "w").exists()
+    assert main([*args, "--output", str(tmp_path / "w"), "--workers", "2"]) == 0
+    assert "resuming" in capsys.readouterr().err
+    assert main([*args, "--output", str(tmp_path / "one")]) == 0
+    assert files(tmp_path / "w") == files(tmp_path / "one")
 
 
 def test_truncated_gzip_in_a_workers_run_is_one_error(tmp_path, capsys):
