@@ -18,9 +18,9 @@
     FASTA (default 64; record ids made unique by a suffix ``_<copy>``, for --clusters in the mapping TSV too) and
     gzipped (level 6) into the temp dir, so that the fixed cost of a run (printed apart: a 10-record input) does not
     decide the ratio.
-    - RNAcentral with 1 process (RESULT P3, target >= 0.5) and with ``--workers 2`` (RESULT P3w2: this process
-      decompresses once and deals chunks of records to two worker processes, then the merge; against one
-      ``gzip -dc``: 0.5 per worker, target >= 1.0, on a machine with 2 free cores);
+    - RNAcentral with 1 process (RESULT P3, target >= 0.5) and with ``--workers 2`` (RESULT P3w2: the main
+      process decompresses, numbers and writes the chunks of records in input order, two pool processes parse them;
+      against one ``gzip -dc``: 0.5 per worker, target >= 1.0, on a machine with 2 free cores);
     - the UniRef50 files (``uniref``, 1 and 2 workers: RESULT P3u, P3u100 and their w2);
     - ``uniref --clusters TSV`` on the UniRef90 member sample, same size, 1 process (RESULT P3uc, target >= 0.5;
       2 workers printed too).

@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dedup", action="store_true",
                        help="drop exact duplicate sequences (sha1 of the normalized sequence), counted as 'duplicate'")
         p.add_argument("--workers", type=_positive, default=1, metavar="N",
-                       help="run on N processes of this machine: jobs 0..N-1 of --num-jobs N (same records, "
-                            "filters and lists), written and merged into DIR in one command (default 1)")
+                       help="run on N processes of this machine (default 1): FASTA on the batch reader is one "
+                            "job whose chunks they parse (the 1-process output); otherwise jobs 0..N-1 of "
+                            "--num-jobs N (same records, filters and lists), merged into DIR in one command")
         p.add_argument("--num-jobs", type=_positive, default=1, metavar="N",
                        help="a job array of N jobs, e.g. on several machines (default 1); then merge")
         p.add_argument("--job-index", type=_nonnegative, default=0, metavar="I",

@@ -11,12 +11,14 @@ batch path does not take as is -- a character outside the alphabet or whitespace
 without an id, a UniRef header of another shape than the two the template knows -- is handed over as the
 ``Record`` iter_fasta_text parses from its own lines (same errors, lines, columns), and the job treats it on its
 per-record path. Chunks with a CR other than in CRLF line ends, and inputs that do not start with '>', are read
-wholly on the per-record path.
+wholly on the per-record path. With ``--workers N`` the job's process reads and numbers the chunks and writes them
+in input order; N pool processes parse them (``Reader``).
 """
 from __future__ import annotations
 
 import json
 import re
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -26,6 +28,8 @@ import numpy as np
 
 from .common import LOWERCASE
 from .fasta import GZIP_ERRORS, GZIP_MAGIC, FastaError, Record, iter_fasta_text, open_input, track_position
+from .pool import state as pool_state
+from .ranges import ByteRange, headers
 from .sources import parse_uniref_header
 
 CHUNK = 1 << 22  # decompressed bytes read at a time; a record longer than this makes its chunk longer
@@ -151,7 +155,7 @@ def chunks(path: Path, size: int = CHUNK, byte_range: ByteRange | None = None, b
            spill_at: int = SPILL_AT) -> Iterator[tuple[bytes | LongRecord, int]]:
     """(text, line number of its first line): the input cut before lines that start with '>'. The next block is
     read (decompressed: ISA-L leaves the GIL) in a thread while the caller works on this one. ``byte_range``: only
-    those bytes of the plain file (a job's share, byte_ranges), its lines numbered as the file's.
+    those bytes of the plain file (a job's share, ranges.byte_ranges), its lines numbered as the file's.
 
     Linear in the input: each block is searched once for a record start, and the text since the last one is kept
     as a list of blocks, joined once when it is handed out (rebuilding and searching the growing text on every
@@ -233,111 +237,6 @@ def is_gzip(path: Path) -> bool:
         return f.read(2) == GZIP_MAGIC
 
 
-# ------------------------------------------------------------------------------------------ byte ranges of jobs
-# ``--num-jobs N`` on plain (uncompressed) FASTA: job I parses only the bytes [lo, hi) of the inputs laid end to
-# end, cut at record starts ('>' at the start of a line), so that N jobs share the parsing. A record belongs to the
-# job whose range holds its '>': a record that straddles a nominal cut is read once, by the job it starts in. The
-# sample keys stay the global record indices, so job I counts the records before its range (count_records: two
-# numpy counts per 4 MB block, no parsing; about 19x the parse rate) to number its own.
-@dataclass
-class ByteRange:
-    input: int  # position of the input in the job's input list
-    lo: int  # byte offset of the range's first record ('>')
-    hi: int  # byte offset after its last record (the next record's '>', or the input's size)
-    first_line: int = 1  # line number of lo (set for the job's first range; 1 for the inputs after it)
-    first_index: int | None = None  # global index of the record at lo (the job's first range; then None: the
-    # index goes on from the previous input's last record)
-
-
-def record_start(path: Path, at: int) -> int:
-    """The first record start (a '>' at byte 0 or after a '\\n') at or after byte ``at`` of the plain file ``path``;
-    its size when no record starts there."""
-    size = path.stat().st_size
-    if at <= 0:
-        return 0
-    with open(path, "rb", buffering=0) as f:
-        f.seek(at - 1)
-        base, prev = at - 1, b""  # file offset of buf[0]
-        while True:
-            block = f.read(1 << 20)
-            if not block:
-                return size
-            buf = prev + block
-            k = buf.find(b"\n>")
-            if k >= 0:
-                return base + k + 1
-            base, prev = base + len(buf) - 1, buf[-1:]
-
-
-def headers(text: bytes | np.ndarray, after_newline: bool = True, scratch: np.ndarray | None = None) -> int:
-    """Lines of ``text`` (bytes, or a uint8 array) that start with '>' (``after_newline``: whether text[0] starts a
-    line). As text.count(b"\\n>"), in a third of its time: '>' is rare, so only the bytes before the few of them are
-    checked. ``scratch``: a bool array at least as long, reused instead of a new one per call."""
-    a = text if isinstance(text, np.ndarray) else np.frombuffer(text, np.uint8)
-    at = np.flatnonzero(np.equal(a, 62, out=None if scratch is None else scratch[:len(a)]))
-    return int(np.count_nonzero(a[at[at > 0] - 1] == 10)) + int(after_newline and len(a) > 0 and a[0] == 62)
-
-
-def count_records(path: Path, end: int, block: int = 1 << 22) -> tuple[int, int]:
-    """(records, line breaks) in bytes [0, end) of the plain FASTA ``path``: the '>' at line starts, and the
-    '\\n's. Read into one reused buffer of ``block`` bytes (a new 16 MB bytes per read costs its page faults, and
-    4 MB stays in cache): 2.5-3.1 GB/s from the page cache, 1.2-1.5 GB/s before."""
-    records = lines = 0
-    buf, scratch = np.empty(block, np.uint8), np.empty(block, bool)
-    after_newline = True  # the file's start is a line start
-    with open(path, "rb", buffering=0) as f:
-        left = end
-        while left > 0:
-            n = f.readinto(memoryview(buf)[:min(block, left)])
-            if not n:
-                break
-            left -= n
-            a = buf[:n]
-            records += headers(a, after_newline, scratch)
-            lines += int(np.count_nonzero(np.equal(a, 10, out=scratch[:n])))
-            after_newline = bool(a[-1] == 10)
-    return records, lines
-
-
-SCAN_COST = 0.06  # count_records' time per byte over the batch parse's (measured: 3.1 GB/s against 164 MB/s)
-
-
-def cut_fraction(k: int, num_jobs: int) -> float:
-    """Where cut k of N falls, as a fraction of the bytes: not k / N, but such that every job's scan of the bytes
-    before its range plus its parse take about as long. With q = 1 - SCAN_COST job I gets q^I times job 0's share,
-    and cut k falls at (1 - q^k) / (1 - q^N). So N jobs finish in about SCAN_COST / (1 - q^N) of one job's time:
-    1 / 1.94 for 2 jobs, 1 / 3.65 for 4, and never below SCAN_COST (about 16x faster than one job)."""
-    q = 1.0 - SCAN_COST
-    return (1.0 - q ** k) / (1.0 - q ** num_jobs)
-
-
-def byte_ranges(paths: list[Path], num_jobs: int, job_index: int) -> list[ByteRange]:
-    """Job ``job_index``'s ranges of ``paths`` laid end to end, cut near ``cut_fraction`` of their bytes at record
-    starts (so a job may get none, when one record spans a cut's whole share)."""
-    sizes = [p.stat().st_size for p in paths]
-    total = sum(sizes)
-
-    def cut(k: int) -> tuple[int, int]:  # (input, offset) of the record start at or after cut k's byte
-        x = total if k == num_jobs else round(total * cut_fraction(k, num_jobs))
-        for i, size in enumerate(sizes):
-            if x < size:
-                at = record_start(paths[i], x)
-                return (i, at) if at < size else (i + 1, 0)
-            x -= size
-        return len(paths), 0
-    (i0, o0), (i1, o1) = cut(job_index), cut(job_index + 1)
-    out = []
-    for i in range(i0, min(i1 + 1, len(paths))):
-        lo, hi = (o0 if i == i0 else 0), (o1 if i == i1 else sizes[i])
-        if lo < hi:
-            out.append(ByteRange(i, lo, hi))
-    if out:
-        before = [count_records(paths[i], sizes[i])[0] for i in range(out[0].input)]
-        records, lines = count_records(paths[out[0].input], out[0].lo)
-        out[0].first_index, out[0].first_line = sum(before) + records, lines + 1
-    return out
-
-
 # UniRef headers of the two shapes the shared data holds (parse_uniref_header reads any): the full header
 # "<name> n=<n> Tax=<taxon> TaxID=<id> RepID=<id>", BioNeMo's "TaxID=<id> RepID=<id>" and its UniRef90 members'
 # "ClusterName=<name> TaxID=<id> RepID=<id>", matched for all records of
@@ -386,46 +285,69 @@ class Reader:
     upper-cased residue, 0xff for a byte outside the alphabet (the source's: for UniRef lowercase is accepted and
     upper-cased); ``invalid_positions``: the source reader's own check (for the per-record
     fallback); ``uniref``: the source parses UniRef headers into meta (``to_record`` completes a fallback record
-    the way the source does), None: no meta at all (the chunks' ``tails`` are None; --clusters keeps ids only)."""
+    the way the source does), None: no meta at all (the chunks' ``tails`` are None; --clusters keeps ids only).
+    ``texts``: (text, first line) of whole records (a job's byte range) instead of every chunk of the input.
+    ``pool``: --workers (data_prep/pool.py): the chunks are parsed there, at most ``2 * N`` ahead, and handed out in
+    input order."""
 
     def __init__(self, path: Path, tokens: bytes, invalid_positions: Callable | None, uniref: bool | None,
                  to_record: Callable[[Record], Record] = lambda r: r, first_index: int = 0,
-                 jobs: tuple[int, int] = (1, 0), texts=None, bound: int | None = None):
+                 jobs: tuple[int, int] = (1, 0), texts=None, bound: int | None = None, pool=None):
         self.path, self.uniref, self.to_record, self.bound = path, uniref, to_record, bound
         self.invalid_positions = invalid_positions
         self._tokens = tokens
-        self.index = first_index  # global index of the next record (over all inputs)
-        self.start = first_index  # global index of the first record of the chunk last yielded
-        # (text, first line, index of its first record within the input) of whole records of the input, cut by the
-        # --workers parent (feed.Feed); once they are read, their ``end`` is the input's record count. Default:
-        # every chunk of chunks(path).
-        self.base, self.texts = first_index, texts
+        self.index = first_index  # global index (over all inputs) of the next record read
+        self.start = first_index  # global index of the first record of the chunk last handed out
+        self.texts, self.pool = texts, pool
         self.jobs = jobs  # (N, I): only records whose global index % N == I are parsed past their header line
 
     def __iter__(self) -> Iterator[Chunk | list]:
         """A Chunk per chunk of the input, or the list of its Records when the chunk is read record by record (a
         record longer than ``bound``, skipped unread by ``chunks``, is a list of one Record with its ``length``)."""
-        texts = self.texts if self.texts is not None else (
-            (t, n, None) for t, n in chunks(self.path, CHUNK, bound=self.bound))
-        for text, first_line, first_index in texts:
-            if first_index is not None:
-                self.index = self.base + first_index
-            self.start = self.index
-            if isinstance(text, LongRecord):
-                self.index += 1
-                yield [self.to_record(self._long(text))]
-                continue
-            if b"\r" in text:
-                if text.count(b"\r") != text.count(b"\r\n"):  # a CR that is not a CRLF line end
+        ahead, window = deque(), 2 * self.pool.size if self.pool is not None else 0
+        for item in self._items():
+            ahead.append(item)
+            if len(ahead) > window:
+                yield self._done(*ahead.popleft())
+        while ahead:
+            yield self._done(*ahead.popleft())
+
+    def _items(self):
+        """(first global index, records or Chunk or the Future of a Chunk, text parsed in the pool) per chunk."""
+        texts = self.texts if self.texts is not None else chunks(self.path, CHUNK, bound=self.bound)
+        try:
+            for text, first_line in texts:
+                start = self.index
+                if isinstance(text, LongRecord):
+                    self.index += 1
+                    yield start, [self.to_record(self._long(text))], None
+                elif b"\r" in text and text.count(b"\r") != text.count(b"\r\n"):  # a CR that ends no CRLF
                     records = [self.to_record(r) for r in iter_fasta_text(self.path, text, first_line,
                                                                              self.invalid_positions, "yield")]
                     self.index += len(records)
-                    yield records
-                    continue
-                text = text.replace(b"\r\n", b"\n")  # iter_fasta strips line ends: the same records
-            yield self._parse(text, first_line)
-        if getattr(self.texts, "end", None) is not None:  # fed: the input's records, as the parent counted them
-            self.index = self.base + self.texts.end
+                    yield start, records, None
+                else:
+                    text = text.replace(b"\r\n", b"\n") if b"\r" in text else text  # iter_fasta strips line ends
+                    if self.pool is None:
+                        chunk = self.parse(text, first_line, start)
+                        self.index += chunk.total
+                        yield start, chunk, None
+                    else:  # numbered here (a '>' at a line start is a record), parsed in a worker
+                        self.index += headers(text)
+                        yield start, self.pool.submit(_parse, self.path, self.uniref, self.jobs, text, first_line,
+                                                      start), text
+        except (FastaError, OSError) as e:  # met while reading ahead: raised after the chunks before it
+            yield self.index, e, None
+
+    def _done(self, start: int, item, text: bytes | None):
+        self.start = start
+        if isinstance(item, Exception):
+            raise item
+        if text is None:
+            return item
+        chunk = self.pool.result(item)
+        chunk.text = text  # not sent back: the parent has it
+        return chunk
 
     def _long(self, skipped: LongRecord) -> Record:
         """The Record of a skipped record: id and description as iter_fasta reads them, no sequence, ``length``."""
@@ -435,7 +357,10 @@ class Reader:
         return Record(head[0], head[1].strip() if len(head) > 1 else "", b"", skipped.line, nbytes=skipped.nbytes,
                       length=skipped.residues)
 
-    def _parse(self, text: bytes, first_line: int) -> Chunk:
+    def parse(self, text: bytes, first_line: int, first_index: int) -> Chunk:
+        """The Chunk of ``text`` (whole records, starting with '>'; its first line ``first_line``, its first record
+        global index ``first_index``). Reads nothing but its arguments and the Reader's settings: it runs in the
+        job's process or in a --workers pool process (``_parse``)."""
         # records located with numpy over the whole chunk (text starts with '>'): header j is the line from its
         # '>' at header_starts[j] to the newline at ends[j], its sequence the text from ends[j] + 1 to the next
         # record's '>' with line breaks removed (what text.split(b"\n>") + partition(b"\n") per record gave)
@@ -449,8 +374,7 @@ class Reader:
         total = len(header_starts)
         at = np.searchsorted(nl, header_starts)  # the first newline at or after each '>'
         ends = np.append(nl, size)[at]  # each header line's end (size: the last line without a newline)
-        index = np.arange(self.index, self.index + total)
-        self.index += total
+        index = np.arange(first_index, first_index + total)
         nexts = np.append(header_starts[1:], size)  # where each record's text ends
         N, I = self.jobs
         if N > 1:  # another job's records cost their header check only
@@ -523,3 +447,14 @@ class Reader:
             slow[j] = self.to_record(recs[0])
         chunk.slow = dict(sorted(slow.items()))
         return chunk
+
+
+def _parse(path: Path, uniref: bool | None, jobs: tuple[int, int], text: bytes, line: int, first: int) -> Chunk:
+    """Reader.parse in a --workers pool process (the reader's tables: the pool's state, build.BatchReader)."""
+    b = pool_state()
+    chunk = Reader(path, b.tokens, b.check, uniref, b.to_record, jobs=jobs).parse(text, line, first)
+    seq = np.frombuffer(chunk.seq_text, np.uint8)
+    if not len(seq) or int(seq.max()) < ord("a"):  # no lowercase: lowercase_cum() needs no seq_text either
+        chunk.seq_text = b""
+    chunk.text = b""  # the parent has it
+    return chunk

@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .batch import CHUNK, ByteRange, Reader, byte_ranges, chunks, is_gzip, json_string, starts_with_header
+from .batch import CHUNK, Reader, chunks, is_gzip, json_string, starts_with_header
 from .checks import DamageCheck, PrepError
 from .common import LOWERCASE, input_fingerprint, split_of
 from .fasta import FastaError, input_position
+from .pool import processes
 from .progress import Progress
+from .ranges import ByteRange, byte_ranges
 from . import rule
 from .settings import Settings
 from .sources import Context, iter_fasta_source, iter_uniref, uniref_record
@@ -31,7 +33,6 @@ from .workdir import ShardSet, WorkDir, open_splits
 if TYPE_CHECKING:
     from . import Source
     from .encode import Encoder
-    from .feed import Feed
 
 _TAIL_COUNTER = {"short": "short_tails", "align": "aligned_tails", "drop": "dropped_tails"}
 
@@ -85,20 +86,11 @@ class BatchReader:
     def takes(self, path: Path) -> bool:
         return starts_with_header(path)
 
-    def read(self, path: Path, first_index: int, jobs: tuple[int, int], feed: Feed | None = None,
-             byte_range: ByteRange | None = None) -> Reader:
-        """``feed``: in a --workers process, the parent's chunks of ``path`` (data_prep/feed.py) instead of the
-        file's; ``byte_range``: only that range of the (plain) file (the job's share, batch.byte_ranges)."""
-        texts = feed.texts(path) if feed is not None else None if byte_range is None else \
-            ((text, line, None) for text, line in chunks(path, CHUNK, byte_range, self.bound))
-        return Reader(path, self.tokens, self.check, self.uniref, self.to_record, first_index, jobs, texts,
-                      self.bound)
-
 
 def batch_source(source: Source, settings: Settings, members) -> bool:
     """Whether every record of a job can take the batch path: a FASTA source (fasta, genome, rnacentral, uniref)
     without --dedup (a record's job and fate depend on all records before it), --window or --uniref90-members
-    (per-record work either way). What the batch reader, the byte-range split and a fed --workers run ask."""
+    (per-record work either way). What the batch reader, the byte-range split and --workers ask."""
     return (source.reader in (iter_fasta_source, iter_uniref) and source.tokenizer in ("nucleotide", "protein")
             and not settings.dedup and settings.window is None and members is None)
 
@@ -111,7 +103,7 @@ def batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx: Cont
 
 
 def splits_bytes(source: Source, inputs: list[Path], settings: Settings, members) -> bool:
-    """Whether job I of ``--num-jobs N`` reads only its byte range of the inputs (batch.byte_ranges) rather than
+    """Whether job I of ``--num-jobs N`` reads only its byte range of the inputs (ranges.byte_ranges) rather than
     every record, keeping those whose index % N == I: batch-path jobs whose inputs are all plain FASTA (a gzip
     stream cannot be entered in the middle: its jobs each decompress all of it)."""
     return (settings.num_jobs > 1 and batch_source(source, settings, members)
@@ -124,10 +116,9 @@ class SequenceBuild:
     the dedup hashes, the damage check, the global record index and the records of this job read so far."""
 
     def __init__(self, source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, settings: Settings,
-                 members: dict | None, progress: tuple = ("auto", 60.0), text_column: str | None = None,
-                 feed: Feed | None = None):
+                 members: dict | None, progress: tuple = ("auto", 60.0), text_column: str | None = None):
         s = self.settings = settings
-        self.source, self.encoder, self.inputs, self.progress, self.feed = source, encoder, inputs, progress, feed
+        self.source, self.encoder, self.inputs, self.progress = source, encoder, inputs, progress
         self.ctx = Context(encoder.invalid_positions, {}, members, text_column, rule.read_bound(s))
         self.splits = open_splits(work, s, encoder)
         base_filtered = rule.filter_reasons(s.min_length, s.max_length, s.dedup)
@@ -141,11 +132,12 @@ class SequenceBuild:
         self.read = 0  # records of this job
         self.sizes = [p.stat().st_size for p in inputs]
         self.fast = batch_reader(source, encoder, s, self.ctx)
-        # (N, I): the job owns the records whose global index % N == I; set again for each input (fed: (1, 0))
+        # (N, I): the job owns the records whose global index % N == I; set again for each input
         self.own = (s.num_jobs, s.job_index)
         # plain inputs: this job's byte ranges, by input (None: every job reads every record, see splits_bytes)
         self.ranges = {r.input: r for r in byte_ranges(inputs, s.num_jobs, s.job_index)} \
-            if feed is None and self.fast is not None and splits_bytes(source, inputs, s, members) else None
+            if self.fast is not None and splits_bytes(source, inputs, s, members) else None
+        self.pool = None  # --workers: the processes that parse the batch reader's chunks (``build``)
         self.bar: Progress | None = None
         self._next_update = 0.0  # when the per-record path next updates the progress bar
         # the meta.json of a batch-path sample, {"id", "source", "length", ...} as json.dumps writes it
@@ -221,14 +213,15 @@ class SequenceBuild:
         s = self.settings
         # --strict: another job's invalid record is an error here too, so every record is parsed
         jobs = (1, 0) if s.strict else self.own
-        if self.feed is not None or byte_range is not None:  # the parent's chunks, or this job's bytes: all ours
+        if byte_range is not None:  # this job's bytes: all ours
             self.own = jobs = (1, 0)
         if byte_range is not None and byte_range.first_index is not None:
             self.index = byte_range.first_index
         start = self.index
-        reader = self.fast.read(path, self.index, jobs, self.feed, byte_range)
+        f, texts = self.fast, None if byte_range is None else chunks(path, CHUNK, byte_range, self.fast.bound)
+        reader = Reader(path, f.tokens, f.check, f.uniref, f.to_record, self.index, jobs, texts, f.bound, self.pool)
         for chunk in reader:
-            self.index = reader.start  # the chunk's first global index (fed chunks skip the others')
+            self.index = reader.start  # the chunk's first global index
             if isinstance(chunk, list):  # read record by record
                 for rec in chunk:
                     i, self.index = self.index, self.index + 1
@@ -239,7 +232,7 @@ class SequenceBuild:
                 chunk_read = self.write_chunk(chunk, path, inp)
                 self.read += chunk_read
             self._show_progress(path, done_before)
-        self.index = reader.index  # after the input's last record (fed: as the parent counted them)
+        self.index = reader.index  # after the input's last record
         return self.index > start
 
     def _read_records(self, path: Path, inp: dict, done_before: int) -> bool:
@@ -474,7 +467,12 @@ class SequenceBuild:
 
 def build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, settings: Settings,
           members: dict | None, progress: tuple = ("auto", 60.0), text_column: str | None = None,
-          feed: Feed | None = None) -> tuple[dict, int]:
+          workers: int = 1) -> tuple[dict, int]:
     """Read every record of the inputs and write this job's samples; returns ({split: Manifest}, records seen).
-    ``feed``: a --workers process's Feed (data_prep/feed.py), None otherwise."""
-    return SequenceBuild(source, encoder, inputs, work, settings, members, progress, text_column, feed).run()
+    ``workers`` > 1: the batch reader's chunks are parsed by that many processes (data_prep/pool.py), the
+    records written here in input order: the output of one process."""
+    job = SequenceBuild(source, encoder, inputs, work, settings, members, progress, text_column)
+    if workers < 2 or job.fast is None:
+        return job.run()
+    with processes(workers, job.fast) as job.pool:
+        return job.run()

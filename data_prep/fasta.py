@@ -26,7 +26,13 @@ UNSUPPORTED_MAGIC = {b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd"
 
 
 class FastaError(ValueError):
-    """Malformed input; the message starts with ``path:line[:column]``."""
+    """Malformed input; the message starts with ``path:line[:column]``. ``at``: where in the input order it was
+    met, when a share of the input was read (a scan part's chunk, a record number): the jobs of --workers report
+    the first."""
+
+    def __init__(self, message: str, at: int | None = None):
+        super().__init__(message)
+        self.at = at
 
 
 # What a damaged gzip stream raises while it is read (zlib's errors for gzip.open elsewhere, ISA-L's for igzip).
@@ -37,8 +43,7 @@ _POSITIONS: dict[str, Callable[[], int]] = {}
 
 
 def track_position(path: str | Path, tell: Callable[[], int]) -> None:
-    """Make ``tell`` the source of ``input_position(path)`` (the reader that opened ``path`` last, or a --workers
-    process's feed: the bytes its parent has read)."""
+    """Make ``tell`` the source of ``input_position(path)`` (the reader that opened ``path`` last)."""
     _POSITIONS[str(path)] = tell
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from pipeline.data.tokenizer import SPM_NAME
 from pipeline.outputs import kept_note, publish_dir
 
-from . import Source, batch
+from . import Source
 from .build import build as build_sequences
 from .build import splits_bytes
 from .checks import PrepError
@@ -48,19 +48,17 @@ from .workdir import WorkDir, fingerprint, open_splits
 if TYPE_CHECKING:
     from pipeline.data.shards import Manifest
 
-    from .feed import Feed
-
 
 def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, settings: Settings = Settings(),
         overwrite: bool = False, spm: Path | None = None, members: Path | None = None,
         clusters: Path | None = None, progress: tuple = ("auto", 60.0), text_column: str | None = None,
-        feed: Feed | None = None, locked: bool = True) -> Result:
+        workers: int = 1, locked: bool = True) -> Result:
     """One data_prep job. ``clusters`` (uniref only): the UniRef50 -> UniRef90 mapping TSV; the inputs are then
     the member FASTA files and every sample is a cluster (data_prep/clusters.py). ``progress``: (mode, seconds),
-    data_prep/progress.py. ``text_column``: babylm, the column of .csv inputs. ``feed``: in a --workers process
-    that its parent feeds (data_prep/workers.py), the Feed its batch reader reads the parent's chunks from.
-    ``locked``: the job takes its output's lock (common.output_lock: exclusive, or shared by the jobs of an array)
-    once its arguments are checked; False in a --workers job, whose parent holds the lock of the real output."""
+    data_prep/progress.py. ``text_column``: babylm, the column of .csv inputs. ``workers``: N > 1 parses the
+    batch reader's chunks on N processes (data_prep/workers.py; the output is the same). ``locked``: the job takes
+    its output's lock (common.output_lock: exclusive, or shared by the jobs of an array) once its arguments are
+    checked; False under --workers, which holds the lock of the real output itself."""
     inputs = [Path(p).resolve() for p in inputs]
     if source.expand is not None:
         inputs = source.expand(inputs)
@@ -79,7 +77,7 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
             raise PrepError(f"output {output}: {p} exists and is not a directory")
     if output in inputs or any(output in p.parents for p in inputs):
         raise PrepError(f"output {output} would hold an input; choose another directory")
-    args = (source, alphabet, inputs, output, settings, overwrite, spm, members, clusters, progress, text_column, feed)
+    args = (source, alphabet, inputs, output, settings, overwrite, spm, members, clusters, progress, text_column, workers)
     if not locked:
         return _run(*args)
     made = [p for p in reversed(output.parents) if not p.exists()]
@@ -100,7 +98,7 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
 
 def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, settings: Settings,
          overwrite: bool, spm: Path | None, members: Path | None, clusters: Path | None, progress: tuple,
-         text_column: str | None, feed: Feed | None) -> Result:
+         text_column: str | None, workers: int) -> Result:
     """``run`` once the arguments are checked (and the output locked)."""
     if source.tokenizer == "sentencepiece":
         check_text_inputs(inputs, text_column)
@@ -157,7 +155,7 @@ def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path,
 
         def build(work: WorkDir):
             manifests, seen = build_sequences(source, encoder, inputs, work, settings, member_map, progress,
-                                              text_column, feed)
+                                              text_column, workers)
             if member_map is not None and not any(m.stats["input"].get("with_members") for m in manifests.values()):
                 first = next(iter(member_map))
                 raise PrepError(f"--uniref90-members {members}: none of its {len(member_map)} UniRef50 ids is a "
@@ -165,11 +163,9 @@ def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path,
                                 "inputs?")
             return manifests, seen
         work_fingerprint = fingerprint(source, encoder, inputs, settings, members)
-        if splits_bytes(source, inputs, settings, members) and feed is None:
+        if splits_bytes(source, inputs, settings, members):
             work_fingerprint["split"] = "bytes"  # other records than job I of N by record index: never mixed
     splits = SPLITS if settings.val_fraction is not None else ("",)
-    if feed is not None:  # a fed --workers job holds other records than job I of N: never resumed as one
-        work_fingerprint = {**work_fingerprint, "fed_chunk": batch.CHUNK}
     try:
         if settings.num_jobs == 1:
             return _run_single(source, encoder, output, overwrite, build, work_fingerprint, splits, settings)

@@ -23,15 +23,15 @@ from pathlib import Path
 import numpy as np
 
 from . import rule
-from .batch import CHUNK, ByteRange, Chunk, LongRecord, Reader, chunks, headers, is_gzip, record_start, \
-    starts_with_header
+from .batch import CHUNK, Chunk, LongRecord, Reader, chunks, is_gzip, starts_with_header
 from .build import BatchReader
 from .checks import PrepError
 from .common import LOWERCASE, input_fingerprint, write_json
 from .fasta import FastaError, Record, input_position, iter_fasta
 from .gather import gather
-from .join import TableWriter, binary
+from .join import TableWriter, binary, shift_lines
 from .progress import Progress
+from .ranges import ByteRange, count_records, headers, record_start
 from .rule import FILTERED, KEPT, REPLACED, STRICT
 from .sources import Context
 
@@ -72,8 +72,8 @@ def part_ranges(paths: list[Path], parts: int, part: int) -> dict[int, ByteRange
 
 
 class Counted:
-    """(text, first line, None) of a byte range (batch.chunks), counting its line breaks: the build numbers the
-    next part's lines after them."""
+    """(text, first line) of a byte range (batch.chunks), counting its line breaks: the build numbers the next
+    part's lines after them."""
 
     def __init__(self, path: Path, byte_range: ByteRange, bound: int):
         self.path, self.range, self.bound, self.lines = path, byte_range, bound, 0
@@ -81,12 +81,13 @@ class Counted:
     def __iter__(self):
         for text, line in chunks(self.path, CHUNK, self.range, self.bound):
             self.lines += text.lines if isinstance(text, LongRecord) else text.count(b"\n")
-            yield text, line, None
+            yield text, line
 
 
 class Stripe:
     """(text, first line, index of its first record in the input) of this part's chunks of one input (chunk c of
-    all inputs is part c % N's); the others' records are counted, not parsed. ``end``: the input's records."""
+    all inputs is part c % N's); the others' records are counted, not parsed. ``end``: the input's records, once
+    read."""
 
     def __init__(self, path: Path, parts: int, part: int, number: int, bound: int):
         self.path, self.parts, self.part, self.number, self.bound, self.end = path, parts, part, number, bound, None
@@ -202,13 +203,12 @@ def scan_fingerprint(encoder, inputs: list[Path], settings) -> dict:
 
 
 def scan(encoder, inputs: list[Path], settings, source, folder: Path, part: int = 0, parts: int = 1,
-         progress: tuple = ("auto", 60.0), ranges: bool = False) -> dict:
+         progress: tuple = ("auto", 60.0)) -> dict:
     """Scan part ``part`` of ``parts`` of the member FASTA files into ``folder``; returns its marker (also written
-    as ``folder/part-KKKK-of-NNNN.json``, last). ``ranges``: byte ranges where the inputs allow (an array across
-    machines, each reading its share of the bytes), else chunks (exact line numbers in every error)."""
+    as ``folder/part-KKKK-of-NNNN.json``, last)."""
     name = part_name(part, parts)
     batch = BatchReader(source, encoder, Context(encoder.invalid_positions, bound=rule.read_bound(settings)))
-    local = ranges and byte_parts(inputs, parts)
+    local = byte_parts(inputs, parts)
     shares = part_ranges(inputs, parts, part) if local else {}
     outcomes = Outcomes(encoder, settings, folder / f"{name}.parquet")
     counts, first, number = [], 0, 0  # number: chunks so far (Stripe)
@@ -261,20 +261,29 @@ def _read_input(outcomes: Outcomes, batch: BatchReader, path: Path, n_input: int
             end += len(recs)
             bar.update(done_before + input_position(path), records=outcomes.records)
         return end
-    reader = Reader(path, batch.tokens, batch.check, None, first_index=base, texts=texts, bound=batch.bound)
+    def readers():  # a Reader over the part's texts, or one per own chunk of a Stripe (its first record numbered)
+        if not isinstance(texts, Stripe):
+            yield Reader(path, batch.tokens, batch.check, None, first_index=base, texts=texts, bound=batch.bound)
+            return
+        for text, line, first in texts:
+            yield Reader(path, batch.tokens, batch.check, None, first_index=base + first, texts=[(text, line)],
+                         bound=batch.bound)
+    end = base
     try:
-        for piece in reader:
-            if isinstance(piece, Chunk):
-                outcomes.chunk(piece, path, n_input)
-            else:  # a chunk the Reader read record by record (starting at its ``start``)
-                outcomes.records_of(piece, path, n_input, reader.start)
-            bar.update(done_before + input_position(path), records=outcomes.records)
-    except FastaError as e:
-        if byte_range is not None and byte_range.lo > 0:
-            raise FastaError(f"{e} (line counted from byte {byte_range.lo} of {path}, where scan part {part} "
-                             "starts)") from None
-        raise
-    return reader.index
+        for reader in readers():
+            for piece in reader:
+                if isinstance(piece, Chunk):
+                    outcomes.chunk(piece, path, n_input)
+                else:  # a chunk the Reader read record by record (starting at its ``start``)
+                    outcomes.records_of(piece, path, n_input, reader.start)
+                bar.update(done_before + input_position(path), records=outcomes.records)
+            end = reader.index
+    except FastaError as e:  # ``at``: the chunk (a Stripe) or the part (byte ranges, in input order) it was met in
+        if byte_range is None or byte_range.lo == 0:
+            raise FastaError(str(e), at=texts.number if isinstance(texts, Stripe) else part) from None
+        # numbered from the range's start: the lines before it are counted now (only on this error)
+        raise FastaError(shift_lines(str(e), str(path), count_records(path, byte_range.lo)[1]), at=part) from None
+    return base + texts.end if isinstance(texts, Stripe) else end
 
 
 def _batches(records, size: int = 4096):
@@ -332,8 +341,8 @@ def scan_stage(encoder, inputs: list[Path], output: Path, settings, overwrite: b
         return doc, marker
     marker.unlink(missing_ok=True)
     try:
-        return scan(encoder, inputs, settings, source, folder, settings.job_index, settings.num_jobs, progress,
-                    ranges=True), marker
+        return scan(encoder, inputs, settings, source, folder, settings.job_index, settings.num_jobs,
+                    progress), marker
     except (PrepError, FastaError, ValueError):  # bad input: nothing of this part is left
         (folder / f"{name}.parquet").unlink(missing_ok=True)
         raise

@@ -7,12 +7,15 @@ equal; only the tar layout differs.
 """
 import gzip
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from data_prep import build, workdir
+from data_prep import batch, build, workdir
 from data_prep.__main__ import main
 from pipeline.data.shard_reader import read_clusters, read_shard
 
@@ -117,62 +120,102 @@ def test_clusters_equal_per_record_shards(tmp_path, monkeypatch):
     both(tmp_path, monkeypatch, ["uniref", "--input", UR90, "--clusters", UR_TSV, "--shard-size", 40], clusters=True)
 
 
-def unordered(d: Path) -> list:
-    """content() with the records and filtered.tsv rows sorted: a fed --workers run holds a 1-process run's records
-    and rows, grouped by worker."""
-    out = []
-    for recs, m, lists in content(d, name="manifest.json"):
-        rows = sorted(line for f in lists[-1:] for line in f.splitlines()[1:])  # filtered.tsv (sorted last)
-        m["stats"].pop("filtered_list", None)
-        out.append((sorted(recs, key=lambda r: r[0]), m, rows))
-    return out
+def files(d: Path) -> dict:
+    """Every file of an output directory, its own path written as OUT (the ownership marker left out)."""
+    return {str(p.relative_to(d)): p.read_bytes().replace(str(d).encode(), b"OUT") for p in sorted(d.rglob("*"))
+            if p.is_file() and p.name != ".written-by.json"}
+
+
+def parsed_in(monkeypatch, log: Path) -> None:
+    """Log the pid of every batch parse (Reader.parse) into ``log``: a pool worker inherits the patch by fork. In a
+    pool worker every other chunk (by its first record's index) takes 5 ms longer, one holding a record named
+    "first" 50 ms: the parses end out of order."""
+    real, parent = batch.Reader.parse, os.getpid()
+
+    def logged(self, text, first_line, first_index):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        if os.getpid() != parent:
+            time.sleep(0.05 if b">first" in text else 0.005 if first_index % 2 else 0)
+        return real(self, text, first_line, first_index)
+    monkeypatch.setattr(batch.Reader, "parse", logged)
 
 
 @pytest.mark.parametrize("extra", [["--shard-size", 300, "--val-fraction", 0.2],
                                    ["--min-length", 60, "--max-length", 200, "--shard-size", 97]])
-def test_fed_workers_equal_one_process(tmp_path, monkeypatch, capsys, extra):
-    """--workers 3 on the batch reader: the parent cuts small chunks (many per input, dealt round-robin), the
-    workers write them; records, counts and rows equal a 1-process run's, the shard list is job by job."""
+def test_workers_equal_one_process_byte_for_byte(tmp_path, monkeypatch, capsys, extra):
+    """--workers 3 on the batch reader: the chunks (small: many per input) are parsed in the pool's processes, not
+    in this one, and written here in input order: every file equals a 1-process run's, byte for byte (inputs that
+    the batch reader does not take, a byte-order mark, read record by record in their place)."""
     monkeypatch.setattr("data_prep.batch.CHUNK", 3000)
     quirks = tmp_path / "quirks.fa.gz"
     quirks.write_bytes(gzip.compress(QUIRKS))
-    bom = tmp_path / "bom.fa"  # a UTF-8 byte-order mark: read by every worker itself, record by record
+    bom = tmp_path / "bom.fa"  # a UTF-8 byte-order mark: read record by record
     bom.write_bytes(b"\xef\xbb\xbf" + QUIRKS.replace(b">r", b">b"))
-    args = ["fasta", "--alphabet", "rna", "--input", RFAM, quirks, bom, RFAM.with_suffix(""),
-            "--max-filtered-fraction", 1, *extra]
-    (tmp_path / RFAM.with_suffix("").name).write_bytes(gzip.decompress(RFAM.read_bytes()))
-    args[args.index(RFAM.with_suffix(""))] = tmp_path / RFAM.with_suffix("").name  # a plain-text input as well
+    plain = tmp_path / RFAM.with_suffix("").name  # a plain-text input as well
+    plain.write_bytes(gzip.decompress(RFAM.read_bytes()))
+    args = ["fasta", "--alphabet", "rna", "--input", RFAM, quirks, bom, plain, "--max-filtered-fraction", 1, *extra]
+    log = tmp_path / "parsed.log"
+    parsed_in(monkeypatch, log)
+    assert main([*map(str, args), "--output", str(tmp_path / "one")]) == 0
+    assert set(log.read_text().split()) == {str(os.getpid())}
+    log.unlink()
     assert main([*map(str, args), "--output", str(tmp_path / "w"), "--workers", "3"]) == 0
     assert "(3 workers)" in capsys.readouterr().out
-    assert main([*map(str, args), "--output", str(tmp_path / "one")]) == 0
-    assert unordered(tmp_path / "w") == unordered(tmp_path / "one")
-    # deterministic: a second run writes the same shards in the same order
-    assert main([*map(str, args), "--output", str(tmp_path / "w2"), "--workers", "3"]) == 0
-    assert content(tmp_path / "w2", name="manifest.json") == content(tmp_path / "w", name="manifest.json")
-    d = tmp_path / "w" / ("train" if "--val-fraction" in extra else "")
-    assert len({json.loads(p.read_text())["shards"][0]["path"].split("-")[1]
-                for p in d.glob("manifest-job*.json")}) == 3  # every worker wrote shards
-    assert not list(tmp_path.glob("*.workers-partial"))
+    pids = log.read_text().split()
+    assert len(pids) > 50 and str(os.getpid()) not in pids  # every chunk parsed in a pool process
+    assert files(tmp_path / "w") == files(tmp_path / "one")
+    assert not list(tmp_path.glob("*.workers-partial")) and not list(tmp_path.glob("*.partial"))
 
 
 @pytest.mark.parametrize("bad", [b">r2 x\nACGTXACGT\n", b">  \nACGT\n"])
-def test_fed_workers_report_the_first_error(tmp_path, monkeypatch, capsys, bad):
-    """Errors in several chunks: the one a single process meets first (--strict bad character, header without id)."""
+def test_workers_report_the_first_error(tmp_path, monkeypatch, capsys, bad):
+    """Errors in several chunks (--strict bad character, header without id), each chunk parsed in a pool process:
+    the error is the one a single process meets first, naming its file and line."""
     monkeypatch.setattr("data_prep.batch.CHUNK", 200)
     good = b"".join(b">g%d\nACGTACGTACGTACGTACGT\n" % i for i in range(60))
     fa = tmp_path / "e.fa"
     fa.write_bytes(good + bad.replace(b"r2", b"first") + good + bad.replace(b"r2", b"second") + good)
+    log = tmp_path / "parsed.log"
+    parsed_in(monkeypatch, log)
     errs = []
     for w in ("1", "2", "3"):
         assert main(["rnacentral", "--input", str(fa), "--output", str(tmp_path / "o"), "--strict",
                      "--workers", w]) == 1
         errs.append(capsys.readouterr().err)
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["e.fa"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["e.fa", "parsed.log"]
     assert errs[0].count("\n") == 1 and errs[1] == errs[0] == errs[2], errs
-    assert "first" in errs[0] or ":121:" in errs[0]
+    # the first bad record (header line 121): its bad character, or its header
+    assert (f"{fa}:122:5: character 'X'" if b"X" in bad else f"{fa}:121: header has no record id") in errs[0]
+    assert len(set(log.read_text().split()) - {str(os.getpid())}) >= 2  # the --workers runs parsed in the pool
 
 
-def test_truncated_gzip_in_a_fed_run_is_one_error(tmp_path, capsys):
+def test_a_killed_parse_worker_stops_the_run_and_the_rerun_resumes(tmp_path, monkeypatch, capsys):
+    """A pool worker SIGKILLed (as by the OOM killer) while it parses: one error naming its exit status, the
+    finished shards kept in OUT.partial (no bad input), and the rerun resumes to the 1-process output."""
+    monkeypatch.setattr("data_prep.batch.CHUNK", 3000)
+    plain = tmp_path / "rfam.fa"
+    plain.write_bytes(gzip.decompress(RFAM.read_bytes()))
+    args = ["rnacentral", "--input", str(plain), "--shard-size", "50", "--progress", "off"]
+    real, parent, marker = batch.Reader.parse, os.getpid(), tmp_path / "killed"
+
+    def die_once(self, text, first_line, first_index):
+        if os.getpid() != parent and first_index > 1000 and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, text, first_line, first_index)
+    monkeypatch.setattr(batch.Reader, "parse", die_once)
+    assert main([*args, "--output", str(tmp_path / "w"), "--workers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err == "data_prep: error: --workers 2: a worker process exited with status -9\n", err
+    assert list((tmp_path / "w.partial").glob("*.tar")) and not (tmp_path / "w").exists()
+    assert main([*args, "--output", str(tmp_path / "w"), "--workers", "2"]) == 0
+    assert "resuming" in capsys.readouterr().err
+    assert main([*args, "--output", str(tmp_path / "one")]) == 0
+    assert files(tmp_path / "w") == files(tmp_path / "one")
+
+
+def test_truncated_gzip_in_a_workers_run_is_one_error(tmp_path, capsys):
     raw = gzip.compress(b"".join(b">g%d\n%s\n" % (i, b"ACGU" * 300) for i in range(20000)))
     gz = tmp_path / "t.fa.gz"
     gz.write_bytes(raw[:len(raw) // 2])
@@ -182,7 +225,7 @@ def test_truncated_gzip_in_a_fed_run_is_one_error(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.fa.gz"]
 
 
-def test_unfed_workers_equal_num_jobs_and_merge(tmp_path, capsys):
+def test_per_record_workers_equal_num_jobs_and_merge(tmp_path, capsys):
     """--dedup takes the per-record path: --workers N is exactly jobs 0..N-1 of N and merge."""
     args = ["rnacentral", "--input", RFAM, "--shard-size", 300, "--val-fraction", 0.2, "--dedup"]
     assert main([*map(str, args), "--output", str(tmp_path / "w"), "--workers", "2"]) == 0

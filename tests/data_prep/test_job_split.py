@@ -1,5 +1,5 @@
 """``--num-jobs N`` jobs then ``merge`` against one job, on real data: plain FASTA split into byte ranges (job I
-parses only its share, data_prep/batch.py ``byte_ranges``) and UniRef50 clusters (split by cluster, joined on disk in
+parses only its share, data_prep/ranges.py ``byte_ranges``) and UniRef50 clusters (split by cluster, joined on disk in
 hash buckets, data_prep/join.py). The reference is the one-job run of the same command: the merged directory
 must hold the same records (keys, tokens, meta), the same manifest counts and the same filtered.tsv rows."""
 import gzip
@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import batch, cluster_write, join, scan
-from data_prep import feed as feed_module
+from data_prep import batch, cluster_write, join, ranges, scan
 from data_prep.__main__ import main
 from data_prep.gather import gather
 from pipeline.data.shard_reader import read_clusters, read_shard
@@ -72,10 +71,10 @@ def test_rnacentral_byte_range_jobs_merge_to_one_job(rna_inputs, tmp_path, n):
     assert got == one  # in order too: job 0's bytes come first
     assert len(one[0]) > 1000 and one[1]["filtered"]["shorter_than_60"] > 0
     sizes = [p.stat().st_size for p in rna_inputs]
-    parsed = [sum(r.hi - r.lo for r in batch.byte_ranges(rna_inputs, n, i)) for i in range(n)]
+    parsed = [sum(r.hi - r.lo for r in ranges.byte_ranges(rna_inputs, n, i)) for i in range(n)]
     # each job parses its share: job 0 the most (no bytes to count before it), about SCAN_COST less per job after
-    assert sum(parsed) == sum(sizes) and max(parsed) < sum(sizes) * (batch.cut_fraction(1, n) + 0.02)
-    assert n == 1 or min(parsed) > sum(sizes) * (batch.cut_fraction(n, n) - batch.cut_fraction(n - 1, n) - 0.02)
+    assert sum(parsed) == sum(sizes) and max(parsed) < sum(sizes) * (ranges.cut_fraction(1, n) + 0.02)
+    assert n == 1 or min(parsed) > sum(sizes) * (ranges.cut_fraction(n, n) - ranges.cut_fraction(n - 1, n) - 0.02)
     assert n == 1 or parsed[0] > sum(sizes) * (1 / n + 0.01)  # weighted: job 0 counts nothing before its range
 
 
@@ -91,8 +90,8 @@ def test_a_record_across_a_cut_is_read_once_by_the_job_it_starts_in(tmp_path):
     size = path.stat().st_size
     starts = [0] + [i + 1 for i in range(size) if path.read_bytes()[i:i + 2] == b"\n>"]
     assert starts[1] < size // 3 and 2 * size // 3 < starts[2]  # both cuts inside record 2
-    assert batch.byte_ranges([path], 3, 1) == []
-    assert [(r.lo, r.hi, r.first_index) for r in batch.byte_ranges([path], 3, 2)] == [(starts[2], size, 2)]
+    assert ranges.byte_ranges([path], 3, 1) == []
+    assert [(r.lo, r.hi, r.first_index) for r in ranges.byte_ranges([path], 3, 2)] == [(starts[2], size, 2)]
     args = ["rnacentral", "--input", path]
     assert run(*args, "--output", tmp_path / "one") == 0
     assert content(jobs_then_merge(args, tmp_path / "jobs", 3)) == content(tmp_path / "one")
@@ -118,7 +117,7 @@ def test_record_count_before_a_range_is_the_texts_own(tmp_path, block):
     path.write_bytes(text)
     for end in (0, 1, 2, 5000, 5001, len(text)):
         part = text[:end]
-        assert batch.count_records(path, end, block) == (part.count(b"\n>") + part.startswith(b">"),
+        assert ranges.count_records(path, end, block) == (part.count(b"\n>") + part.startswith(b">"),
                                                          part.count(b"\n")), end
 
 
@@ -246,16 +245,15 @@ def test_cluster_members_read_record_by_record_give_the_same_clusters(cluster_in
     assert out["records"] == out["batch"]
 
 
-def test_workers_on_plain_fasta_run_byte_range_jobs(rna_inputs, tmp_path):
-    """--workers 2 on plain inputs: two byte-range jobs of this machine (no feeding parent), merged in input order."""
+def test_workers_on_plain_fasta_write_the_one_job(rna_inputs, tmp_path):
+    """--workers 2 on plain inputs: one job whose chunks a pool parses, not byte-range jobs: the one job's
+    shards, byte for byte, and no job manifests."""
     args = ["rnacentral", "--input", *rna_inputs, "--min-length", 60, "--shard-size", 150]
     assert run(*args, "--output", tmp_path / "one") == 0
     assert run(*args, "--output", tmp_path / "w2", "--workers", 2) == 0
     assert content(tmp_path / "w2") == content(tmp_path / "one")
-    # each job read records (fed, worker 1 would get none: the input is one chunk of batch.CHUNK)
-    docs = [json.loads(p.read_text()) for p in sorted((tmp_path / "w2").glob("manifest-job*.json"))]
-    assert [d["job"]["index"] for d in docs] == [0, 1] and all(sum(i["records"] for i in d["inputs"]) > 500
-                                                               for d in docs)
+    shards = [json.loads((d / "manifest.json").read_text())["shards"] for d in (tmp_path / "w2", tmp_path / "one")]
+    assert shards[0] == shards[1] and not list((tmp_path / "w2").glob("manifest-job*.json"))
 
 
 def test_cluster_join_tells_apart_ids_that_share_a_prefix(cluster_inputs, tmp_path):
@@ -287,12 +285,17 @@ def cluster_workers_run(args: list, out: Path, workers: int, monkeypatch, log: P
         return run(*args, "--output", out, "--workers", workers)
 
 
-@pytest.mark.parametrize("workers", [2, 3])
-def test_cluster_workers_read_the_members_once_and_join_them_all(cluster_inputs, tmp_path, monkeypatch, workers):
-    """--workers N with --clusters: the parent deals the member FASTA's chunks out, each worker parses only its
-    own into the spill they share, and every worker joins all of them: each record is read by one worker, and the
-    clusters, counts and rows are the one job's. The shared spill is gone afterwards."""
+@pytest.mark.parametrize("workers,packed", [(2, "plain"), (3, "plain"), (2, "gzip")])
+def test_cluster_workers_read_the_members_once_and_join_them_all(cluster_inputs, tmp_path, monkeypatch, workers,
+                                                                   packed):
+    """--workers N with --clusters: the two stages of an array in the pool, each worker parsing only its share of
+    the member FASTA into a scan part, then each joining its clusters against all of them: each record is read by
+    one worker (a byte range of plain FASTA, every N-th chunk of gzip), and the clusters, counts and rows are the
+    one job's. The spills and scan parts are gone afterwards."""
     fasta, tsv = cluster_inputs
+    if packed == "gzip":
+        fasta = tmp_path / "members.fa.gz"
+        fasta.write_bytes(gzip.compress(cluster_inputs[0].read_bytes()))
     args = ["uniref", "--input", fasta, "--clusters", tsv, "--min-length", 30, "--max-filtered-fraction", 1,
             "--shard-size", 60]
     assert run(*args, "--output", tmp_path / "one") == 0
@@ -308,8 +311,8 @@ def test_cluster_workers_read_the_members_once_and_join_them_all(cluster_inputs,
     for line in log.read_text().splitlines():
         pid, n = map(int, line.split())
         per_worker[pid] = per_worker.get(pid, 0) + n
-    assert len(per_worker) == workers and sum(per_worker.values()) == one[1]["stats"]["fasta_records"]
-    assert list(spills.iterdir()) == []
+    assert sum(per_worker.values()) == one[1]["stats"]["fasta_records"]
+    assert list(spills.iterdir()) == [] and not list((tmp_path / "workers").glob(".scan-of-*"))
 
 
 def test_a_bad_member_record_stops_every_cluster_worker(cluster_inputs, tmp_path, monkeypatch, capsys):
@@ -335,21 +338,20 @@ def test_a_bad_member_record_stops_every_cluster_worker(cluster_inputs, tmp_path
     assert list(spills.iterdir()) == []
 
 
-def test_a_cluster_worker_killed_while_waiting_for_its_peers_stops_the_run(cluster_inputs, tmp_path,
-                                                                              monkeypatch, capsys):
-    """The first worker to finish reading dies (SIGKILL) before the others have: the parent stops them instead of
-    leaving them waiting for a peer that never comes, and names the dead worker."""
+def test_a_cluster_worker_killed_stops_the_run(cluster_inputs, tmp_path, monkeypatch, capsys):
+    """The first worker to parse a chunk dies (SIGKILL) while the other reads on: the parent stops the other,
+    names the dead worker's exit status, and publishes nothing."""
     fasta, tsv = cluster_inputs
     marker = tmp_path / "killed"
-    real = feed_module.Feed.wait_for_peers
+    real = scan.Outcomes.chunk
 
-    def die_first(self):
+    def die_first(self, *args):
         try:
             marker.touch(exist_ok=False)
         except FileExistsError:
-            return real(self)
+            return real(self, *args)
         os.kill(os.getpid(), signal.SIGKILL)
-    monkeypatch.setattr(feed_module.Feed, "wait_for_peers", die_first)
+    monkeypatch.setattr(scan.Outcomes, "chunk", die_first)
     args = ["uniref", "--input", fasta, "--clusters", tsv, "--max-filtered-fraction", 1]
     assert cluster_workers_run(args, tmp_path / "workers", 2, monkeypatch, tmp_path / "chunks.log") == 1
     err = capsys.readouterr().err
@@ -358,10 +360,8 @@ def test_a_cluster_worker_killed_while_waiting_for_its_peers_stops_the_run(clust
 
 
 def test_cluster_workers_number_the_records_as_one_reader(cluster_inputs, tmp_path, monkeypatch, capsys):
-    """A member's record twice in the FASTA, the first copy closing worker 0's first chunk and the second opening
-    worker 1's: the error names the second copy's line, as a single process does. Each worker numbers its records
-    by their place in the whole input (the parent's count), not by its own count, under which worker 1's copy
-    would come first."""
+    """A member's record twice in the FASTA, the first copy closing the first chunk and the second opening the
+    next: the error names the second copy's line, as a single process does, with --workers 2 too."""
     fasta, tsv = cluster_inputs
     recs = [">" + r for r in fasta.read_text().split("\n>")]
     recs[0] = recs[0][1:]

@@ -110,11 +110,11 @@ def test_array_then_merge_is_one_job(runs, tmp_path):
 
 
 def test_array_on_plain_fasta_reads_a_byte_range_per_task(runs, tmp_path):
-    """The same records decompressed: each task parses about a third of the bytes (data_prep/batch.py
+    """The same records decompressed: each task parses about a third of the bytes (data_prep/ranges.py
     byte_ranges), and the array then the merge still give the one-job output."""
     import gzip
 
-    from data_prep.batch import byte_ranges
+    from data_prep.ranges import byte_ranges
 
     root, _ = runs
     plain = tmp_path / "rfam.fa"

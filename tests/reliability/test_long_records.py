@@ -141,9 +141,9 @@ def test_a_record_straddling_many_blocks_is_parsed_once(tmp_path, monkeypatch, c
     many.write_bytes(short + b"".join(b">m%d\n%s\n" % (i, seq[i * 1000:(i + 1) * 1000]) for i in range(50_000)))
 
     parsed = []
-    parse = batch.Reader._parse
-    monkeypatch.setattr(batch.Reader, "_parse", lambda self, text, line: parsed.append(text.count(b">")) or parse(
-        self, text, line))
+    parse = batch.Reader.parse
+    monkeypatch.setattr(batch.Reader, "parse", lambda self, text, line, first: parsed.append(text.count(b">")) or
+                        parse(self, text, line, first))
     monkeypatch.setattr(batch, "CHUNK", 1 << 16)
 
     def prep(path, out):

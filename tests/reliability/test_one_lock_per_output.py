@@ -91,11 +91,14 @@ def test_a_plain_and_a_workers_run_never_share_an_output(fasta, tmp_path):
     assert f"written {records(out)[0]}," in stdout
 
     out = tmp_path / "other"
-    first = start_frozen(prep(fasta, out, "--min-length", "50", "--workers", "2"), tmp_path / "other.workers-partial")
+    # the batch reader's --workers: one job writing OTHER.partial in the main process, its chunks parsed by a pool
+    staging = tmp_path / "other.partial"
+    first = start_frozen(prep(fasta, out, "--min-length", "50", "--workers", "2"), staging)
     try:
+        before = sorted((p.name, p.stat().st_mtime_ns) for p in staging.iterdir())
         r = run(prep(fasta, out, "--min-length", "100"))
         refused(r, out, f"data_prep rnacentral --workers 2, pid {first.pid} on ")
-        assert not (tmp_path / "other.partial").exists()
+        assert sorted((p.name, p.stat().st_mtime_ns) for p in staging.iterdir()) == before  # the first run's
     finally:
         rc, stdout, stderr = let_go(first)
     assert rc == 0, stderr

@@ -1,7 +1,7 @@
 """Case 5: SIGKILL of `data_prep --workers 2`'s main process left both workers blocked on their pipe for good,
 holding their work directory's lock: every rerun failed with "... is being written by another data_prep run" until
-the orphans were killed by hand. Now the workers die with their parent (Linux's parent-death signal) and the rerun
-resumes; a lock whose holder is gone is taken over, saying whose it was."""
+the orphans were killed by hand. Now the pool's workers die with their parent (Linux's parent-death signal) and the
+rerun resumes; a lock whose holder is gone is taken over, saying whose it was."""
 import gzip
 import json
 import subprocess
@@ -30,9 +30,9 @@ def gone(pid: int) -> bool:
 
 
 def test_workers_die_with_their_parent_and_the_rerun_resumes(tmp_path):
-    # Gzipped: --workers feeds the workers through pipes only for input it cannot split by bytes (a plain FASTA runs
-    # byte-range jobs), and the fed workers are the ones that blocked. 150 copies: about a second of work, so that
-    # the run is still going when both workers and a first shard are seen (25 plain copies took 0.3 s in all).
+    # The batch reader's --workers: one job in the main process, which writes OUT.partial, and a pool of two
+    # processes that parse its chunks. 150 copies: about a second of work, so that the run is still going when both
+    # workers and a first shard are seen (25 plain copies took 0.3 s in all).
     fasta = big_fasta(tmp_path / "big.fa.gz", copies=150)
     out = tmp_path / "out"
     def prep(output):
@@ -40,12 +40,12 @@ def test_workers_die_with_their_parent_and_the_rerun_resumes(tmp_path):
                 "--workers", "2", "--shard-size", "500"]
     cmd = prep(out)
     main = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    staging = tmp_path / "out.workers-partial"
+    staging = tmp_path / "out.partial"
     deadline = time.monotonic() + 120
     workers = []
     while time.monotonic() < deadline and main.poll() is None:
         workers = psutil.Process(main.pid).children()
-        if len(workers) == 2 and any(staging.glob(".job*/*.tar")):
+        if len(workers) == 2 and any(staging.glob("*.tar")):
             break
         time.sleep(0.05)
     assert main.poll() is None and len(workers) == 2, "the run ended before its main process could be killed"
@@ -90,9 +90,9 @@ def test_a_refused_second_run_touches_nothing_of_the_first(tmp_path):
     cmd = [sys.executable, "-m", "data_prep", "rnacentral", "--input", str(fasta), "--output", str(out),
            "--workers", "2", "--shard-size", "500", "--progress", "off"]
     first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    staging = tmp_path / "out.workers-partial"
+    staging = tmp_path / "out.partial"  # the batch reader's --workers: one job, in the main process
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and first.poll() is None and not any(staging.glob(".job*/*.tar")):
+    while time.monotonic() < deadline and first.poll() is None and not any(staging.glob("*.tar")):
         time.sleep(0.05)
     assert first.poll() is None, "the first run ended before the second could start"
     second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
