@@ -28,6 +28,9 @@ class Source:
     reader: Reader
     alphabet: str | None  # nucleotide alphabet; None with tokenizer 'nucleotide': the user passes --alphabet
     help: str
+    # what the reader reads: 'fasta' and 'uniref' (UniRef headers into meta) are FASTA, which the batch reader takes
+    # (data_prep/batch.py); 'jsonl' and 'text' are read record by record
+    kind: str = "fasta"
     tokenizer: str = "nucleotide"  # 'nucleotide' | 'protein' | 'sentencepiece'
     min_length: int = 10  # default --min-length
     expand: Callable[[list[Path]], list[Path]] | None = None  # directories -> files
@@ -39,10 +42,11 @@ SOURCES: dict[str, Source] = {s.name: s for s in (
     # RNAcentral exports mostly write T; Eco-RNA writes RNA with U, so the rna alphabet maps T -> U.
     Source("rnacentral", iter_fasta_source, "rna", "RNAcentral FASTA / FASTA.gz, tokenized as RNA (T -> U)"),
     Source("opengenome2", iter_opengenome2, "dna",
-           "OpenGenome2 JSON Lines (.jsonl / .jsonl.gz, 'text' field), DNA alphabet (T)"),
-    Source("uniref", iter_uniref, None, "UniRef50/90 FASTA / FASTA.gz, ESM-2 amino-acid tokens", tokenizer="protein"),
+           "OpenGenome2 JSON Lines (.jsonl / .jsonl.gz, 'text' field), DNA alphabet (T)", kind="jsonl"),
+    Source("uniref", iter_uniref, None, "UniRef50/90 FASTA / FASTA.gz, ESM-2 amino-acid tokens", kind="uniref",
+           tokenizer="protein"),
     Source("babylm", iter_text_lines, None, "BabyLM *.train text files or folders, sentencepiece tokens (--spm)",
-           tokenizer="sentencepiece", min_length=1, expand=expand_text_inputs),
+           kind="text", tokenizer="sentencepiece", min_length=1, expand=expand_text_inputs),
 )}
 
 __all__ = ["SOURCES", "Source", "Record", "FastaError", "iter_fasta", "Context"]

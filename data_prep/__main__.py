@@ -11,7 +11,7 @@ from .checks import PrepError
 from .jobs import run
 from .merge import merge
 from .progress import MODES
-from .settings import MAX_RECORD_LENGTH, Settings, split_summary, summary
+from .settings import MAX_RECORD_LENGTH, Job, Launch, Settings, split_summary, summary
 from .spm import train_spm
 from .synthetic import HopsTask, SyntheticError, write
 from .workers import run_workers
@@ -334,20 +334,12 @@ def _main(parser, args) -> int:
             print(f"data_prep train-spm: vocabulary {args.vocab_size} -> {model}")
             return 0
         src = SOURCES[args.command]
-        settings = Settings(args.shard_size, args.min_length, args.num_jobs, args.job_index, args.max_length,
-                            args.strict, args.dedup, args.max_filtered_fraction,
-                            getattr(args, "replace_invalid", None), getattr(args, "window", None),
-                            getattr(args, "stride", None), getattr(args, "window_tail", "short"), args.val_fraction,
-                            max_record_length=args.max_record_length, stage=getattr(args, "stage", None))
-        kwargs = dict(spm=getattr(args, "spm", None), members=getattr(args, "uniref90_members", None),
-                      clusters=getattr(args, "clusters", None), progress=(args.progress, args.progress_interval),
-                      text_column=getattr(args, "text_column", None))
-        alphabet = src.alphabet or getattr(args, "alphabet", None)
-        if args.workers > 1:
-            result = run_workers(args.workers, src, alphabet, args.input, args.output, settings, args.overwrite,
-                                 **kwargs)
-        else:
-            result = run(src, alphabet, args.input, args.output, settings, args.overwrite, **kwargs)
+        job = Job(src, tuple(args.input), args.output, Settings.from_args(args),
+                  src.alphabet or getattr(args, "alphabet", None), args.overwrite, getattr(args, "spm", None),
+                  getattr(args, "uniref90_members", None), getattr(args, "clusters", None),
+                  getattr(args, "text_column", None))
+        launch = Launch((args.progress, args.progress_interval))
+        result = run_workers(args.workers, job, launch) if args.workers > 1 else run(job, launch)
     except (PrepError, FastaError, OSError, ValueError) as e:
         print(f"data_prep: error: {e}", file=sys.stderr)
         return 1

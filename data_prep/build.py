@@ -27,7 +27,7 @@ from .progress import Progress
 from .ranges import ByteRange, byte_ranges
 from . import rule
 from .settings import Settings
-from .sources import Context, iter_fasta_source, iter_uniref, uniref_record
+from .sources import Context, uniref_record
 from .workdir import ShardSet, WorkDir, open_splits
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class BatchReader:
     the per-record path throughout (``batch_reader``)."""
 
     def __init__(self, source: Source, encoder: Encoder, ctx: Context):
-        self.uniref = source.reader is iter_uniref
+        self.uniref = source.kind == "uniref"
         self.bound = ctx.bound  # records longer than it are skipped while read (batch.chunks)
         everything = bytes(range(256))
         check = ctx.invalid_positions
@@ -91,7 +91,7 @@ def batch_source(source: Source, settings: Settings, members) -> bool:
     """Whether every record of a job can take the batch path: a FASTA source (fasta, genome, rnacentral, uniref)
     without --dedup (a record's job and fate depend on all records before it), --window or --uniref90-members
     (per-record work either way). What the batch reader, the byte-range split and --workers ask."""
-    return (source.reader in (iter_fasta_source, iter_uniref) and source.tokenizer in ("nucleotide", "protein")
+    return (source.kind in ("fasta", "uniref") and source.tokenizer in ("nucleotide", "protein")
             and not settings.dedup and settings.window is None and members is None)
 
 
@@ -137,7 +137,7 @@ class SequenceBuild:
         # plain inputs: this job's byte ranges, by input (None: every job reads every record, see splits_bytes)
         self.ranges = {r.input: r for r in byte_ranges(inputs, s.num_jobs, s.job_index)} \
             if self.fast is not None and splits_bytes(source, inputs, s, members) else None
-        self.pool = None  # --workers: the processes that parse the batch reader's chunks (``build``)
+        self.pool = None  # --workers: the processes that parse the batch reader's chunks (``build_sequences``)
         self.bar: Progress | None = None
         self._next_update = 0.0  # when the per-record path next updates the progress bar
         # the meta.json of a batch-path sample, {"id", "source", "length", ...} as json.dumps writes it
@@ -161,7 +161,7 @@ class SequenceBuild:
         return seq if self.encoder.text else seq.upper()
 
     # ---------------------------------------------------------------------------------------------------- the pass
-    def run(self) -> tuple[dict, int]:
+    def read_inputs(self) -> tuple[dict, int]:
         """Read every record of the inputs and write this job's samples; returns ({split: Manifest}, records
         seen)."""
         # The records, lists and strings made here hold no reference cycles; with the collector on, a process that
@@ -465,14 +465,14 @@ class SequenceBuild:
         return out
 
 
-def build(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, settings: Settings,
-          members: dict | None, progress: tuple = ("auto", 60.0), text_column: str | None = None,
-          workers: int = 1) -> tuple[dict, int]:
+def build_sequences(source: Source, encoder: Encoder, inputs: list[Path], work: WorkDir, settings: Settings,
+                    members: dict | None, progress: tuple = ("auto", 60.0), text_column: str | None = None,
+                    workers: int = 1) -> tuple[dict, int]:
     """Read every record of the inputs and write this job's samples; returns ({split: Manifest}, records seen).
     ``workers`` > 1: the batch reader's chunks are parsed by that many processes (data_prep/pool.py), the
     records written here in input order: the output of one process."""
     job = SequenceBuild(source, encoder, inputs, work, settings, members, progress, text_column)
     if workers < 2 or job.fast is None:
-        return job.run()
+        return job.read_inputs()
     with processes(workers, job.fast) as job.pool:
-        return job.run()
+        return job.read_inputs()

@@ -107,7 +107,7 @@ class Writer:
         self.meta_format = ('{"id":%s,"source":' + json_string(source_name).replace("%", "%%")
                             + ',"length":%d,"members":%s,"listed":%d}\n')
 
-    def run(self, bar: Progress) -> None:
+    def write_clusters(self, bar: Progress) -> None:
         for index, names, members, lines, firsts, counts in self.cmap.own():
             # batches of about BATCH members (a cluster larger than that alone)
             cuts = np.unique(np.searchsorted(np.cumsum(counts), np.arange(self.BATCH, int(counts.sum()),

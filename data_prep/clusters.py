@@ -257,8 +257,8 @@ def _member(cmap: ClusterMap, slot: int) -> str:
 
 
 
-def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict, source=None,
-          progress: tuple = ("auto", 60.0), scanned: Path | None = None) -> tuple[dict, int]:
+def build_clusters(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict, source=None,
+                   progress: tuple = ("auto", 60.0), scanned: Path | None = None) -> tuple[dict, int]:
     """Read the member FASTA files, then write this job's clusters in TSV order; returns ({"": manifest}, FASTA
     records). ``splits``: data_prep.workdir.open_splits (one, ""; --val-fraction is refused with --clusters).
     ``scanned``: the folder of the scan parts of an array's scan stage (data_prep/scan.py; all of them must be
@@ -320,7 +320,7 @@ def build(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict,
         if replaced_stats is not None:
             stats.update(replaced_stats)
         with Progress(f"{source_name} clusters", cmap.path.stat().st_size, *progress) as bar:
-            Writer(cmap, sp, inputs, stats, filtered, members_filtered, source_name).run(bar)
+            Writer(cmap, sp, inputs, stats, filtered, members_filtered, source_name).write_clusters(bar)
             bar.update(cmap.path.stat().st_size, written=stats["clusters_kept"])
         shards = sp.close()
     except (PrepError, FastaError, ValueError):

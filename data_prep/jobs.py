@@ -23,17 +23,17 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.data.tokenizer import SPM_NAME
 from pipeline.outputs import kept_note, publish_dir
 
-from . import Source
-from .build import build as build_sequences
+from .build import build_sequences
 from .build import splits_bytes
 from .checks import PrepError
-from .clusters import build as build_clusters
+from .clusters import build_clusters
 from .clusters import load_clusters
 from .common import (FILTERED, MANIFEST, SPLIT_FILE, SPLITS, TOOL, check_output_replaceable, job_filtered_name,
                      job_manifest_name, manifest_files, output_lock, split_doc, write_json)
@@ -41,7 +41,7 @@ from .encode import Encoder
 from .fasta import FastaError
 from .join import Spill
 from .scan import scan_folder, scan_stage
-from .settings import Result, Settings, check_settings, record_options
+from .settings import Job, Launch, Result, Settings, check_settings, record_options
 from .sources import check_text_inputs, load_members
 from .workdir import WorkDir, fingerprint, open_splits
 
@@ -49,19 +49,12 @@ if TYPE_CHECKING:
     from pipeline.data.shards import Manifest
 
 
-def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, settings: Settings = Settings(),
-        overwrite: bool = False, spm: Path | None = None, members: Path | None = None,
-        clusters: Path | None = None, progress: tuple = ("auto", 60.0), text_column: str | None = None,
-        workers: int = 1, locked: bool = True) -> Result:
-    """One data_prep job. ``clusters`` (uniref only): the UniRef50 -> UniRef90 mapping TSV; the inputs are then
-    the member FASTA files and every sample is a cluster (data_prep/clusters.py). ``progress``: (mode, seconds),
-    data_prep/progress.py. ``text_column``: babylm, the column of .csv inputs. ``workers``: N > 1 parses the
-    batch reader's chunks on N processes (data_prep/workers.py; the output is the same). ``locked``: the job takes
-    its output's lock (common.output_lock: exclusive, or shared by the jobs of an array) once its arguments are
-    checked; False under --workers, which holds the lock of the real output itself."""
-    inputs = [Path(p).resolve() for p in inputs]
-    if source.expand is not None:
-        inputs = source.expand(inputs)
+def run(job: Job, launch: Launch = Launch()) -> Result:
+    """One data_prep job (``Job``: what it reads and writes; ``Launch``: how it runs), its arguments checked before
+    anything is written."""
+    inputs = [Path(p).resolve() for p in job.inputs]
+    if job.source.expand is not None:
+        inputs = job.source.expand(inputs)
     for p in inputs:
         if not p.is_file():
             raise PrepError(f"input {p} does not exist or is not a file")
@@ -69,7 +62,7 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
             raise PrepError(f"input {p} is empty")
     if len(set(inputs)) != len(inputs):
         raise PrepError("an input file is given twice")
-    output = Path(output).resolve()
+    output = Path(job.output).resolve()
     if output.exists() and not output.is_dir():
         raise PrepError(f"output {output} exists and is not a directory")
     for p in output.parents:
@@ -77,16 +70,16 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
             raise PrepError(f"output {output}: {p} exists and is not a directory")
     if output in inputs or any(output in p.parents for p in inputs):
         raise PrepError(f"output {output} would hold an input; choose another directory")
-    args = (source, alphabet, inputs, output, settings, overwrite, spm, members, clusters, progress, text_column, workers)
-    if not locked:
-        return _run(*args)
+    job = replace(job, inputs=tuple(inputs), output=output)
+    if not launch.locked:
+        return _run(job, launch)
+    s = job.settings
     made = [p for p in reversed(output.parents) if not p.exists()]
     output.parent.mkdir(parents=True, exist_ok=True)  # where the lock lives
-    what = f"data_prep {source.name}" + (f" job {settings.job_index} of {settings.num_jobs}"
-                                         if settings.num_jobs > 1 else "")
+    what = f"data_prep {job.source.name}" + (f" job {s.job_index} of {s.num_jobs}" if s.num_jobs > 1 else "")
     try:
-        with output_lock(output, what, shared=settings.num_jobs > 1):
-            return _run(*args)
+        with output_lock(output, what, shared=s.num_jobs > 1):
+            return _run(job, launch)
     except BaseException:
         for p in reversed(made):  # folders this run made, innermost first, where it left nothing (rmdir: empty only)
             try:
@@ -96,16 +89,16 @@ def run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, 
         raise
 
 
-def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path, settings: Settings,
-         overwrite: bool, spm: Path | None, members: Path | None, clusters: Path | None, progress: tuple,
-         text_column: str | None, workers: int) -> Result:
+def _run(job: Job, launch: Launch) -> Result:
     """``run`` once the arguments are checked (and the output locked)."""
+    source, inputs, output, progress = job.source, list(job.inputs), job.output, launch.progress
+    members, clusters, text_column = job.members, job.clusters, job.text_column
     if source.tokenizer == "sentencepiece":
         check_text_inputs(inputs, text_column)
     elif text_column is not None:
         raise PrepError(f"--text-column applies to babylm (.csv text), not to {source.name}")
-    encoder = Encoder(source, alphabet, spm)
-    settings = check_settings(source, encoder, settings)
+    encoder = Encoder(source, job.alphabet, job.spm)
+    settings = check_settings(source, encoder, job.settings)
     spill = None
     if settings.stage is not None and clusters is None:
         raise PrepError(f"--stage {settings.stage} is a stage of a --clusters array (scan the member FASTA, then "
@@ -130,7 +123,7 @@ def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path,
         if clusters in inputs:
             raise PrepError(f"{clusters} is given both as --input and as --clusters")
         if settings.stage == "scan":  # the FASTA share of this job, no TSV (data_prep/scan.py)
-            marker, path = scan_stage(encoder, inputs, output, settings, overwrite, source, progress)
+            marker, path = scan_stage(encoder, inputs, output, settings, job.overwrite, source, progress)
             return Result(None, sum(x["records"] for x in marker["inputs"]), path)
         # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind. The spill (the
         # tables and DuckDB's files of join.py, under $TMPDIR) is removed however the job ends.
@@ -141,7 +134,7 @@ def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path,
             spill.remove()
             raise
 
-        def build(work: WorkDir):
+        def fill(work: WorkDir):
             return build_clusters(encoder, inputs, cmap, settings, open_splits(work, settings, encoder, "clusters"),
                                   source, progress, scan_folder(output, settings) if settings.stage else None)
         work_fingerprint = fingerprint(source, encoder, inputs, settings, None, clusters)
@@ -153,9 +146,9 @@ def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path,
                 raise PrepError(f"--uniref90-members {members} does not exist or is not a file")
             member_map = load_members(members)
 
-        def build(work: WorkDir):
+        def fill(work: WorkDir):
             manifests, seen = build_sequences(source, encoder, inputs, work, settings, member_map, progress,
-                                              text_column, workers)
+                                              text_column, launch.workers)
             if member_map is not None and not any(m.stats["input"].get("with_members") for m in manifests.values()):
                 first = next(iter(member_map))
                 raise PrepError(f"--uniref90-members {members}: none of its {len(member_map)} UniRef50 ids is a "
@@ -168,9 +161,9 @@ def _run(source: Source, alphabet: str | None, inputs: list[Path], output: Path,
     splits = SPLITS if settings.val_fraction is not None else ("",)
     try:
         if settings.num_jobs == 1:
-            return _run_single(source, encoder, output, overwrite, build, work_fingerprint, splits, settings)
+            return _run_single(source, encoder, output, job.overwrite, fill, work_fingerprint, splits, settings)
         options = record_options(settings, text_column, members, clusters)
-        return _run_job(source, encoder, output, settings, overwrite, build, work_fingerprint, splits, options)
+        return _run_job(source, encoder, output, settings, job.overwrite, fill, work_fingerprint, splits, options)
     finally:
         if spill is not None:
             spill.remove()
@@ -197,7 +190,7 @@ def _no_samples(manifest: Manifest, seen: int, split: str, settings: Settings) -
     return PrepError(f"no records written: all {seen} records filtered {manifest.filtered}")
 
 
-def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerprint: dict, splits: tuple = ("",),
+def _run_single(source, encoder, output: Path, overwrite: bool, fill, fingerprint: dict, splits: tuple = ("",),
                 settings: Settings = Settings()) -> Result:
     check_output_replaceable(output, overwrite)
     made = [p for p in reversed(output.parents) if not p.exists()]
@@ -207,7 +200,7 @@ def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerpri
                    splits)
     tmp = work.path
     try:
-        manifests, seen = build(work)
+        manifests, seen = fill(work)
         for name, manifest in manifests.items():
             if not manifest.shards:
                 raise _no_samples(manifest, seen, name, settings)
@@ -242,7 +235,7 @@ def _run_single(source, encoder, output: Path, overwrite: bool, build, fingerpri
     return Result(manifests["train"], seen, output / "train" / MANIFEST, located, settings.val_fraction)
 
 
-def _run_job(source, encoder, output: Path, settings: Settings, overwrite: bool, build, fingerprint: dict,
+def _run_job(source, encoder, output: Path, settings: Settings, overwrite: bool, fill, fingerprint: dict,
              splits: tuple = ("",), options: dict | None = None) -> Result:
     num_jobs, job_index = settings.num_jobs, settings.job_index
     prefix = f"{source.name}-j{job_index:04d}"
@@ -264,7 +257,7 @@ def _run_job(source, encoder, output: Path, settings: Settings, overwrite: bool,
                    prefix, splits)
     moved: list[Path] = []
     try:
-        manifests, seen = build(work)
+        manifests, seen = fill(work)
         for p in stale:  # only this job's files, and the merged manifest / list they would make stale
             p.unlink(missing_ok=True)
         for s, manifest in manifests.items():

@@ -2,7 +2,7 @@
 their combinations, the run's result and the one-line summaries printed at the end."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,42 @@ class Settings:
     # lungfish are longer and need it raised.
     max_record_length: int = MAX_RECORD_LENGTH
     stage: str | None = None  # --clusters arrays: "scan" (a share of the member FASTA) or "build" (data_prep/scan.py)
+
+    @classmethod
+    def from_args(cls, args) -> Settings:
+        """The settings of a job's command line: each field from the argparse option of its name (an option the
+        source does not have keeps its default)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+@dataclass(frozen=True)
+class Job:
+    """One data_prep job: its source, inputs and output and the settings its records follow. ``alphabet``: the
+    nucleotide alphabet (the source's, or --alphabet); ``spm``: babylm's sentencepiece model; ``members``: uniref's
+    --uniref90-members TSV; ``clusters``: uniref's UniRef50 -> UniRef90 mapping TSV, the inputs being then the
+    member FASTA files and every sample a cluster (data_prep/clusters.py); ``text_column``: babylm's column of
+    .csv inputs."""
+    source: Source
+    inputs: tuple
+    output: Path
+    settings: Settings = Settings()
+    alphabet: str | None = None
+    overwrite: bool = False
+    spm: Path | None = None
+    members: Path | None = None
+    clusters: Path | None = None
+    text_column: str | None = None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a job runs, whatever its records: ``progress`` (mode, seconds: data_prep/progress.py); ``workers``: N > 1
+    parses the batch reader's chunks on N processes (data_prep/pool.py; the output is the same); ``locked``: the job
+    takes its output's lock (common.output_lock: exclusive, or shared by the jobs of an array), False under
+    --workers, whose process holds the lock of the real output itself."""
+    progress: tuple = ("auto", 60.0)
+    workers: int = 1
+    locked: bool = True
 
 
 # Settings added after the first resumable release: left out of the fingerprint at their defaults, so that a work

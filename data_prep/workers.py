@@ -16,7 +16,6 @@ from pathlib import Path
 
 from pipeline.outputs import kept_note, publish_dir
 
-from . import Source
 from .build import batch_source
 from .checks import PrepError
 from .common import TOOL, check_output_replaceable, manifest_files, output_lock
@@ -24,19 +23,22 @@ from .fasta import FastaError
 from .jobs import run
 from .merge import merge
 from .pool import processes, state
-from .settings import Result, Settings
+from .settings import Job, Launch, Result
 
 
-def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list[Path], output: Path,
-                settings: Settings = Settings(), overwrite: bool = False, **kwargs) -> Result:
+def run_workers(workers: int, job: Job, launch: Launch = Launch()) -> Result:
     """One data_prep run on ``workers`` processes of this machine (module docstring). The jobs of an array are
     written into ``DIR.workers-partial``, merged and renamed to ``DIR`` (their shards ``SOURCE-jKKKK-*.tar`` and
     job manifests beside the merged manifest.json); a bad input stops every job and leaves nothing (the error a
     single process meets first), an interrupted run resumes each job's work."""
+    settings, overwrite = job.settings, job.overwrite
     if settings.num_jobs != 1:
         raise PrepError(f"--workers {workers} runs the jobs of one machine itself: it excludes --num-jobs "
                         f"{settings.num_jobs}")
-    output = Path(output).resolve()
+    if settings.stage is not None:
+        raise PrepError(f"--workers {workers} runs both stages of --clusters itself: it excludes --stage "
+                        f"{settings.stage}")
+    output = Path(job.output).resolve()
     if output.exists() and not output.is_dir():
         raise PrepError(f"output {output} exists and is not a directory")
     check_output_replaceable(output, overwrite)  # refused before anything is made
@@ -45,15 +47,14 @@ def run_workers(workers: int, source: Source, alphabet: str | None, inputs: list
     try:
         # The output's one lock (common.output_lock), held from before anything is created or removed to the
         # rename: a second run of any mode is refused here and touches nothing of this run's staging directory.
-        with output_lock(output, f"data_prep {source.name} --workers {workers}"):
+        with output_lock(output, f"data_prep {job.source.name} --workers {workers}"):
             check_output_replaceable(output, overwrite)  # again, under the lock: what another run left meanwhile
-            if kwargs.get("clusters") is None and batch_source(source, settings, kwargs.get("members")):
+            if job.clusters is None and batch_source(job.source, settings, job.members):
                 try:
-                    return run(source, alphabet, inputs, output, settings, overwrite, **kwargs, workers=workers,
-                               locked=False)
+                    return run(job, replace(launch, workers=workers, locked=False))
                 except BrokenExecutor as e:  # a worker killed: DIR.partial is kept for the rerun
                     raise PrepError(f"--workers {workers}: {e}") from None
-            return _jobs_then_merge(workers, source, alphabet, inputs, output, settings, kwargs)
+            return _jobs_then_merge(workers, replace(job, output=output), launch)
     except PrepError:  # a bad input or a refusal: nothing is kept, the folders made for the output included
         for p in reversed(made):
             try:
@@ -68,7 +69,7 @@ def _job(k: int) -> tuple[int, str, int | None]:
     the input order the error was met, when the job knows: ``PrepError.at``). (A worker ignores Ctrl-C: the parent
     stops the pool.)"""
     try:
-        run(**state()[k])
+        run(*state()[k])
     except (PrepError, FastaError, OSError, ValueError) as e:
         return 1, str(e), getattr(e, "at", None)
     except BaseException as e:  # noqa: BLE001 -- reported by the parent, which owns the output
@@ -76,23 +77,23 @@ def _job(k: int) -> tuple[int, str, int | None]:
     return 0, "", None
 
 
-def _jobs_then_merge(workers: int, source: Source, alphabet: str | None, inputs: list[Path], output: Path,
-                     settings: Settings, kwargs: dict) -> Result:
-    """Jobs 0..N-1 of ``--num-jobs N`` in the pool, each reading every input, then ``merge``. A bad input is the
-    lowest job's error: every job reads every record, so each meets the same first one."""
+def _jobs_then_merge(workers: int, job: Job, launch: Launch) -> Result:
+    """Jobs 0..N-1 of ``--num-jobs N`` in the pool (with --clusters: its scan stage, then its build stage), then
+    ``merge``."""
     # Imported once here, before the fork, not in every worker: webdataset pulls in torch (~2 s). Not at the top of
     # the module: argument and output-directory mistakes are reported without waiting for it.
     import pipeline.data.shards  # noqa: F401
 
+    output = job.output
     staging = output.with_name(f"{output.name}.workers-partial")
     staging.mkdir(exist_ok=True)
-    progress = kwargs.pop("progress", ("auto", 60.0))
+    quiet = replace(launch, progress=("off", launch.progress[1]), locked=False)  # one progress bar: job 0's
     # --clusters: the scan stage (each worker parses its share of the member FASTA), then the build stage (each
     # joins its clusters against every share); otherwise one stage, the jobs of an array
-    for stage in ("scan", "build") if kwargs.get("clusters") is not None else (None,):
-        jobs = [dict(kwargs, source=source, alphabet=alphabet, inputs=inputs, output=staging, locked=False,
-                     settings=replace(settings, num_jobs=workers, job_index=k, stage=stage), overwrite=True,
-                     progress=progress if k == 0 else ("off", progress[1])) for k in range(workers)]  # one bar
+    for stage in ("scan", "build") if job.clusters is not None else (None,):
+        jobs = [(replace(job, output=staging, overwrite=True, settings=replace(
+                    job.settings, num_jobs=workers, job_index=k, stage=stage)),
+                 replace(quiet, progress=launch.progress) if k == 0 else quiet) for k in range(workers)]
         _run_jobs(workers, jobs, staging)
     result = merge(staging)
     kept = publish_dir(staging, output, TOOL, manifest_files)  # marked as data_prep's; others' files carried over
@@ -105,7 +106,7 @@ def _jobs_then_merge(workers: int, source: Source, alphabet: str | None, inputs:
     return Result(result.manifest, result.records_seen, moved(result.location), located, result.val_fraction)
 
 
-def _run_jobs(workers: int, jobs: list[dict], staging: Path) -> None:
+def _run_jobs(workers: int, jobs: list[tuple[Job, Launch]], staging: Path) -> None:
     """The jobs in the pool; a bad input is the error met first in the input order (the lowest ``at``; without
     one, the lowest job's: every job read every record and met the same first one)."""
     with processes(workers, jobs) as pool:
