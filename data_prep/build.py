@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .batch import CHUNK, Reader, chunks, is_gzip, json_string, starts_with_header
+from .batch import Reader, batch_reader, json_string, splits_bytes
+from .cut import chunks
 from .checks import DamageCheck, PrepError
 from .common import LOWERCASE, input_fingerprint, split_of
 from .fasta import FastaError, input_position
@@ -27,88 +28,13 @@ from .progress import Progress
 from .ranges import ByteRange, byte_ranges
 from . import rule
 from .settings import Settings
-from .sources import Context, uniref_record
-from .workdir import ShardSet, WorkDir, open_splits
+from .windows import write_windows
+from .sources import Context
+from .workdir import WorkDir, open_splits
 
 if TYPE_CHECKING:
     from . import Source
     from .encode import Encoder
-
-_TAIL_COUNTER = {"short": "short_tails", "align": "aligned_tails", "drop": "dropped_tails"}
-
-
-def window_spans(n: int, window: int, stride: int, tail: str) -> tuple[list[tuple[int, int]], str]:
-    """[start, end) spans of the windows of a record of ``n`` positions, and what its tail was.
-
-    Starts are 0, S, 2S, ...; the last window is the first that reaches the record's end. When it would be shorter
-    than L, ``tail`` decides: ``short`` keeps it short ([kS, n)), ``align`` moves it back to end at the record's
-    end ([n - L, n), full length, overlapping its neighbour more), ``drop`` leaves it out (those residues are lost,
-    counted). A record of at most L positions is one window, the whole record, whatever ``tail`` says.
-    Kinds: 'whole' (n <= L), 'exact' (the windows end at n), or the tail policy."""
-    if n <= window:
-        return [(0, n)], "whole"
-    spans = []
-    start = 0
-    while start + window < n:
-        spans.append((start, start + window))
-        start += stride
-    if start + window == n:
-        spans.append((start, n))
-        return spans, "exact"
-    if tail == "short":
-        spans.append((start, n))
-    elif tail == "align":
-        spans.append((n - window, n))
-    return spans, tail
-
-
-class BatchReader:
-    """data_prep/batch.py for this job: the FASTA sources' inputs read chunk by chunk, or None where the job needs
-    the per-record path throughout (``batch_reader``)."""
-
-    def __init__(self, source: Source, encoder: Encoder, ctx: Context):
-        self.uniref = source.kind == "uniref"
-        self.bound = ctx.bound  # records longer than it are skipped while read (batch.chunks)
-        everything = bytes(range(256))
-        check = ctx.invalid_positions
-        if self.uniref:  # the uniref reader accepts lowercase and upper-cases it (iter_uniref)
-            self.check = lambda seq: check(seq.upper())
-            self.to_record = lambda rec: uniref_record(rec, ctx)
-        else:
-            self.check, self.to_record = check, (lambda rec: rec)
-        bad = set(self.check(everything).tolist())
-        table = bytearray(b"\xff" * 256)  # byte as written -> token id of the upper-cased residue; 0xff: invalid
-        for c in range(256):
-            if c not in bad:
-                table[c] = int(encoder.encode(bytes([c]).upper())[0])
-        self.tokens = bytes(table)
-
-    def takes(self, path: Path) -> bool:
-        return starts_with_header(path)
-
-
-def batch_source(source: Source, settings: Settings, members) -> bool:
-    """Whether every record of a job can take the batch path: a FASTA source (fasta, genome, rnacentral, uniref)
-    without --dedup (a record's job and fate depend on all records before it), --window or --uniref90-members
-    (per-record work either way). What the batch reader, the byte-range split and --workers ask."""
-    return (source.kind in ("fasta", "uniref") and source.tokenizer in ("nucleotide", "protein")
-            and not settings.dedup and settings.window is None and members is None)
-
-
-def batch_reader(source: Source, encoder: Encoder, settings: Settings, ctx: Context) -> BatchReader | None:
-    """The batch reader when every record of the job can take it (``batch_source``), else None."""
-    if not batch_source(source, settings, ctx.members) or ctx.invalid_positions is None:
-        return None
-    return BatchReader(source, encoder, ctx)
-
-
-def splits_bytes(source: Source, inputs: list[Path], settings: Settings, members) -> bool:
-    """Whether job I of ``--num-jobs N`` reads only its byte range of the inputs (ranges.byte_ranges) rather than
-    every record, keeping those whose index % N == I: batch-path jobs whose inputs are all plain FASTA (a gzip
-    stream cannot be entered in the middle: its jobs each decompress all of it)."""
-    return (settings.num_jobs > 1 and batch_source(source, settings, members)
-            and all(not is_gzip(p) and starts_with_header(p) for p in inputs))
-
 
 class SequenceBuild:
     """One job's pass over its inputs. The state it carries from record to record (all of it here, none in
@@ -218,7 +144,7 @@ class SequenceBuild:
         if byte_range is not None and byte_range.first_index is not None:
             self.index = byte_range.first_index
         start = self.index
-        f, texts = self.fast, None if byte_range is None else chunks(path, CHUNK, byte_range, self.fast.bound)
+        f, texts = self.fast, None if byte_range is None else chunks(path, None, byte_range, self.fast.bound)
         reader = Reader(path, f.tokens, f.check, f.uniref, f.to_record, self.index, jobs, texts, f.bound, self.pool)
         for chunk in reader:
             self.index = reader.start  # the chunk's first global index
@@ -275,7 +201,7 @@ class SequenceBuild:
         if seq is None:
             seq = self.normalise(rec.seq)
         name = split_of(rec.id, s.val_fraction)
-        sp, st, filt = self.splits[name], self.stats[name], self.filtered[name]
+        sp, st = self.splits[name], self.stats[name]
         self.read += 1
         inp[name]["records"] += 1
         if verdict is None or verdict.status != rule.FILTERED:
@@ -311,7 +237,7 @@ class SequenceBuild:
                 return
             sp.write(key, encoder.encode(seq), meta)
             return
-        self._write_windows(sp, st["windows"], key, rec.id, seq, meta)
+        write_windows(sp, st["windows"], key, rec.id, seq, meta, s, encoder)
 
     def _drop(self, name: str, rid: str, verdict: rule.Verdict, path: Path, line: int) -> None:
         """A record the rule drops: counted under its reason (and as damage), listed in filtered.tsv."""
@@ -322,33 +248,6 @@ class SequenceBuild:
         if verdict.damage is not None:
             self.damage.add(verdict.reason, verdict.damage, verdict.chars)
         self.splits[name].dropped.add(rid, verdict.reason, path, line, verdict.detail)
-
-    def _write_windows(self, sp: ShardSet, w: dict, key: str, rid: str, seq: bytes, meta: dict) -> None:
-        """The windows of one kept record as samples ``<key>_<k>``, ids ``<record id>:<start>-<end>`` (0-based,
-        end exclusive, in positions of the normalized sequence)."""
-        s, encoder = self.settings, self.encoder
-        spans, kind = window_spans(len(seq), s.window, s.stride, s.window_tail)
-        w["records"] += 1
-        if kind == "whole":
-            w["records_shorter_than_window"] += len(seq) < s.window
-        elif kind == "exact":
-            w["exact_ends"] += 1
-        else:
-            w[_TAIL_COUNTER[kind]] += 1
-            if kind == "drop":
-                w["tail_residues_dropped"] += encoder.residues(seq[spans[-1][1]:])
-        tokens = None
-        for k, (a, b) in enumerate(spans):
-            n = encoder.residues(seq[a:b]) if b"#" in seq else b - a
-            w["samples"] += 1
-            w["residues_written"] += n
-            if sp.written + 1 <= sp.skip:
-                sp.written += 1
-                continue
-            if tokens is None:
-                tokens = encoder.encode(seq)
-            sp.write(f"{key}_{k:06d}", tokens[a:b], meta | {"id": f"{rid}:{a}-{b}", "record": rid, "start": a,
-                                                              "end": b, "length": n})
 
     # ------------------------------------------------------------------------------------------------ batch path
     def write_chunk(self, chunk, path: Path, inp: dict) -> int:

@@ -31,7 +31,7 @@ from pipeline.data.tokenizer import SPM_NAME
 from pipeline.outputs import kept_note, publish_dir
 
 from .build import build_sequences
-from .build import splits_bytes
+from .batch import splits_bytes
 from .checks import PrepError
 from .clusters import build_clusters
 from .clusters import load_clusters

@@ -11,7 +11,7 @@ clusters against every part. One part of one is the whole input: a single job, o
   part's offsets, which the markers of the parts before it give (``offsets``), and shifts the line numbers of the
   messages it stored (``shift_lines``: each starts with ``path:LINE`` or, a filtered.tsv detail, ``LINE:``).
 * **Chunks** (gzip cannot be entered in the middle; also inputs that do not start with '>'): part k parses the
-  chunks c with c % N == k (batch.chunks, numbered over all inputs), decompressing the whole stream and counting
+  chunks c with c % N == k (cut.chunks, numbered over all inputs), decompressing the whole stream and counting
   the other parts' records and lines as it passes them, so its numbers are the input's. An input that does not
   start with '>' is read whole, record by record, by part 0.
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from . import rule
-from .batch import CHUNK, Chunk, LongRecord, Reader, chunks, is_gzip, starts_with_header
-from .build import BatchReader
+from .batch import BatchReader, Chunk, Reader
+from .cut import LongRecord, chunks, is_gzip, starts_with_header
 from .checks import PrepError
 from .common import LOWERCASE, input_fingerprint, write_json
 from .fasta import FastaError, Record, input_position, iter_fasta
@@ -72,14 +72,14 @@ def part_ranges(paths: list[Path], parts: int, part: int) -> dict[int, ByteRange
 
 
 class Counted:
-    """(text, first line) of a byte range (batch.chunks), counting its line breaks: the build numbers the next
+    """(text, first line) of a byte range (cut.chunks), counting its line breaks: the build numbers the next
     part's lines after them."""
 
     def __init__(self, path: Path, byte_range: ByteRange, bound: int):
         self.path, self.range, self.bound, self.lines = path, byte_range, bound, 0
 
     def __iter__(self):
-        for text, line in chunks(self.path, CHUNK, self.range, self.bound):
+        for text, line in chunks(self.path, None, self.range, self.bound):
             self.lines += text.lines if isinstance(text, LongRecord) else text.count(b"\n")
             yield text, line
 
@@ -94,7 +94,7 @@ class Stripe:
 
     def __iter__(self):
         first = 0
-        for text, line in chunks(self.path, CHUNK, bound=self.bound):
+        for text, line in chunks(self.path, bound=self.bound):
             if self.number % self.parts == self.part:
                 yield text, line, first
             first += 1 if isinstance(text, LongRecord) else headers(text)
@@ -121,7 +121,7 @@ class Outcomes:
     def record(self, rec: Record, path: Path) -> tuple[int, bytes, str | None, int]:
         """(status, tokens, extra JSON, lowercase residues) of one record read on the per-record path."""
         s, encoder = self.s, self.encoder
-        if rec.length is not None:  # longer than the bound: skipped unread (batch.chunks, fasta.iter_fasta)
+        if rec.length is not None:  # longer than the bound: skipped unread (cut.chunks, fasta.iter_fasta)
             return FILTERED, b"", self.length_filter(rec.length, path, rec.line, rec.id), 0
         verdict, seq, replaced = rule.invalid(s, encoder, rec, rec.seq.upper(), path)
         if verdict is not None and verdict.status == STRICT:

@@ -132,7 +132,7 @@ def record_options(settings: Settings, text_column: str | None = None, members: 
 class Result:
     manifest: Manifest  # the only manifest, or train's with --val-fraction
     records_seen: int  # all records of all inputs (a job reads every record to keep the global index), or of the
-    # job's byte ranges (build.splits_bytes)
+    # job's byte ranges (batch.splits_bytes)
     location: Path  # manifest file written
     splits: dict | None = None  # --val-fraction: {"train": (Manifest, path), "val": (Manifest, path)}
     val_fraction: float | None = None

@@ -1,6 +1,6 @@
 """``--workers N``: one data_prep run on N processes of this machine (a pool of forked processes, data_prep/pool.py).
 
-For the FASTA sources on the batch reader (build.batch_source) it is one job, this process's: it reads the
+For the FASTA sources on the batch reader (batch.batch_source) it is one job, this process's: it reads the
 inputs and writes the shards in input order while the pool parses the chunks, so the output is a 1-process run's,
 byte for byte. With --clusters the pool runs the two stages of an array of N jobs (data_prep/scan.py): each job
 scans its share of the member FASTA, then each joins its clusters against every share. Otherwise (--dedup,
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipeline.outputs import kept_note, publish_dir
 
-from .build import batch_source
+from .batch import batch_source
 from .checks import PrepError
 from .common import TOOL, check_output_replaceable, manifest_files, output_lock
 from .fasta import FastaError

@@ -147,7 +147,7 @@ def test_workers_equal_one_process_byte_for_byte(tmp_path, monkeypatch, capsys, 
     """--workers 3 on the batch reader: the chunks (small: many per input) are parsed in the pool's processes, not
     in this one, and written here in input order: every file equals a 1-process run's, byte for byte (inputs that
     the batch reader does not take, a byte-order mark, read record by record in their place)."""
-    monkeypatch.setattr("data_prep.batch.CHUNK", 3000)
+    monkeypatch.setattr("data_prep.cut.CHUNK", 3000)
     quirks = tmp_path / "quirks.fa.gz"
     quirks.write_bytes(gzip.compress(QUIRKS))
     bom = tmp_path / "bom.fa"  # a UTF-8 byte-order mark: read record by record
@@ -172,7 +172,7 @@ def test_workers_equal_one_process_byte_for_byte(tmp_path, monkeypatch, capsys, 
 def test_workers_report_the_first_error(tmp_path, monkeypatch, capsys, bad):
     """Errors in several chunks (--strict bad character, header without id), each chunk parsed in a pool process:
     the error is the one a single process meets first, naming its file and line."""
-    monkeypatch.setattr("data_prep.batch.CHUNK", 200)
+    monkeypatch.setattr("data_prep.cut.CHUNK", 200)
     good = b"".join(b">g%d\nACGTACGTACGTACGTACGT\n" % i for i in range(60))
     fa = tmp_path / "e.fa"
     fa.write_bytes(good + bad.replace(b"r2", b"first") + good + bad.replace(b"r2", b"second") + good)
@@ -193,7 +193,7 @@ def test_workers_report_the_first_error(tmp_path, monkeypatch, capsys, bad):
 def test_a_killed_parse_worker_stops_the_run_and_the_rerun_resumes(tmp_path, monkeypatch, capsys):
     """A pool worker SIGKILLed (as by the OOM killer) while it parses: one error naming its exit status, the
     finished shards kept in OUT.partial (no bad input), and the rerun resumes to the 1-process output."""
-    monkeypatch.setattr("data_prep.batch.CHUNK", 3000)
+    monkeypatch.setattr("data_prep.cut.CHUNK", 3000)
     plain = tmp_path / "rfam.fa"
     plain.write_bytes(gzip.decompress(RFAM.read_bytes()))
     args = ["rnacentral", "--input", str(plain), "--shard-size", "50", "--progress", "off"]
@@ -258,9 +258,9 @@ def test_windows_and_dedup_take_the_per_record_path(tmp_path):
     from data_prep.settings import Settings
     enc = Encoder(SOURCES["rnacentral"], "rna", None)
     ctx = Context(enc.invalid_positions)
-    assert build.batch_reader(SOURCES["rnacentral"], enc, Settings(), ctx) is not None
-    assert build.batch_reader(SOURCES["rnacentral"], enc, Settings(dedup=True), ctx) is None
-    assert build.batch_reader(SOURCES["rnacentral"], enc, Settings(window=10), ctx) is None
-    assert build.batch_reader(SOURCES["opengenome2"], enc, Settings(), ctx) is None
-    assert np.array_equal(np.frombuffer(b"acgtACGTN".translate(build.batch_reader(
+    assert batch.batch_reader(SOURCES["rnacentral"], enc, Settings(), ctx) is not None
+    assert batch.batch_reader(SOURCES["rnacentral"], enc, Settings(dedup=True), ctx) is None
+    assert batch.batch_reader(SOURCES["rnacentral"], enc, Settings(window=10), ctx) is None
+    assert batch.batch_reader(SOURCES["opengenome2"], enc, Settings(), ctx) is None
+    assert np.array_equal(np.frombuffer(b"acgtACGTN".translate(batch.batch_reader(
         SOURCES["rnacentral"], enc, Settings(), ctx).tokens), np.uint8), enc.encode(b"ACGUACGUN"))

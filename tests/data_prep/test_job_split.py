@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from data_prep import batch, cluster_write, join, ranges, scan
+from data_prep import cluster_write, cut, join, ranges, scan
 from data_prep.__main__ import main
 from data_prep.gather import gather
 from pipeline.data.shard_reader import read_clusters, read_shard
@@ -280,7 +280,7 @@ def cluster_workers_run(args: list, out: Path, workers: int, monkeypatch, log: P
             f.write(f"{os.getpid()} {len(chunk)}\n")
         return real(self, chunk, path, n_input)
     with monkeypatch.context() as mp:
-        mp.setattr(batch, "CHUNK", 2048)
+        mp.setattr(cut, "CHUNK", 2048)
         mp.setattr(scan.Outcomes, "chunk", logged)
         return run(*args, "--output", out, "--workers", workers)
 
@@ -366,12 +366,12 @@ def test_cluster_workers_number_the_records_as_one_reader(cluster_inputs, tmp_pa
     recs = [">" + r for r in fasta.read_text().split("\n>")]
     recs[0] = recs[0][1:]
     recs = [r if r.endswith("\n") else r + "\n" for r in recs]
-    monkeypatch.setattr(batch, "CHUNK", 2048)
+    monkeypatch.setattr(cut, "CHUNK", 2048)
 
-    def layout(records: list) -> list:  # records per chunk of batch.chunks
+    def layout(records: list) -> list:  # records per chunk of cut.chunks
         path = tmp_path / "dup.fa"
         path.write_text("".join(records))
-        return [t.count(b"\n>") + 1 for t, _ in batch.chunks(path, batch.CHUNK)]
+        return [t.count(b"\n>") + 1 for t, _ in cut.chunks(path)]
     first = layout(recs)[0]
     dup = recs[:first - 1] + [recs[first]] + recs[first:]  # chunk 0's last record: a copy of chunk 1's first
     assert layout(dup)[0] == first  # the copy is still the last record of chunk 0
@@ -411,7 +411,7 @@ def test_a_chunk_read_record_by_record_keeps_its_place(cluster_inputs, tmp_path,
     are numbered from the chunk's own place in the input, not from the input's start (under which the copy would
     come first)."""
     fasta, tsv = cluster_inputs
-    monkeypatch.setattr(batch, "CHUNK", 2048)
+    monkeypatch.setattr(cut, "CHUNK", 2048)
     recs = [">" + r for r in fasta.read_text().split("\n>")]
     recs[0] = recs[0][1:]
     recs = [r if r.endswith("\n") else r + "\n" for r in recs]
@@ -419,7 +419,7 @@ def test_a_chunk_read_record_by_record_keeps_its_place(cluster_inputs, tmp_path,
 
     def chunk_starts(records: list) -> list:  # index of each chunk's first record
         path.write_text("".join(records), newline="")
-        counts = [t.count(b"\n>") + 1 for t, _ in batch.chunks(path, batch.CHUNK)]
+        counts = [t.count(b"\n>") + 1 for t, _ in cut.chunks(path)]
         return [sum(counts[:k]) for k in range(len(counts))]
     n0 = chunk_starts(recs)[1]
     head, rest = recs[n0 - 1].split("\n", 1)

@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from data_prep import batch, cluster_write, clusters, join
+from data_prep import cluster_write, clusters, cut
 
 from test_job_split import RFAM, UR90, UR_TSV, content, run  # same folder
 
@@ -89,7 +89,7 @@ def same_as_one_job(args: list, tmp_path, n: int, layout: str, ordered: bool) ->
 @pytest.mark.parametrize("seed", range(8))
 def test_rnacentral_jobs_equal_one_job(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)
-    monkeypatch.setattr(batch, "CHUNK", rng.choice([300, 2000, 1 << 16, batch.CHUNK]))
+    monkeypatch.setattr(cut, "CHUNK", rng.choice([300, 2000, 1 << 16, cut.CHUNK]))
     start = rng.randrange(len(RNA) - 300)
     records = [damaged(rng, r, "X") for r in RNA[start:start + rng.randint(20, 300)]]
     paths = inputs(rng, tmp_path, records, gz=seed % 2 == 1)  # even seeds: plain inputs, split by bytes
@@ -103,7 +103,7 @@ def test_rnacentral_jobs_equal_one_job(tmp_path, monkeypatch, seed):
 @pytest.mark.parametrize("seed", range(6))
 def test_cluster_jobs_equal_one_job(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)
-    monkeypatch.setattr(batch, "CHUNK", rng.choice([300, 5000, 1 << 16, batch.CHUNK]))
+    monkeypatch.setattr(cut, "CHUNK", rng.choice([300, 5000, 1 << 16, cut.CHUNK]))
     monkeypatch.setattr(cluster_write.Slots, "BATCH", rng.choice([5, 300, cluster_write.Slots.BATCH]))  # joined rows read at a time
     monkeypatch.setattr(cluster_write.Writer, "BATCH", rng.choice([3, 50, cluster_write.Writer.BATCH]))
     tsv_block = rng.choice([64, 700, 1 << 20])  # bytes of the TSV parsed at a time (64: less than a line)

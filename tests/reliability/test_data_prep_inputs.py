@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from data_prep.__main__ import main
-from data_prep.build import window_spans
+from data_prep.windows import window_spans
 from data_prep.common import split_of
 from pipeline.data.shard_reader import read_shard
 from pipeline.data.shards import load_manifest, sha256_file

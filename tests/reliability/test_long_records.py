@@ -98,16 +98,16 @@ def test_a_gzip_bomb_is_counted_as_too_long_in_bounded_memory(tmp_path):
 
 
 def test_reading_a_long_record_takes_time_linear_in_its_length(tmp_path):
-    """batch.chunks over one record of 64 and of 256 MiB: 4 times the bytes, about 4 times the time (it was 16: the
+    """cut.chunks over one record of 64 and of 256 MiB: 4 times the bytes, about 4 times the time (it was 16: the
     square of the length). The skip path (past the bound) and the keep path (spilled to a temporary file and handed
     out whole) each."""
-    from data_prep import batch
+    from data_prep import cut
 
     def seconds(path, bound):
         best = float("inf")
         for _ in range(2):
             t = time.perf_counter()
-            out = list(batch.chunks(path, **({} if bound is None else {"bound": bound})))
+            out = list(cut.chunks(path, **({} if bound is None else {"bound": bound})))
             best = min(best, time.perf_counter() - t)
         return best, out
 
@@ -126,7 +126,7 @@ def test_reading_a_long_record_takes_time_linear_in_its_length(tmp_path):
 def test_a_record_straddling_many_blocks_is_parsed_once(tmp_path, monkeypatch, capsys):
     """A 50 MB record read in 64 KiB blocks (800 of them) among short records: parsed once, written whole, in about
     the time the same residues take as 50,000 records of 1,000 (it took the square of the block count before)."""
-    from data_prep import batch
+    from data_prep import batch, cut
     from data_prep.__main__ import main
     from pipeline.data.shard_reader import read_shard
     from pipeline.data.tokenizer import NucleotideTokenizer
@@ -144,7 +144,7 @@ def test_a_record_straddling_many_blocks_is_parsed_once(tmp_path, monkeypatch, c
     parse = batch.Reader.parse
     monkeypatch.setattr(batch.Reader, "parse", lambda self, text, line, first: parsed.append(text.count(b">")) or
                         parse(self, text, line, first))
-    monkeypatch.setattr(batch, "CHUNK", 1 << 16)
+    monkeypatch.setattr(cut, "CHUNK", 1 << 16)
 
     def prep(path, out):
         t = time.perf_counter()
