@@ -22,3 +22,9 @@ def test_no_module_of_the_package_or_data_prep_is_longer_than_700_lines():
     long = {str(p.relative_to(REPO)): n for root in ("pipeline", "data_prep") for p in (REPO / root).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES}
     assert not long, f"split these by responsibility: {long}"
+
+
+def test_no_data_prep_module_is_longer_than_400_lines():
+    """data_prep is read by people adding a source or an option: each module fits in one sitting."""
+    long = {p.name: n for p in (REPO / "data_prep").glob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"split these by responsibility: {long}"
