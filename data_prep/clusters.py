@@ -300,11 +300,11 @@ def build_clusters(encoder, inputs: list[Path], cmap: ClusterMap, settings, spli
         got = join(cmap, parts, inputs, counts, damage, invalid_chars, replaced_stats)
         # the error a reader in FASTA order meets first: a member --strict refuses, or a member's second record
         if got.strict and not (got.repeat and got.repeat[0] < got.strict[0]):
-            raise FastaError(got.strict[1], at=got.strict[0])
+            raise FastaError(got.strict[1])
         if got.repeat:
-            rec, slot, n_input, line = got.repeat
+            _, slot, n_input, line = got.repeat
             raise FastaError(f"{inputs[n_input]}:{line}: record {_member(cmap, slot)} appears a second time in the "
-                             "FASTA input; as a cluster member it must be unique", at=rec)
+                             "FASTA input; as a cluster member it must be unique")
         members_found = got.members_found
         if cmap.own_members and members_found == 0:
             raise PrepError(f"{cmap.path}: none of the {cmap.own_members} member ids of "

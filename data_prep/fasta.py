@@ -26,9 +26,8 @@ UNSUPPORTED_MAGIC = {b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd"
 
 
 class FastaError(ValueError):
-    """Malformed input; the message starts with ``path:line[:column]``. ``at``: where in the input order it was
-    met, when a share of the input was read (a scan part's chunk, a record number): the jobs of --workers report
-    the first."""
+    """Malformed input; the message starts with ``path:line[:column]``. ``at``: where in the input order a scan
+    part met it (its chunk, or the part itself: data_prep/scan.py): --workers reports the first."""
 
     def __init__(self, message: str, at: int | None = None):
         super().__init__(message)

@@ -40,7 +40,7 @@ from .common import (FILTERED, MANIFEST, SPLIT_FILE, SPLITS, TOOL, check_output_
 from .encode import Encoder
 from .fasta import FastaError
 from .join import Spill
-from .scan import scan_folder, scan_stage
+from .scan import Scans, scan_folder, scan_stage
 from .settings import Job, Launch, Result, Settings, check_settings, record_options
 from .sources import check_text_inputs, load_members
 from .workdir import WorkDir, fingerprint, open_splits
@@ -99,7 +99,7 @@ def _run(job: Job, launch: Launch) -> Result:
         raise PrepError(f"--text-column applies to babylm (.csv text), not to {source.name}")
     encoder = Encoder(source, job.alphabet, job.spm)
     settings = check_settings(source, encoder, job.settings)
-    spill = None
+    spill = scans = None
     if settings.stage is not None and clusters is None:
         raise PrepError(f"--stage {settings.stage} is a stage of a --clusters array (scan the member FASTA, then "
                         "build the clusters); without --clusters a job has one stage")
@@ -126,17 +126,23 @@ def _run(job: Job, launch: Launch) -> Result:
             marker, path = scan_stage(encoder, inputs, output, settings, job.overwrite, source, progress)
             return Result(None, sum(x["records"] for x in marker["inputs"]), path)
         # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind. The spill (the
-        # tables and DuckDB's files of join.py, under $TMPDIR) is removed however the job ends.
+        # tables and DuckDB's files of join.py, under $TMPDIR) is removed however the job ends. --workers: a pool
+        # scans the member FASTA into it meanwhile.
         spill = Spill()
         try:
+            scans = Scans(encoder, inputs, settings, source, spill.path, launch.workers, progress) \
+                if launch.workers > 1 else None
             cmap = load_clusters(clusters, spill, settings.num_jobs, settings.job_index, progress)
         except BaseException:
+            if scans is not None:
+                scans.close()
             spill.remove()
             raise
 
         def fill(work: WorkDir):
+            scanned = scans.wait() if scans is not None else scan_folder(output, settings) if settings.stage else None
             return build_clusters(encoder, inputs, cmap, settings, open_splits(work, settings, encoder, "clusters"),
-                                  source, progress, scan_folder(output, settings) if settings.stage else None)
+                                  source, progress, scanned)
         work_fingerprint = fingerprint(source, encoder, inputs, settings, None, clusters)
     else:
         member_map = None
@@ -165,6 +171,8 @@ def _run(job: Job, launch: Launch) -> Result:
         options = record_options(settings, text_column, members, clusters)
         return _run_job(source, encoder, output, settings, job.overwrite, fill, work_fingerprint, splits, options)
     finally:
+        if scans is not None:
+            scans.close()
         if spill is not None:
             spill.remove()
 

@@ -30,6 +30,7 @@ from .common import LOWERCASE, input_fingerprint, write_json
 from .fasta import FastaError, Record, input_position, iter_fasta
 from .gather import gather
 from .join import TableWriter, binary, shift_lines
+from .pool import Pool, state as pool_state
 from .progress import Progress
 from .ranges import ByteRange, count_records, headers, record_start
 from .rule import FILTERED, KEPT, REPLACED, STRICT
@@ -346,3 +347,41 @@ def scan_stage(encoder, inputs: list[Path], output: Path, settings, overwrite: b
     except (PrepError, FastaError, ValueError):  # bad input: nothing of this part is left
         (folder / f"{name}.parquet").unlink(missing_ok=True)
         raise
+
+
+class Scans:
+    """``--workers N`` with --clusters: the N scan parts of the member FASTA into ``folder`` on a pool of N processes
+    (data_prep/pool.py), started at once, so that the job reads the TSV meanwhile; then one build joins them all,
+    and the output is the 1-process run's. Made before this process starts any thread (a fork copies none)."""
+
+    def __init__(self, encoder, inputs: list[Path], settings, source, folder: Path, workers: int, progress: tuple):
+        self.folder = folder
+        self.pool = Pool(workers, (encoder, inputs, settings, source, folder, progress))
+        self.futures = [self.pool.submit(_scan_part, k, workers) for k in range(workers)]
+
+    def wait(self) -> Path:
+        """The folder once every part is done; a bad input is the error met first in the input order (the lowest
+        ``at``: data_prep/scan.py numbers chunks and parts in input order)."""
+        errors = sorted(e for e in (self.pool.result(f) for f in self.futures) if e is not None)
+        if errors:
+            _, _, _, message, prep = errors[0]
+            raise PrepError(message) if prep else FastaError(message)
+        return self.folder
+
+    def close(self) -> None:
+        if all(f.done() for f in self.futures):
+            self.pool.shutdown(wait=True)
+        else:  # an error before the wait: the parts still being scanned are of no use
+            self.pool.stop()
+
+
+def _scan_part(part: int, parts: int) -> tuple | None:
+    """Scan part ``part`` in a pool process; None, or its error as (no position, position, part, message, whether a
+    PrepError)."""
+    encoder, inputs, settings, source, folder, progress = pool_state()
+    try:
+        scan(encoder, inputs, settings, source, folder, part, parts, progress if part == 0 else ("off", progress[1]))
+    except (PrepError, FastaError, ValueError) as e:
+        at = getattr(e, "at", None)
+        return at is None, at or 0, part, str(e), isinstance(e, PrepError)
+    return None

@@ -2,10 +2,10 @@
 
 For the FASTA sources on the batch reader (batch.batch_source) it is one job, this process's: it reads the
 inputs and writes the shards in input order while the pool parses the chunks, so the output is a 1-process run's,
-byte for byte. With --clusters the pool runs the two stages of an array of N jobs (data_prep/scan.py): each job
-scans its share of the member FASTA, then each joins its clusters against every share. Otherwise (--dedup,
---window, --uniref90-members, the other sources) the pool runs jobs 0..N-1 of ``--num-jobs N``, each reading every
-input. ``merge`` combines the jobs."""
+byte for byte. With --clusters it is one job too: the pool scans N shares of the member FASTA (data_prep/scan.py)
+while this process reads the TSV, then joins and writes (the 1-process output). Otherwise (--dedup, --window,
+--uniref90-members, the other sources) the pool runs jobs 0..N-1 of ``--num-jobs N``, each reading every input, and
+``merge`` combines them."""
 from __future__ import annotations
 
 import shutil
@@ -49,7 +49,7 @@ def run_workers(workers: int, job: Job, launch: Launch = Launch()) -> Result:
         # rename: a second run of any mode is refused here and touches nothing of this run's staging directory.
         with output_lock(output, f"data_prep {job.source.name} --workers {workers}"):
             check_output_replaceable(output, overwrite)  # again, under the lock: what another run left meanwhile
-            if job.clusters is None and batch_source(job.source, settings, job.members):
+            if job.clusters is not None or batch_source(job.source, settings, job.members):
                 try:
                     return run(job, replace(launch, workers=workers, locked=False))
                 except BrokenExecutor as e:  # a worker killed: DIR.partial is kept for the rerun
@@ -64,22 +64,20 @@ def run_workers(workers: int, job: Job, launch: Launch = Launch()) -> Result:
         raise
 
 
-def _job(k: int) -> tuple[int, str, int | None]:
-    """Job ``k`` of the pool's jobs (``state()``: their arguments), in a worker: (status, its error line, where in
-    the input order the error was met, when the job knows: ``PrepError.at``). (A worker ignores Ctrl-C: the parent
-    stops the pool.)"""
+def _job(k: int) -> tuple[int, str]:
+    """Job ``k`` of the pool's jobs (``state()``: their arguments), in a worker: (status, its error line). (A worker
+    ignores Ctrl-C: the parent stops the pool.)"""
     try:
         run(*state()[k])
     except (PrepError, FastaError, OSError, ValueError) as e:
-        return 1, str(e), getattr(e, "at", None)
+        return 1, str(e)
     except BaseException as e:  # noqa: BLE001 -- reported by the parent, which owns the output
-        return 2, f"{type(e).__name__}: {e}", None
-    return 0, "", None
+        return 2, f"{type(e).__name__}: {e}"
+    return 0, ""
 
 
 def _jobs_then_merge(workers: int, job: Job, launch: Launch) -> Result:
-    """Jobs 0..N-1 of ``--num-jobs N`` in the pool (with --clusters: its scan stage, then its build stage), then
-    ``merge``."""
+    """Jobs 0..N-1 of ``--num-jobs N`` in the pool, each reading every input, then ``merge``."""
     # Imported once here, before the fork, not in every worker: webdataset pulls in torch (~2 s). Not at the top of
     # the module: argument and output-directory mistakes are reported without waiting for it.
     import pipeline.data.shards  # noqa: F401
@@ -88,13 +86,10 @@ def _jobs_then_merge(workers: int, job: Job, launch: Launch) -> Result:
     staging = output.with_name(f"{output.name}.workers-partial")
     staging.mkdir(exist_ok=True)
     quiet = replace(launch, progress=("off", launch.progress[1]), locked=False)  # one progress bar: job 0's
-    # --clusters: the scan stage (each worker parses its share of the member FASTA), then the build stage (each
-    # joins its clusters against every share); otherwise one stage, the jobs of an array
-    for stage in ("scan", "build") if job.clusters is not None else (None,):
-        jobs = [(replace(job, output=staging, overwrite=True, settings=replace(
-                    job.settings, num_jobs=workers, job_index=k, stage=stage)),
-                 replace(quiet, progress=launch.progress) if k == 0 else quiet) for k in range(workers)]
-        _run_jobs(workers, jobs, staging)
+    jobs = [(replace(job, output=staging, overwrite=True, settings=replace(job.settings, num_jobs=workers,
+                                                                           job_index=k)),
+             replace(quiet, progress=launch.progress) if k == 0 else quiet) for k in range(workers)]
+    _run_jobs(workers, jobs, staging)
     result = merge(staging)
     kept = publish_dir(staging, output, TOOL, manifest_files)  # marked as data_prep's; others' files carried over
     if kept:
@@ -107,8 +102,8 @@ def _jobs_then_merge(workers: int, job: Job, launch: Launch) -> Result:
 
 
 def _run_jobs(workers: int, jobs: list[tuple[Job, Launch]], staging: Path) -> None:
-    """The jobs in the pool; a bad input is the error met first in the input order (the lowest ``at``; without
-    one, the lowest job's: every job read every record and met the same first one)."""
+    """The jobs in the pool; a bad input is the lowest job's error: every job read every record and met the same
+    first one."""
     with processes(workers, jobs) as pool:
         futures = [pool.submit(_job, k) for k in range(workers)]
         status = []
@@ -117,13 +112,13 @@ def _run_jobs(workers: int, jobs: list[tuple[Job, Launch]], staging: Path) -> No
                 status.append(pool.result(f))
             except BrokenExecutor as e:  # a worker ended: the jobs still running are stopped
                 pool.stop()
-                status += [(3, str(e), None)] * (workers - len(status))
+                status += [(3, str(e))] * (workers - len(status))
                 break
-    bad = sorted((at is None, at or 0, k, msg) for k, (rc, msg, at) in enumerate(status) if rc == 1)
+    bad = [msg for rc, msg in status if rc == 1]
     if bad:  # bad input: a rerun would fail the same way, so nothing is kept
         shutil.rmtree(staging, ignore_errors=True)
-        raise PrepError(bad[0][3])
-    failed = [(k, msg) for k, (rc, msg, _) in enumerate(status) if rc != 0]
+        raise PrepError(bad[0])
+    failed = [(k, msg) for k, (rc, msg) in enumerate(status) if rc != 0]
     if failed:
         k, msg = failed[0]
         raise PrepError(f"worker {k} of {workers} failed: {msg}")

@@ -288,10 +288,10 @@ def cluster_workers_run(args: list, out: Path, workers: int, monkeypatch, log: P
 @pytest.mark.parametrize("workers,packed", [(2, "plain"), (3, "plain"), (2, "gzip")])
 def test_cluster_workers_read_the_members_once_and_join_them_all(cluster_inputs, tmp_path, monkeypatch, workers,
                                                                    packed):
-    """--workers N with --clusters: the two stages of an array in the pool, each worker parsing only its share of
-    the member FASTA into a scan part, then each joining its clusters against all of them: each record is read by
-    one worker (a byte range of plain FASTA, every N-th chunk of gzip), and the clusters, counts and rows are the
-    one job's. The spills and scan parts are gone afterwards."""
+    """--workers N with --clusters: each pool worker parses only its share of the member FASTA into a scan part (a
+    byte range of plain FASTA, every N-th chunk of gzip), and the job joins its clusters against all of them: each
+    record is read by one worker, and the clusters, counts and rows are the one job's. The spill and its scan parts
+    are gone afterwards."""
     fasta, tsv = cluster_inputs
     if packed == "gzip":
         fasta = tmp_path / "members.fa.gz"

@@ -49,10 +49,12 @@ CASES = {
                                         "--min-length", "60", "--max-length", "1000", "--workers", "2"]),
 }
 
-# --workers on the batch reader (FASTA sources without --dedup/--window/--uniref90-members/--clusters) is one job whose
-# chunks a pool parses: its output is the 1-process run's, byte for byte.
+# --workers on the batch reader (FASTA sources without --dedup/--window/--uniref90-members) is one job whose chunks a
+# pool parses, and with --clusters one job whose member FASTA a pool scans: its output is the 1-process run's, byte
+# for byte.
 SAME_AS = {"uniref_workers2": "uniref_plain", "rnacentral_workers2": "rnacentral_plain",
-           "shared_uniref50_workers2": "shared_uniref50_plain"}
+           "shared_uniref50_workers2": "shared_uniref50_plain", "clusters_workers2": "clusters",
+           "shared_clusters_workers2": "shared_clusters"}
 
 
 def _placeholders(text: str, out: Path) -> str:
