@@ -3,10 +3,12 @@
 four variants trained alike from one random ESM2-8M, with the spread over training seeds.
 
     python bench/protlingo_ablation.py --out DIR [--quick] [--steps 120] [--seeds 0,1,2] [--variants full,dense]
+                                         [--source FASTA]
 
 1. Data: the shared UniRef50 training sample (../shared/data/protein/uniref50_202104_esm2_train_5000.fasta, 5,000
    proteins) split by data_prep --val-fraction 0.1 into train/ and val/ shards (a record's split is a hash of its
-   id); without ../shared, the shipped UniRef90 member sample (771 proteins), with a note.
+   id); without ../shared, the shipped UniRef90 member sample (771 proteins), with a note. ``--source``: another
+   FASTA (e.g. that sample, whose held-out tenth scores in a fifth of the time: the suite's smoke run).
 2. Backbone: tools/make_random_esm2.py --size 8M --seed 0, once: every variant starts from the same ESM2.
 3. Per variant (launchers/configs/protlingo_ablation_{full,no_moe,no_memory,dense}.yaml) and seed: upcycled with
    tools/upcycle_esm2.py --config (routers and memory drawn by the seed), trained --steps steps by
@@ -50,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}, with full")
+    p.add_argument("--source", type=Path, default=None,
+                   help=f"FASTA to split (default: {SHARED.name} from ../shared, else {SAMPLE.name})")
     args = p.parse_args(argv)
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
@@ -62,11 +66,14 @@ def main(argv=None) -> int:
         print(f"error: --variants {args.variants!r}: expected some of {','.join(VARIANTS)}, full among them",
               file=sys.stderr)
         return 2
+    if args.source is not None and not args.source.is_file():
+        print(f"error: --source {args.source}: no such file", file=sys.stderr)
+        return 2
     if args.quick:
         args.steps, seeds = 20, [0]
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    source = SHARED if SHARED.is_file() else SAMPLE
+    source = args.source.resolve() if args.source else SHARED if SHARED.is_file() else SAMPLE
     if source is SAMPLE:
         print(f"note: {SHARED} not found; training on the shipped sample {SAMPLE.name} (771 proteins)")
     shards = out / "shards"

@@ -34,3 +34,9 @@ def test_bad_variants_exit_2(tmp_path, capsys, variants):
     assert protlingo_ablation.main(["--out", str(tmp_path), "--variants", variants]) == 2
     assert f"--variants {variants!r}" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_missing_source_exits_2(tmp_path, capsys):
+    assert protlingo_ablation.main(["--out", str(tmp_path), "--source", str(tmp_path / "none.fasta")]) == 2
+    assert "--source" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
