@@ -1,8 +1,8 @@
 """The record rule: whether a record (or a cluster member) is kept or dropped, and why, for every path.
 
 Every path asks here and nowhere else: the per-record path (data_prep/build.py ``SequenceBuild.record``), the batch
-path (``SequenceBuild._write_run``, whole chunks at once through ``length_drops``), a --workers process (the same
-code, fed by its parent) and the cluster members (data_prep/join.py). What this module owns:
+path (``SequenceBuild._write_run``, whole chunks at once through ``length_drops``; under --workers too, the job
+writing what its pool parsed) and the cluster members (data_prep/scan.py, each scan part). What this module owns:
 
 * the outcome codes (``KEPT``, ``REPLACED``, ``FILTERED``, ``STRICT``);
 * the checks, in this order: a record the reader marked invalid (``reason`` set by the reader, e.g.

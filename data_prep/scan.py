@@ -262,6 +262,7 @@ def _read_input(outcomes: Outcomes, batch: BatchReader, path: Path, n_input: int
             end += len(recs)
             bar.update(done_before + input_position(path), records=outcomes.records)
         return end
+
     def readers():  # a Reader over the part's texts, or one per own chunk of a Stripe (its first record numbered)
         if not isinstance(texts, Stripe):
             yield Reader(path, batch.tokens, batch.check, None, first_index=base, texts=texts, bound=batch.bound)
