@@ -8,7 +8,7 @@ four variants trained alike from one random ESM2-8M, with the spread over traini
 1. Data: the shared UniRef50 training sample (../shared/data/protein/uniref50_202104_esm2_train_5000.fasta, 5,000
    proteins) split by data_prep --val-fraction 0.1 into train/ and val/ shards (a record's split is a hash of its
    id); without ../shared, the shipped UniRef90 member sample (771 proteins), with a note. ``--source``: another
-   FASTA (e.g. that sample, whose held-out tenth scores in a fifth of the time: the suite's smoke run).
+   FASTA (e.g. that sample, whose held-out tenth scores in under half the time: the suite's smoke run).
 2. Backbone: tools/make_random_esm2.py --size 8M --seed 0, once: every variant starts from the same ESM2.
 3. Per variant (launchers/configs/protlingo_ablation_{full,no_moe,no_memory,dense}.yaml) and seed: upcycled with
    tools/upcycle_esm2.py --config (routers and memory drawn by the seed), trained --steps steps by
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}, with full")
-    p.add_argument("--source", type=Path, default=None,
+    p.add_argument("--source", type=Path, default=None, metavar="FASTA",
                    help=f"FASTA to split (default: {SHARED.name} from ../shared, else {SAMPLE.name})")
     args = p.parse_args(argv)
     try:

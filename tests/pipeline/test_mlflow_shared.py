@@ -1,7 +1,9 @@
 """MLflow for a group (docs/tracking.md): two trainings started at once in two run directories, with no store
 configured, land in one store beside them (runs/mlflow.db in a checkout); each run holds rank 0's system metrics, the
 commit of the code, its command line and its training and validation shards as dataset inputs; a resume continues its
-run in that store. Real launches (tiny Eco-RNA, one rank each, the quickstart's shape)."""
+run in that store. Real launches (tiny Eco-RNA, one rank each, the quickstart's shape), each one process (conftest
+pretrain_cmd: without the deepspeed runner's two interpreters, which MLflow does not see; the runner's own tests are
+conftest deepspeed_cmd's)."""
 import hashlib
 import json
 import subprocess
@@ -9,8 +11,8 @@ import sys
 
 import pytest
 
-from conftest import (HELDOUT_FASTA, REPO, TINY, deepspeed_cmd, kill_group, launch_env, mlflow_runs, mlflow_store,
-                      run_pretrain)
+from conftest import (HELDOUT_FASTA, REPO, TINY, kill_group, launch_env, mlflow_runs, mlflow_store, pretrain_cmd,
+                      run_single)
 
 STEPS = 4
 
@@ -34,7 +36,7 @@ def val_shards(tmp_path_factory):
 def two_runs(sample_shards, val_shards, tmp_path_factory):
     runs = tmp_path_factory.mktemp("checkout") / "runs"
     dirs = [runs / "a", runs / "b"]
-    procs = [subprocess.Popen(deepspeed_cmd(1, "ds_configs/zero2.json", sets(sample_shards, val_shards, d)), cwd=REPO,
+    procs = [subprocess.Popen(pretrain_cmd("ds_configs/zero2.json", sets(sample_shards, val_shards, d)), cwd=REPO,
                               env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True) for d in dirs]  # no MLFLOW_TRACKING_URI: the default store
     try:
@@ -94,7 +96,7 @@ def test_a_resumed_run_continues_in_the_shared_store(two_runs, sample_shards, va
 
     runs, dirs = two_runs
     (before,) = mlflow_runs(dirs[0])
-    more = run_pretrain(1, "ds_configs/zero2.json", sets(sample_shards, val_shards, dirs[0], STEPS + 2))
+    more = run_single("ds_configs/zero2.json", sets(sample_shards, val_shards, dirs[0], STEPS + 2))
     assert more.returncode == 0 and "resumed from" in more.stdout, more.stderr[-3000:]
     (after,) = mlflow_runs(dirs[0])
     assert after.info.run_id == before.info.run_id and after.info.status == "FINISHED"

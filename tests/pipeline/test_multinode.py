@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, TINY, free_port, launch_env, losses, mlflow_runs, mlflow_store, read_jsonl, run_pretrain,
+from conftest import (REPO, TINY, free_port, launch_env, losses, mlflow_runs, mlflow_store, read_jsonl, run_torchrun,
                       samples_per_step)
 
 sys.path.insert(0, str(REPO / "tests" / "pipeline" / "parallel"))
@@ -126,8 +126,10 @@ def check_same_run(ref: Path, run: dict):
 # --------------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def eco_ref(sample_shards, tmp_path_factory) -> Path:
+    """The uninterrupted single launch of 2 ranks, under torchrun (half the deepspeed runner's start-up; the numbers
+    are the runner's, check_same_run): the runner is what the two-node launches test."""
     ref = tmp_path_factory.mktemp("eco") / "ref"
-    proc = run_pretrain(2, "ds_configs/zero2.json", sets(sample_shards, ref))
+    proc = run_torchrun(2, "ds_configs/zero2.json", sets(sample_shards, ref))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return ref
 
@@ -181,8 +183,8 @@ def test_expert_parallel_across_two_nodes_resumes_on_the_single_launch_trajector
     """ProtLingo with 4 experts, EP 2: each node holds 2 of them, and tokens cross nodes in the all-to-all."""
     more = ["train.expert_parallel_size=2"]
     ref = tmp_path / "ref"
-    proc = run_pretrain(2, "ds_configs/zero2.json", sets(protein_shards, ref, *more, tiny=False),
-                        extra=["--config", str(protlingo_yaml)])
+    proc = run_torchrun(2, "ds_configs/zero2.json", sets(protein_shards, ref, *more, tiny=False),
+                        extra=["--config", str(protlingo_yaml)])  # the single launch: torchrun, as eco_ref
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = kill_node1_then_resume(tmp_path, "ds_configs/zero2.json",
                                  sets(protein_shards, tmp_path / "run", *more, tiny=False), config=protlingo_yaml)

@@ -11,14 +11,24 @@ from token_norm_worker import initial_model, microbatches, run_config
 pytestmark = pytest.mark.slow
 
 
-def deepspeed_step(stage, shards, tmp_path, aux):
-    out = tmp_path / f"z{stage}.pt"
-    # torchrun: the subject is the normalization, not the launcher (conftest.torchrun: half the runner's start-up)
-    cmd = torchrun(2, REPO / "tests/pipeline/token_norm_worker.py",
-                   ["--stage", str(stage), "--shards", str(shards), "--out", str(out)] + (["--aux"] if aux else []))
-    proc = run_launch(cmd, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return torch.load(out, weights_only=True)
+@pytest.fixture(scope="module")
+def deepspeed_step(sample_shards, tmp_path_factory):
+    """(stage, aux) -> the worker's step on 2 ranks: one launch per ZeRO stage makes the steps of both objectives
+    (without the auxiliary losses and with them), which the two tests of that stage read."""
+    done = {}
+
+    def step(stage, aux):
+        if stage not in done:
+            out = tmp_path_factory.mktemp(f"z{stage}") / "steps.pt"
+            # torchrun: the subject is the normalization, not the launcher (conftest.torchrun: half the runner's
+            # start-up)
+            cmd = torchrun(2, REPO / "tests/pipeline/token_norm_worker.py",
+                           ["--stage", str(stage), "--shards", str(sample_shards), "--out", str(out)])
+            proc = run_launch(cmd, timeout=300)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            done[stage] = torch.load(out, weights_only=True)
+        return done[stage][aux]
+    return step
 
 
 def plans_for(batches, cfg):
@@ -60,7 +70,7 @@ def setup(sample_shards):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_global_token_mean(stage, sample_shards, setup, tmp_path):
+def test_global_token_mean(stage, setup, deepspeed_step):
     cfg = run_config(aux=False)
     batches = setup
     plans = plans_for(batches, cfg)
@@ -72,13 +82,13 @@ def test_global_token_mean(stage, sample_shards, setup, tmp_path):
                    backward_window=cfg.objective.backward_window).logits
     ce, m = per_row_ce(logits, whole.labels)
     want = sgd_update(model, ce.sum() / m.sum())
-    got = deepspeed_step(stage, sample_shards, tmp_path, aux=False)
+    got = deepspeed_step(stage, aux=False)
     assert got["rec"]["supervised_tokens"] == int(m.sum())
     assert_same_update(got["state"], want)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_equation_A7_with_auxiliary_losses(stage, sample_shards, setup, tmp_path):
+def test_equation_A7_with_auxiliary_losses(stage, setup, deepspeed_step):
     """(1/Z_acc) sum_{r,b} (S_rb + m_rb A_rb), evaluated directly microbatch by microbatch in one process."""
     cfg = run_config(aux=True)
     obj = cfg.objective
@@ -103,5 +113,5 @@ def test_equation_A7_with_auxiliary_losses(stage, sample_shards, setup, tmp_path
         L_a = hinge.mean() if elig.any() else S * 0
         total = total + S + m * (obj.lambda_fp * L_fp + obj.lambda_anchor * L_a)
     want = sgd_update(model, total / Z)
-    got = deepspeed_step(stage, sample_shards, tmp_path, aux=True)
+    got = deepspeed_step(stage, aux=True)
     assert_same_update(got["state"], want)

@@ -1,6 +1,8 @@
-"""Worker for test_token_normalization: one real DeepSpeed optimizer step (SGD, lr 1) on 2 ranks x 2 microbatches.
+"""Worker for test_token_normalization: one real DeepSpeed optimizer step (SGD, lr 1) on 2 ranks x 2 microbatches,
+for each objective in turn (without the auxiliary losses, then with them: a fresh model and engine each, one launch).
 
-Rank r trains on microbatches 2r and 2r+1 of ``microbatches(...)``; rank 0 writes the updated parameters.
+Rank r trains on microbatches 2r and 2r+1 of ``microbatches(...)``; rank 0 writes the updated parameters of each
+objective's step to ``--out`` as {False: ..., True: ...} (keyed by aux).
 """
 import argparse
 import sys
@@ -43,7 +45,6 @@ def main():
     p.add_argument("--stage", type=int, required=True)
     p.add_argument("--shards", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--aux", action="store_true")
     p.add_argument("--local_rank", type=int, default=None)
     args = p.parse_args()
 
@@ -54,20 +55,22 @@ def main():
 
     init_distributed()
     rank = dist.get_rank()
-    cfg = run_config(args.aux)
     family = get_family("eco_rna")
-    model = initial_model(cfg)
-    ds_config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "train_batch_size": 12,
-                 "gradient_clipping": 0.0, "zero_optimization": {"stage": args.stage},
-                 "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                      config=ds_config)
-    batches = microbatches(args.shards, cfg)[2 * rank: 2 * rank + 2]
-    rec = train_step(engine, family, cfg, batches, step=0, device=torch.device("cpu"))
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=args.stage == 3):
-        state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    out = {}
+    for aux in (False, True):
+        cfg = run_config(aux)
+        model = initial_model(cfg)
+        ds_config = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2, "train_batch_size": 12,
+                     "gradient_clipping": 0.0, "zero_optimization": {"stage": args.stage},
+                     "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                          config=ds_config)
+        batches = microbatches(args.shards, cfg)[2 * rank: 2 * rank + 2]
+        rec = train_step(engine, family, cfg, batches, step=0, device=torch.device("cpu"))
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=args.stage == 3):
+            out[aux] = {"state": {k: v.detach().clone() for k, v in engine.module.state_dict().items()}, "rec": rec}
     if rank == 0:
-        torch.save({"state": state, "rec": rec}, args.out)
+        torch.save(out, args.out)
     shutdown_distributed()
 
 
