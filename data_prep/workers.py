@@ -27,10 +27,10 @@ from .settings import Job, Launch, Result
 
 
 def run_workers(workers: int, job: Job, launch: Launch = Launch()) -> Result:
-    """One data_prep run on ``workers`` processes of this machine (module docstring). The jobs of an array are
-    written into ``DIR.workers-partial``, merged and renamed to ``DIR`` (their shards ``SOURCE-jKKKK-*.tar`` and
-    job manifests beside the merged manifest.json); a bad input stops every job and leaves nothing (the error a
-    single process meets first), an interrupted run resumes each job's work."""
+    """One data_prep run on ``workers`` processes of this machine (module docstring): one job with a pool, or the
+    jobs of an array written into ``DIR.workers-partial``, merged and renamed to ``DIR`` (their shards
+    ``SOURCE-jKKKK-*.tar`` and job manifests beside the merged manifest.json). A bad input stops every process and
+    leaves nothing (the error a single process meets first); an interrupted run resumes."""
     settings, overwrite = job.settings, job.overwrite
     if settings.num_jobs != 1:
         raise PrepError(f"--workers {workers} runs the jobs of one machine itself: it excludes --num-jobs "
