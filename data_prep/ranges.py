@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -83,28 +84,35 @@ def cut_fraction(k: int, num_jobs: int) -> float:
     return (1.0 - q ** k) / (1.0 - q ** num_jobs)
 
 
-def byte_ranges(paths: list[Path], num_jobs: int, job_index: int) -> list[ByteRange]:
-    """Job ``job_index``'s ranges of ``paths`` laid end to end, cut near ``cut_fraction`` of their bytes at record
-    starts (so a job may get none, when one record spans a cut's whole share)."""
+def share(paths: list[Path], cuts: Callable[[int], int], index: int) -> list[ByteRange]:
+    """The ranges of ``paths`` laid end to end between cut ``index`` and cut ``index + 1``, cut k falling at byte
+    ``cuts(k)`` of them moved on to the next record start (so a share may be empty, when one record spans it)."""
     sizes = [p.stat().st_size for p in paths]
-    total = sum(sizes)
 
     def cut(k: int) -> tuple[int, int]:  # (input, offset) of the record start at or after cut k's byte
-        x = total if k == num_jobs else round(total * cut_fraction(k, num_jobs))
+        x = cuts(k)
         for i, size in enumerate(sizes):
             if x < size:
                 at = record_start(paths[i], x)
                 return (i, at) if at < size else (i + 1, 0)
             x -= size
         return len(paths), 0
-    (i0, o0), (i1, o1) = cut(job_index), cut(job_index + 1)
+    (i0, o0), (i1, o1) = cut(index), cut(index + 1)
     out = []
     for i in range(i0, min(i1 + 1, len(paths))):
         lo, hi = (o0 if i == i0 else 0), (o1 if i == i1 else sizes[i])
         if lo < hi:
             out.append(ByteRange(i, lo, hi))
+    return out
+
+
+def byte_ranges(paths: list[Path], num_jobs: int, job_index: int) -> list[ByteRange]:
+    """Job ``job_index``'s ranges of ``paths`` laid end to end, cut near ``cut_fraction`` of their bytes at record
+    starts, its first record's global index and line counted."""
+    total = sum(p.stat().st_size for p in paths)
+    out = share(paths, lambda k: total if k == num_jobs else round(total * cut_fraction(k, num_jobs)), job_index)
     if out:
-        before = [count_records(paths[i], sizes[i])[0] for i in range(out[0].input)]
+        before = [count_records(paths[i], paths[i].stat().st_size)[0] for i in range(out[0].input)]
         records, lines = count_records(paths[out[0].input], out[0].lo)
         out[0].first_index, out[0].first_line = sum(before) + records, lines + 1
     return out

@@ -32,7 +32,7 @@ from .gather import gather
 from .join import TableWriter, binary, shift_lines
 from .pool import Pool, state as pool_state
 from .progress import Progress
-from .ranges import ByteRange, count_records, headers, record_start
+from .ranges import ByteRange, count_records, headers, share
 from .rule import FILTERED, KEPT, REPLACED, STRICT
 from .sources import Context
 
@@ -52,24 +52,8 @@ def byte_parts(paths: list[Path], parts: int) -> bool:
 def part_ranges(paths: list[Path], parts: int, part: int) -> dict[int, ByteRange]:
     """Part ``part``'s byte ranges, by input: the inputs laid end to end, cut at k/N of their bytes moved on to the
     next record start. Lines are numbered from the range's start (``first_line`` 1)."""
-    sizes = [p.stat().st_size for p in paths]
-    total = sum(sizes)
-
-    def cut(k: int) -> tuple[int, int]:  # (input, offset) of the record start at or after byte k/N
-        x = total * k // parts
-        for i, size in enumerate(sizes):
-            if x < size:
-                at = record_start(paths[i], x)
-                return (i, at) if at < size else (i + 1, 0)
-            x -= size
-        return len(paths), 0
-    (i0, o0), (i1, o1) = cut(part), cut(part + 1)
-    out = {}
-    for i in range(i0, min(i1 + 1, len(paths))):
-        lo, hi = (o0 if i == i0 else 0), (o1 if i == i1 else sizes[i])
-        if lo < hi:
-            out[i] = ByteRange(i, lo, hi)
-    return out
+    total = sum(p.stat().st_size for p in paths)
+    return {r.input: r for r in share(paths, lambda k: total * k // parts, part)}
 
 
 class Counted:
