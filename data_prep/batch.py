@@ -299,7 +299,7 @@ class Reader:
 
 
 def _parse(path: Path, uniref: bool | None, jobs: tuple[int, int], text: bytes, line: int, first: int) -> Chunk:
-    """Reader.parse in a --workers pool process (the reader's tables: the pool's state, build.BatchReader)."""
+    """Reader.parse in a --workers pool process (the reader's tables: the pool's state, BatchReader)."""
     b = pool_state()
     chunk = Reader(path, b.tokens, b.check, uniref, b.to_record, jobs=jobs).parse(text, line, first)
     seq = np.frombuffer(chunk.seq_text, np.uint8)
