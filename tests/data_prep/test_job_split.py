@@ -338,6 +338,23 @@ def test_a_bad_member_record_stops_every_cluster_worker(cluster_inputs, tmp_path
     assert list(spills.iterdir()) == []
 
 
+@pytest.mark.parametrize("packed", ["plain", "gzip"])
+def test_cluster_workers_report_the_first_of_two_bad_records(cluster_inputs, tmp_path, monkeypatch, capsys, packed):
+    """Headers without a record id in the first and the last third of the members' FASTA: the scan parts that meet
+    them both fail, and --workers 3 reports the first in input order (a part's ``at``), as one process does."""
+    text = cluster_inputs[0].read_text()
+    a, b = text.index("\n>", len(text) // 4) + 1, text.index("\n>", 3 * len(text) // 4) + 1
+    bad = text[:a] + ">\nMKV\n" + text[a:b] + ">\nMKV\n" + text[b:]
+    fasta = tmp_path / ("bad.fa.gz" if packed == "gzip" else "bad.fa")
+    fasta.write_bytes(gzip.compress(bad.encode()) if packed == "gzip" else bad.encode())
+    args = ["uniref", "--input", fasta, "--clusters", cluster_inputs[1], "--max-filtered-fraction", 1]
+    assert run(*args, "--output", tmp_path / "one") == 1
+    want = capsys.readouterr().err
+    assert "header has no record id" in want, want
+    assert cluster_workers_run(args, tmp_path / "workers", 3, monkeypatch, tmp_path / "chunks.log") == 1
+    assert capsys.readouterr().err == want
+
+
 def test_a_cluster_worker_killed_stops_the_run(cluster_inputs, tmp_path, monkeypatch, capsys):
     """The first worker to parse a chunk dies (SIGKILL) while the other reads on: the parent stops the other,
     names the dead worker's exit status, and publishes nothing."""
