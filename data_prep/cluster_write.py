@@ -9,7 +9,6 @@ import numpy as np
 
 from . import rule
 from .batch import json_string
-from .fasta import input_position
 from .gather import gather
 from .progress import Progress
 from .rule import KEPT, NOT_IN_FASTA, REPLACED
@@ -18,7 +17,7 @@ ABSENT = 255  # status of a member without a FASTA record
 SLOT_ROW = np.dtype([("slot", "<i8"), ("line", "<i8"), ("input", "<i4"), ("ntok", "<i4"), ("status", "u1")])
 
 
-def _numpy(column) -> np.ndarray:
+def numpy_view(column) -> np.ndarray:
     """A numeric Arrow column without nulls as a numpy view (pyarrow's to_numpy imports pandas, a third of a
     second)."""
     if hasattr(column, "combine_chunks"):
@@ -51,7 +50,7 @@ class Slots:
                     self.pending = self.reader.read_next_batch()
                 except StopIteration:
                     break
-            k = int(np.searchsorted(_numpy(self.pending.column(0)), b))
+            k = int(np.searchsorted(numpy_view(self.pending.column(0)), b))
             parts.append(self.pending.slice(0, k))
             if k < self.pending.num_rows:
                 self.pending = self.pending.slice(k)
@@ -67,9 +66,9 @@ class Slots:
         t = self._upto(b)
         out = np.zeros(b - a, SLOT_ROW)
         out["status"] = ABSENT
-        slots = _numpy(t.column("slot"))
+        slots = numpy_view(t.column("slot"))
         for f in ("line", "input", "ntok", "status"):
-            out[f][slots - a] = _numpy(t.column(f))
+            out[f][slots - a] = numpy_view(t.column(f))
         status = out["status"][slots - a]
         kept = (status == KEPT) | (status == REPLACED)
         tokens = t.column("tokens").combine_chunks()
@@ -108,6 +107,7 @@ class Writer:
                             + ',"length":%d,"members":%s,"listed":%d}\n')
 
     def write_clusters(self, bar: Progress) -> None:
+        size = self.cmap.path.stat().st_size
         for index, names, members, lines, firsts, counts in self.cmap.own():
             # batches of about BATCH members (a cluster larger than that alone)
             cuts = np.unique(np.searchsorted(np.cumsum(counts), np.arange(self.BATCH, int(counts.sum()),
@@ -116,7 +116,9 @@ class Writer:
                 if i < j:
                     self._batch(tuple(index[i:j].tolist()), names[i:j], members[i:j], lines[i:j].tolist(),
                                 firsts[i:j].tolist(), counts[i:j])
-            bar.update(input_position(self.cmap.path), written=self.stats["clusters_kept"])
+            # the TSV's bytes, as far as its rows are written
+            bar.update(size * (int(index[-1]) + 1) // self.cmap.clusters if len(index) else 0,
+                       written=self.stats["clusters_kept"])
 
     def _batch(self, index: tuple, names: list, members: list, lines: list, firsts: list, counts: np.ndarray
                ) -> None:

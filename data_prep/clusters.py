@@ -23,21 +23,20 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from .checks import DamageCheck, PrepError
-from .cluster_write import Writer
+from .cluster_write import Writer, numpy_view
 from .common import TSV_HEADER, input_fingerprint
+from .cut import is_gzip
 from .fasta import GZIP_ERRORS, FastaError, input_position, numbered_lines, open_input
-from .join import NAME, OTHER, TSV_COLUMNS, Spill, TableWriter, join, offsets
-from .scan import load_parts, part_name, scan, scan_fingerprint
+from .join import NAME, OTHER, Spill, arrow_array, join, offsets, sql_list
+from .scan import load_parts, scan_fingerprint
 from .progress import Progress
 from .rule import ALL_MEMBERS_FILTERED, NO_MEMBER_IN_FASTA, member_reasons
 
 @dataclass
 class ClusterMap:
-    """The TSV's counts (every job parses all of it) and this job's share, whose members wait in the spill's TSV
-    table."""
+    """The TSV's counts (every job parses all of it) and this job's share, whose rows and members wait in the
+    spill's DuckDB tables (``load_clusters``)."""
 
     path: Path
     num_jobs: int
@@ -50,17 +49,17 @@ class ClusterMap:
     own_members: int
     first_member: str | None  # this job's first member id (named when none is found in the FASTA)
 
+    BATCH = 1 << 14  # rows read at a time by ``own``
+
     def own(self):
-        """RowBlocks of this job's clusters in TSV order, with ``firsts``: the first slot of each (pass 1 checked
-        every row). ``first_row`` is then the block's first row of the file, and row r is row ``rows[r]``."""
-        slot = 0
-        for b in _row_blocks(self.path):
-            sel = np.flatnonzero((b.first_row + np.arange(len(b.names))) % self.num_jobs == self.job_index)
-            counts = b.counts[sel]
-            firsts = slot + np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-            slot += int(counts.sum())
-            yield (b.first_row + sel, [b.names[i] for i in sel.tolist()], [b.members[i] for i in sel.tolist()],
-                   b.lines[sel], firsts, counts)
+        """This job's clusters in TSV order, a batch of rows at a time: (data row of the file, cluster name,
+        members "a,b,...", line, first slot, member count), the numbers as int64 arrays."""
+        # a cursor of its own: pass 4 reads the joined table meanwhile (one open result per connection)
+        reader = self.spill.db().cursor().sql("SELECT row, name, members, line, first, n FROM own ORDER BY row"
+                                               ).to_arrow_reader(self.BATCH)
+        for b in reader:
+            yield (numpy_view(b.column(0)), b.column(1).to_pylist(), b.column(2).to_pylist(), numpy_view(b.column(3)),
+                   numpy_view(b.column(4)), numpy_view(b.column(5)))
 
 
 def _parse_row(path: Path, lineno: int, parts: list[str]) -> tuple[str, list[str]]:
@@ -87,87 +86,6 @@ def _rows(path: Path):
             yield lineno, parts
 
 
-@dataclass
-class RowBlock:
-    """Consecutive data rows of the TSV: row r of the block is data row ``first_row + r`` of the file."""
-    first_row: int
-    names: list  # cluster names
-    members: list  # the members as written, "a,b,..."
-    lines: np.ndarray  # int64: 1-based line of each row
-    counts: np.ndarray  # int64: members of each row
-    blank: int  # blank lines among the block's lines
-
-
-_HEADER = "\t".join(TSV_HEADER).encode() + b"\n"
-_BLANKS = np.zeros(256, bool)  # blanks other than \t and \n that str.split() splits on (ASCII)
-_BLANKS[[0x20, 0x0d, 0x0b, 0x0c, 0x1c, 0x1d, 0x1e, 0x1f]] = True
-_EMPTY_FIELDS = (b"\n\n", b"\n\t", b"\t\n", b"\t,", b",,", b",\n")  # and a repeated header: line by line
-
-
-def _plain(text: bytes) -> bool:
-    """Whether ``text`` can take _parse_block's fast path: ASCII, no blank but \t and \n, no empty field."""
-    return (text.isascii() and not text.startswith((b"\t", b"\n")) and not any(e in text for e in _EMPTY_FIELDS)
-            and _HEADER[:-1] not in text and not _BLANKS[np.frombuffer(text, np.uint8)].any())
-
-
-def _row_blocks(path: Path, size: int = 1 << 20):
-    """The TSV's data rows in RowBlocks of about ``size`` bytes: a block of plain rows (ASCII, one tab a line, no
-    blank line, no empty field) parsed by a few str and numpy operations over the whole block; any other block
-    line by line, with the checks and errors of ``_rows`` and ``_parse_row``."""
-    first, line, row, carry = [True], 1, 0, b""
-    try:
-        with open_input(path) as f:
-            while True:
-                block = f.read(size)
-                buf = carry + block
-                cut = buf.rfind(b"\n") + 1 if block else len(buf)
-                if block and cut == 0:
-                    carry = buf
-                    continue
-                text, carry = buf[:cut], buf[cut:]
-                if text:
-                    out = _parse_block(path, text if text.endswith(b"\n") else text + b"\n", line, row, first)
-                    line += text.count(b"\n")
-                    row += len(out.names)
-                    yield out
-                if not block:
-                    return
-    except GZIP_ERRORS as e:
-        raise FastaError(f"{path}: corrupt or truncated gzip data ({e})") from None
-
-
-def _parse_block(path: Path, text: bytes, first_line: int, first_row: int, first: list) -> RowBlock:
-    """The rows of ``text`` (whole lines, the last ending with a newline) from line ``first_line``; ``first``:
-    [whether no data or header line came before], updated."""
-    if first[0] and text.startswith(_HEADER):
-        text, first_line = text[len(_HEADER):], first_line + 1
-        first[0] = False
-    if not text:
-        return RowBlock(first_row, [], [], np.zeros(0, np.int64), np.zeros(0, np.int64), 0)
-    arr = np.frombuffer(text, np.uint8)
-    if _plain(text):
-        nl, tab = np.flatnonzero(arr == 10), np.flatnonzero(arr == 9)
-        if len(tab) == len(nl) and (np.searchsorted(tab, nl) == np.arange(1, len(nl) + 1)).all():
-            # one tab in every line: name<TAB>members, no field empty (_UNUSUAL), no blank inside one
-            fields = text.decode("ascii").replace("\n", "\t").split("\t")[:-1]
-            counts = np.diff(np.searchsorted(np.flatnonzero(arr == 44), np.concatenate([[0], nl]))) + 1
-            first[0] = False
-            return RowBlock(first_row, fields[0::2], fields[1::2], first_line + np.arange(len(nl)), counts, 0)
-    names, members, lines, counts, blank = [], [], [], [], 0
-    for k, raw in enumerate(text[:-1].split(b"\n")):
-        lineno = first_line + k
-        parts = _row(path, lineno, raw, first)
-        if parts is None:
-            blank += 1
-        elif parts:
-            name, ids = _parse_row(path, lineno, parts)
-            names.append(name)
-            members.append(",".join(ids))
-            lines.append(lineno)
-            counts.append(len(ids))
-    return RowBlock(first_row, names, members, np.array(lines, np.int64), np.array(counts, np.int64), blank)
-
-
 def _row(path: Path, lineno: int, line: bytes, first: list) -> list | None:
     """One line's fields: None for a blank line, [] for the header."""
     if line.endswith(b"\r"):
@@ -189,34 +107,106 @@ def _row(path: Path, lineno: int, line: bytes, first: list) -> list | None:
     return parts
 
 
+ROWS = "CREATE TABLE rows (row BIGINT, line BIGINT, name VARCHAR, members VARCHAR)"
+# A row the line-by-line reader would refuse or read otherwise: a field empty or holding a byte outside printable
+# ASCII (blanks, CR, controls, UTF-8), an empty member id, or the header again.
+_UNUSUAL = ("name IS NULL OR members IS NULL OR regexp_matches(name || members, '[^!-~]') OR starts_with(members, "
+            f"',') OR ends_with(members, ',') OR contains(members, ',,') OR (name = '{TSV_HEADER[0]}' AND members = "
+            f"'{TSV_HEADER[1]}')")
+
+
+def _read_fast(path: Path, spill: Spill) -> bool:
+    """The TSV into the table ``rows`` by DuckDB's CSV reader (parallel, out of core), when every line is a plain
+    row: two tab-separated fields of printable ASCII, no blank line. False, with nothing left in the database,
+    for any other file: the line-by-line reader then reads it, with its errors naming the line."""
+    with open_input(path) as f:  # refuses bzip2, binary data
+        head = f.readline()
+    header = head.rstrip(b"\n") == "\t".join(TSV_HEADER).encode()
+    gz = is_gzip(path)
+    db = spill.db()
+    import duckdb
+
+    try:
+        db.execute("SET preserve_insertion_order = true")  # rowid = data row, in file order
+        db.execute(f"CREATE TABLE raw AS SELECT * FROM read_csv({sql_list([path])}, delim = '\t', quote = '', "
+                   f"escape = '', new_line = '\\n', header = {str(header).lower()}, auto_detect = false, strict_mode = "
+                   f"true, compression = '{'gzip' if gz else 'none'}', columns = {{'name': 'VARCHAR', 'members': "
+                   "'VARCHAR'})")
+        rows, unusual = db.execute(f"SELECT count(*), count(*) FILTER ({_UNUSUAL}) FROM raw").fetchone()
+        plain = unusual == 0 and rows + header == _line_count(path)  # DuckDB skips blank lines: none may be there
+        if plain:
+            db.execute(f"CREATE TABLE rows AS SELECT rowid::BIGINT AS row, (rowid + {1 + header})::BIGINT AS line, "
+                       "name, members FROM raw")
+    except (duckdb.InvalidInputException, duckdb.IOException, duckdb.ConversionException):  # damaged gzip, invalid UTF-8, a line of one or three fields, CRs, a huge line
+        plain = False
+    finally:
+        db.execute("DROP TABLE IF EXISTS raw")
+        db.execute("SET preserve_insertion_order = false")
+    return plain
+
+
+def _line_count(path: Path) -> int:
+    """Lines of the (decompressed) file, a last line without its line break included; -1 for damaged gzip."""
+    n, last = 0, b"\n"
+    try:
+        with open_input(path) as f:
+            while block := f.read(1 << 22):
+                n, last = n + block.count(b"\n"), block[-1:]
+    except GZIP_ERRORS:
+        return -1
+    return n + (last != b"\n")
+
+
+def _read_lines(path: Path, spill: Spill, bar: Progress) -> int:
+    """The TSV into the table ``rows`` line by line, each row checked (``_parse_row``); returns its blank lines."""
+    import pyarrow as pa
+
+    db = spill.db()
+    db.execute(ROWS)
+    batch, blank, row = [], 0, 0
+
+    def flush():
+        if batch:
+            columns = zip(("row", "line", "name", "members"), zip(*batch), ("int64", "int64", "string", "string"))
+            db.from_arrow(pa.table({k: arrow_array(list(v), t) for k, v, t in columns})).insert_into("rows")
+            batch.clear()
+            bar.update(input_position(path), clusters=row)
+    for lineno, parts in _rows(path):
+        if parts is None:
+            blank += 1
+            continue
+        name, members = _parse_row(path, lineno, parts)
+        batch.append((row, lineno, name, ",".join(members)))
+        row += 1
+        if len(batch) == ClusterMap.BATCH:
+            flush()
+    flush()
+    return blank
+
+
 def load_clusters(path: Path, spill: Spill, num_jobs: int = 1, job_index: int = 0,
                   progress: tuple = ("auto", 60.0)) -> ClusterMap:
-    """Parse and check the whole mapping TSV (pass 1 of data_prep/join.py): every id into the spill's TSV table,
-    job ``job_index``'s members with their slots; an id listed twice is an error naming both lines."""
-    out = TableWriter(spill.tsv, TSV_COLUMNS)
-    n_clusters = n_members = blank = own_clusters = own_members = 0
-    first_member = None
-    try:
-        with Progress(f"{path.name} (clusters TSV)", path.stat().st_size, *progress) as bar:
-            for b in _row_blocks(path):
-                blank += b.blank
-                own = (b.first_row + np.arange(len(b.names))) % num_jobs == job_index
-                member_own = np.repeat(own, b.counts)
-                ids = ",".join(b.members).split(",") if b.members else []
-                slots = np.where(member_own, own_members + np.cumsum(member_own) - 1, OTHER)
-                if first_member is None and own.any():
-                    first_member = ids[int(np.argmax(member_own))]
-                out.write({"id": ids + ["\x01" + n for n in b.names],
-                           "slot": np.concatenate([slots, np.full(len(b.names), NAME)]).astype(np.int64)})
-                n_clusters += len(b.names)
-                n_members += len(ids)
-                own_clusters += int(own.sum())
-                own_members += int(member_own.sum())
-                bar.update(input_position(path), clusters=n_clusters, members=n_members)
-    finally:
-        out.close()
+    """Parse and check the whole mapping TSV (pass 1 of data_prep/join.py) into the spill's database: ``rows`` (every
+    data row with its line), ``own`` (this job's rows, row % N == I, with the slot of their first member) and
+    ``tsv`` (every member id and cluster name; this job's members with their slots, the others' OTHER and the
+    names NAME); an id listed twice is an error naming both lines."""
+    blank = 0
+    with Progress(f"{path.name} (clusters TSV)", path.stat().st_size, *progress) as bar:
+        if not _read_fast(path, spill):
+            blank = _read_lines(path, spill, bar)
+        bar.update(path.stat().st_size)
+    db = spill.db()
+    n_clusters, n_members = db.execute("SELECT count(*), coalesce(sum(len(string_split(members, ','))), 0) FROM rows"
+                                       ).fetchone()
     if n_clusters == 0:
         raise FastaError(f"{path}: no cluster rows (expected 'UniRef50 cluster<TAB>member,member,...' lines)")
+    db.execute(f"CREATE TABLE own AS SELECT *, (sum(n) OVER (ORDER BY row) - n)::BIGINT AS first FROM (SELECT *, "
+               f"len(string_split(members, ','))::BIGINT AS n FROM rows WHERE row % {num_jobs} = {job_index})")
+    db.execute(f"CREATE TABLE tsv AS SELECT unnest(string_split(members, ',')) AS id, unnest(range(first, first + "
+               f"n)) AS slot FROM own UNION ALL SELECT unnest(string_split(members, ',')), {OTHER} FROM rows WHERE "
+               f"row % {num_jobs} <> {job_index} UNION ALL SELECT chr(1) || name, {NAME} FROM rows")
+    own_clusters, own_members, first_member = db.execute(
+        "SELECT count(*), coalesce(sum(n), 0), arg_min(string_split(members, ',')[1], row) FROM own").fetchone()
     repeated = spill.repeated()
     if repeated:
         _name_repeat(path, repeated)
@@ -249,20 +239,16 @@ def _name_repeat(path: Path, repeated: set[str]) -> None:
 
 
 def _member(cmap: ClusterMap, slot: int) -> str:
-    for _, _, members, _, firsts, counts in cmap.own():
-        for m, first, count in zip(members, firsts.tolist(), counts.tolist()):
-            if first <= slot < first + count:
-                return m.split(",")[slot - first]
-    return "?"
+    return cmap.spill.db().execute("SELECT string_split(members, ',')[? - first + 1] FROM own WHERE first <= ? AND "
+                                   "? < first + n", [slot, slot, slot]).fetchone()[0]
 
 
-
-def build_clusters(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict, source=None,
-                   progress: tuple = ("auto", 60.0), scanned: Path | None = None) -> tuple[dict, int]:
-    """Read the member FASTA files, then write this job's clusters in TSV order; returns ({"": manifest}, FASTA
-    records). ``splits``: data_prep.workdir.open_splits (one, ""; --val-fraction is refused with --clusters).
-    ``scanned``: the folder of the scan parts of an array's scan stage (data_prep/scan.py; all of them must be
-    there); None: this job scans the whole FASTA itself, into its spill.
+def build_clusters(encoder, inputs: list[Path], cmap: ClusterMap, settings, splits: dict, scanned: Path,
+                   source=None, progress: tuple = ("auto", 60.0)) -> tuple[dict, int]:
+    """Join this job's clusters to the member FASTA's scan parts, then write them in TSV order; returns ({"":
+    manifest}, FASTA records). ``splits``: data_prep.workdir.open_splits (one, ""; --val-fraction is refused with
+    --clusters). ``scanned``: the folder of the scan parts (data_prep/scan.py; all of them must be there): the
+    job's own (``Scans``) or an array's scan stage.
 
     Filtered and counted (nothing is dropped silently), each member and cluster not written also listed in
     ``filtered.tsv`` (id, reason, input, line, detail naming the cluster):
@@ -291,11 +277,7 @@ def build_clusters(encoder, inputs: list[Path], cmap: ClusterMap, settings, spli
                       "replaced": {}} if s.replace_invalid is not None else None
     invalid_chars: Counter = Counter()
     try:
-        if scanned is None:
-            parts = [(cmap.spill.path / f"{part_name(0, 1)}.parquet",
-                      scan(encoder, inputs, s, source, cmap.spill.path, 0, 1, progress))]
-        else:
-            parts = load_parts(scanned, scan_fingerprint(encoder, inputs, s))
+        parts = load_parts(scanned, scan_fingerprint(encoder, inputs, s))
         counts, records, first_record = _fasta_counts(inputs, [m for _, m in parts])
         got = join(cmap, parts, inputs, counts, damage, invalid_chars, replaced_stats)
         # the error a reader in FASTA order meets first: a member --strict refuses, or a member's second record

@@ -126,12 +126,12 @@ def _run(job: Job, launch: Launch) -> Result:
             marker, path = scan_stage(encoder, inputs, output, settings, job.overwrite, source, progress)
             return Result(None, sum(x["records"] for x in marker["inputs"]), path)
         # Parsed and checked whole before any output exists: a bad TSV leaves nothing behind. The spill (the
-        # tables and DuckDB's files of join.py, under $TMPDIR) is removed however the job ends. --workers: a pool
-        # scans the member FASTA into it meanwhile.
+        # tables and DuckDB's files of join.py, under $TMPDIR) is removed however the job ends. A thread (--workers:
+        # a pool) scans the member FASTA into it meanwhile, unless the array's scan stage did (--stage build).
         spill = Spill()
         try:
             scans = Scans(encoder, inputs, settings, source, spill.path, launch.workers, progress) \
-                if launch.workers > 1 else None
+                if settings.stage is None else None
             cmap = load_clusters(clusters, spill, settings.num_jobs, settings.job_index, progress)
         except BaseException:
             if scans is not None:
@@ -140,9 +140,9 @@ def _run(job: Job, launch: Launch) -> Result:
             raise
 
         def fill(work: WorkDir):
-            scanned = scans.wait() if scans is not None else scan_folder(output, settings) if settings.stage else None
+            scanned = scans.wait() if scans is not None else scan_folder(output, settings)
             return build_clusters(encoder, inputs, cmap, settings, open_splits(work, settings, encoder, "clusters"),
-                                  source, progress, scanned)
+                                  scanned, source, progress)
         work_fingerprint = fingerprint(source, encoder, inputs, settings, None, clusters)
     else:
         member_map = None

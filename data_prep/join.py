@@ -1,14 +1,15 @@
 """The join of ``--clusters`` (data_prep/clusters.py) on DuckDB: every member's fate in bounded memory.
 
-1. TSV (data_prep/clusters.py ``load_clusters``): every member id and cluster name of the mapping, with this job's
-   members' slots (a member's position among the job's members in TSV order), into a Parquet table (``Spill.tsv``);
-   DuckDB finds the ids listed twice.
+1. TSV (data_prep/clusters.py ``load_clusters``): DuckDB reads the mapping (its CSV reader; line by line, with
+   Python's checks, when a line is not a plain row) into the table ``rows``, this job's rows into ``own``, and every
+   member id and cluster name into ``tsv``, this job's members with their slots (a member's position among the
+   job's members in TSV order); DuckDB finds the ids listed twice.
 2. FASTA (data_prep/scan.py): the member FASTA parsed once, in bulk, every record's outcome by the record rule
    (data_prep/rule.py) into one Parquet table per scan part (id, record number, input, line, outcome, tokens).
 3. Join (``join``): DuckDB joins the job's members to their records in every part into a table, from which the
    manifest's counts and checks are read.
-4. Write (data_prep/cluster_write.py): the TSV again, cluster by cluster in TSV order, each member's outcome read
-   from the joined table ordered by slot.
+4. Write (data_prep/cluster_write.py): ``own`` cluster by cluster in TSV order, each member's outcome read from
+   the joined table ordered by slot.
 
 The join, the ordering and their spill to disk are DuckDB's, under ``memory_limit`` (a share of the job's
 ``JOB_MEMORY``) with its temporary files in the job's spill folder under ``$TMPDIR`` (removed at the end, whatever
@@ -42,12 +43,12 @@ def memory_limit() -> int:
 
 
 class Spill:
-    """The job's temporary folder (under $TMPDIR): the TSV's table, the FASTA's when the job scans it itself, and
-    DuckDB's temporary files; removed by ``remove``."""
+    """The job's temporary folder (under $TMPDIR): the FASTA's table when the job scans it itself, and the
+    database's spill files; removed by ``remove``."""
 
     def __init__(self):
         self.path = Path(tempfile.mkdtemp(prefix="data_prep-clusters-"))
-        self.tsv, self.temp = self.path / "tsv.parquet", self.path / "duckdb"
+        self.temp = self.path / "duckdb"
         self._db = None
 
     def db(self):
@@ -66,7 +67,7 @@ class Spill:
 
     def repeated(self) -> set[str]:
         """Ids (names with their \x01 prefix) that the TSV lists more than once."""
-        rows = self.sql(f"SELECT id FROM read_parquet({_paths([self.tsv])}) GROUP BY id HAVING count(*) > 1")
+        rows = self.sql("SELECT id FROM tsv GROUP BY id HAVING count(*) > 1")
         return {r[0] for r in rows.fetchall()}
 
     def remove(self) -> None:
@@ -76,13 +77,9 @@ class Spill:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _paths(paths: list[Path]) -> str:
+def sql_list(paths: list[Path]) -> str:
     """A list of file names as a DuckDB literal."""
     return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
-
-
-# the columns of the TSV's table (pyarrow type names; the FASTA's: data_prep/scan.py)
-TSV_COLUMNS = {"id": "string", "slot": "int64"}
 
 
 class TableWriter:
@@ -96,7 +93,7 @@ class TableWriter:
         import pyarrow.parquet as pq
 
         schema = pa.schema([(k, getattr(pa, t)()) for k, t in self.columns.items()])
-        table = pa.Table.from_arrays([_array(columns[k], t) for k, t in self.columns.items()], schema=schema)
+        table = pa.Table.from_arrays([arrow_array(columns[k], t) for k, t in self.columns.items()], schema=schema)
         if self.writer is None:
             # ids are unique and tokens read whole: dictionaries and min/max statistics would be work for nothing
             self.writer = pq.ParquetWriter(self.path, schema, compression="none", use_dictionary=False,
@@ -109,7 +106,7 @@ class TableWriter:
             self.writer = None
 
 
-def _array(values, kind: str):
+def arrow_array(values, kind: str):
     """An Arrow array of type ``kind`` (a pyarrow type name) from its buffers: numbers from numpy, strings from a
     list of str or None (pyarrow's own conversions import pandas, a third of a second and 50 MB)."""
     import pyarrow as pa
@@ -194,7 +191,7 @@ def join(cmap, parts: list[tuple[Path, dict]], inputs: list[Path], counts: list[
     spill, got = cmap.spill, Joined()
     shifts = [[str(table), i, *off] for (part, i), off in offsets([m for _, m in parts]).items()
               for table, m in parts if m["part"] == part]
-    fasta = f"read_parquet({_paths([t for t, _ in parts])}, filename = true) f"
+    fasta = f"read_parquet({sql_list([t for t, _ in parts])}, filename = true) f"
     if any(rec or line for _, _, rec, line in shifts):  # byte-range parts: numbered from their own starts
         spill.sql("CREATE TEMP TABLE offs (file VARCHAR, input INTEGER, rec_off BIGINT, line_off BIGINT)")
         spill.db().executemany("INSERT INTO offs VALUES (?, ?, ?, ?)", shifts)
@@ -203,7 +200,7 @@ def join(cmap, parts: list[tuple[Path, dict]], inputs: list[Path], counts: list[
     else:
         rec, line, shift = "f.rec", "f.line", "0"
     spill.sql(f"CREATE TEMP TABLE joined AS SELECT t.slot, {rec} AS rec, f.input, {line} AS line, f.status, "
-              f"f.lower, f.ntok, f.tokens, f.extra, {shift} AS shift FROM read_parquet({_paths([spill.tsv])}) t "
+              f"f.lower, f.ntok, f.tokens, f.extra, {shift} AS shift FROM tsv t "
               f"JOIN {fasta} ON t.id = f.id WHERE t.slot >= 0")
     twice = "SELECT slot FROM joined GROUP BY slot HAVING count(*) > 1"
     if spill.sql(f"SELECT count(*) FROM ({twice})").fetchone()[0]:  # a member's second record: an error (build)

@@ -18,6 +18,8 @@ clusters against every part. One part of one is the whole input: a single job, o
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -188,9 +190,10 @@ def scan_fingerprint(encoder, inputs: list[Path], settings) -> dict:
 
 
 def scan(encoder, inputs: list[Path], settings, source, folder: Path, part: int = 0, parts: int = 1,
-         progress: tuple = ("auto", 60.0)) -> dict:
+         progress: tuple = ("auto", 60.0), stop: threading.Event | None = None) -> dict:
     """Scan part ``part`` of ``parts`` of the member FASTA files into ``folder``; returns its marker (also written
-    as ``folder/part-KKKK-of-NNNN.json``, last)."""
+    as ``folder/part-KKKK-of-NNNN.json``, last). ``stop``: set by the job when the scan is of no more use (a scan
+    in a thread: ``Scans``); the scan then ends at its next chunk, raising ``Stopped``."""
     name = part_name(part, parts)
     batch = BatchReader(source, encoder, Context(encoder.invalid_positions, bound=rule.read_bound(settings)))
     local = byte_parts(inputs, parts)
@@ -213,8 +216,8 @@ def scan(encoder, inputs: list[Path], settings, source, folder: Path, part: int 
                     texts, base = (Stripe(path, parts, part, number, batch.bound) if parts > 1 else None), first
                 else:  # a BOM, blank lines first: record by record (part 0 keeps them, the others count them)
                     texts, base = "records", first
-                end = _read_input(outcomes, batch, path, n_input, texts, base, part, bar, sum(sizes[:n_input]),
-                                  shares.get(n_input))
+                end = _read_input(outcomes, batch, path, n_input, texts, base, part, Bar(bar, stop),
+                                  sum(sizes[:n_input]), shares.get(n_input))
                 if isinstance(texts, Stripe):
                     number = texts.number
                 counts.append({"records": outcomes.records - before,
@@ -235,8 +238,24 @@ def scan(encoder, inputs: list[Path], settings, source, folder: Path, part: int 
     return marker
 
 
+class Stopped(Exception):
+    """A scan ended by its ``stop`` event."""
+
+
+class Bar:
+    """The scan's progress bar, and where it stops when asked: at its next update."""
+
+    def __init__(self, bar: Progress, stop: threading.Event | None):
+        self.bar, self.stop = bar, stop
+
+    def update(self, done: int, **counts) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise Stopped
+        self.bar.update(done, **counts)
+
+
 def _read_input(outcomes: Outcomes, batch: BatchReader, path: Path, n_input: int, texts, base: int, part: int,
-                bar: Progress, done_before: int, byte_range: ByteRange | None) -> int:
+                bar: Bar, done_before: int, byte_range: ByteRange | None) -> int:
     """One input's records of this part into the table; returns the record number after the input's last."""
     if texts == "records":
         end = base
@@ -335,37 +354,52 @@ def scan_stage(encoder, inputs: list[Path], output: Path, settings, overwrite: b
 
 
 class Scans:
-    """``--workers N`` with --clusters: the N scan parts of the member FASTA into ``folder`` on a pool of N processes
-    (data_prep/pool.py), started at once, so that the job reads the TSV meanwhile; then one build joins them all,
-    and the output is the 1-process run's. Made before this process starts any thread (a fork copies none)."""
+    """The scan of a --clusters job, started at once so that the job reads the TSV meanwhile; then one build joins
+    the parts, and the output is the same. With one worker a thread scans the whole FASTA (the TSV is DuckDB's,
+    outside the GIL); ``--workers N``: N scan parts on a pool of N processes (data_prep/pool.py), made before this
+    process starts any thread (a fork copies none)."""
 
     def __init__(self, encoder, inputs: list[Path], settings, source, folder: Path, workers: int, progress: tuple):
         self.folder = folder
-        self.pool = Pool(workers, (encoder, inputs, settings, source, folder, progress))
-        self.futures = [self.pool.submit(_scan_part, k, workers) for k in range(workers)]
+        state = (encoder, inputs, settings, source, folder, progress)
+        if workers == 1:
+            self.stop = threading.Event()
+            self.pool = ThreadPoolExecutor(1, "data_prep-scan")
+            self.futures = [self.pool.submit(_scan_part, 0, 1, state + (self.stop,))]
+        else:
+            self.stop = None
+            self.pool = Pool(workers, state + (None,))
+            self.futures = [self.pool.submit(_scan_part, k, workers) for k in range(workers)]
 
     def wait(self) -> Path:
         """The folder once every part is done; a bad input is the error met first in the input order (the lowest
         ``at``: data_prep/scan.py numbers chunks and parts in input order)."""
-        errors = sorted(e for e in (self.pool.result(f) for f in self.futures) if e is not None)
+        results = [f.result() if self.stop is not None else self.pool.result(f) for f in self.futures]
+        errors = sorted(e for e in results if e is not None)
         if errors:
             _, _, _, message, prep = errors[0]
             raise PrepError(message) if prep else FastaError(message)
         return self.folder
 
     def close(self) -> None:
-        if all(f.done() for f in self.futures):
+        if self.stop is not None:  # the thread ends at its next chunk
+            self.stop.set()
+            self.pool.shutdown(wait=True)
+        elif all(f.done() for f in self.futures):
             self.pool.shutdown(wait=True)
         else:  # an error before the wait: the parts still being scanned are of no use
             self.pool.stop()
 
 
-def _scan_part(part: int, parts: int) -> tuple | None:
-    """Scan part ``part`` in a pool process; None, or its error as (no position, position, part, message, whether a
-    PrepError)."""
-    encoder, inputs, settings, source, folder, progress = pool_state()
+def _scan_part(part: int, parts: int, state: tuple | None = None) -> tuple | None:
+    """Scan part ``part`` in a pool process (``state``: the pool's) or a thread; None, or its error as (no position,
+    position, part, message, whether a PrepError)."""
+    encoder, inputs, settings, source, folder, progress, stop = state or pool_state()
     try:
-        scan(encoder, inputs, settings, source, folder, part, parts, progress if part == 0 else ("off", progress[1]))
+        scan(encoder, inputs, settings, source, folder, part, parts, progress if part == 0 else ("off", progress[1]),
+             stop)
+    except Stopped:
+        return None
     except (PrepError, FastaError, ValueError) as e:
         at = getattr(e, "at", None)
         return at is None, at or 0, part, str(e), isinstance(e, PrepError)

@@ -406,3 +406,44 @@ def test_member_found_twice_in_the_fasta_and_option_conflicts(tmp_path, capsys):
     write_tsv(tsv, rows, header=False)
     assert run("uniref", "--input", fasta, "--clusters", tsv, "--output", tmp_path / "nohead") == 0
     assert load_manifest(tmp_path / "nohead").total_samples == len(rows)
+
+
+def test_duckdb_reads_the_mapping_as_the_line_by_line_reader_does(tmp_path, monkeypatch):
+    """The TSV is read by DuckDB's CSV reader when every line is a plain row, else line by line with Python's checks
+    (clusters._read_fast, _read_lines). Reference: the line-by-line reader alone. On the shipped sample, plain and
+    gzipped (DuckDB), and with a blank line or CRLF endings (line by line), members missing from the FASTA so that
+    filtered.tsv names TSV lines: both ways give the same files, with 2 jobs too."""
+    from data_prep import clusters
+
+    text = SAMPLE_TSV.read_text()
+    keep = [b for b in fasta_blocks(text_of(SAMPLE_FASTA)) if hash(b) % 7]  # some members not in the FASTA
+    fasta = tmp_path / "m.fasta"
+    fasta.write_text("".join(keep))
+    lines = text.splitlines(keepends=True)
+    variants = {"plain": (text.encode(), True), "gzip": (gzip.compress(text.encode()), True),
+                "blank_line": ("".join(lines[:50] + ["\n"] + lines[50:]).encode(), False),
+                "crlf": (text.replace("\n", "\r\n").encode(), False)}
+    read_lines = clusters._read_lines
+    for name, (data, fast) in variants.items():
+        tsv = tmp_path / f"{name}.tsv"
+        tsv.write_bytes(data)
+        outputs = {}
+        for way in ("default", "lines"):
+            calls = []
+            monkeypatch.setattr(clusters, "_read_lines", lambda *a: calls.append(1) or read_lines(*a))
+            if way == "lines":
+                monkeypatch.setattr(clusters, "_read_fast", lambda path, spill: False)
+            for jobs in (1, 2):
+                out = tmp_path / f"{name}-{way}-{jobs}"
+                for i in range(jobs):
+                    assert run("uniref", "--input", fasta, "--clusters", tsv, "--output", out, "--num-jobs", jobs,
+                               "--job-index", i) == 0
+                if jobs == 2:
+                    assert run("merge", "--output", out) == 0
+                outputs[way, jobs] = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*"))
+                                      if p.is_file() and p.name != ".written-by.json"}
+            assert bool(calls) == (way == "lines" or not fast), (name, way)
+            monkeypatch.undo()
+        for jobs in (1, 2):
+            assert outputs["default", jobs] == outputs["lines", jobs], (name, jobs)
+        assert b"not_in_fasta" in outputs["default", 1][Path("filtered.tsv")]

@@ -453,9 +453,9 @@ def test_a_chunk_read_record_by_record_keeps_its_place(cluster_inputs, tmp_path,
 
 
 def test_arrow_strings_equal_pyarrows_own():
-    """join._array builds string columns from one joined encode: ASCII, non-ASCII (byte sizes, not characters),
+    """join.arrow_array builds string columns from one joined encode: ASCII, non-ASCII (byte sizes, not characters),
     nulls and all-nulls read back as pyarrow's own conversion gives them."""
     import pyarrow as pa
 
     for values in (["a", "bc", ""], ["Ünïcode", "a", "漢字"], ["x", None, "ÿ", None], [None, None]):
-        assert join._array(values, "string").to_pylist() == pa.array(values, pa.string()).to_pylist(), values
+        assert join.arrow_array(values, "string").to_pylist() == pa.array(values, pa.string()).to_pylist(), values
