@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -59,8 +59,8 @@ class Chunk:
     first_line: int
     header_starts: np.ndarray  # int64 [n]: offset of each record's '>' in text
     index: np.ndarray  # int64 [n]: global record index (over all inputs) of each record
+    lines: np.ndarray  # int64 [n]: 1-based line number of each record's header
     total: int = 0  # records of the chunk, this job's and the others' (Reader jobs): the global index advances by it
-    _newlines: np.ndarray | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -81,9 +81,7 @@ class Chunk:
 
     def line(self, j: int) -> int:
         """1-based line number of record j's header."""
-        if self._newlines is None:
-            self._newlines = np.flatnonzero(np.frombuffer(self.text, np.uint8) == 10)
-        return self.first_line + int(np.searchsorted(self._newlines, self.header_starts[j]))
+        return int(self.lines[j])
 
 
 # UniRef headers of the two shapes the shared data holds (parse_uniref_header reads any): the full header
@@ -99,6 +97,9 @@ _VAL = r"\s*([^=\x00]*?)"
 _UNIREF = re.compile(rf"(?:(?:([^=\x00]*?)\s+)?n={_NUM}\s+Tax={_VAL}\s+TaxID={_NUM}\s+RepID=\s*([^=\x00]*)"
                      rf"|TaxID={_NUM}\s+RepID=\s*([^=\x00]*)"
                      rf"|ClusterName={_VAL}\s+TaxID={_NUM}\s+RepID=\s*([^=\x00]*)|([^\x00]*))\x00")
+
+# A header's record id as str.split() finds it (re's \s is str.split's whitespace): after blanks, up to the next blank
+_ID = re.compile(r"^[^\S\n]*(\S*)", re.M)
 
 _SHORT = re.compile(rf"(?<![^\x00])TaxID={_NUM}\s+RepID=\s*([ !#-<>-\[\]-~]*)\x00")
 
@@ -242,9 +243,9 @@ class Reader:
         n = len(header_starts)
         if n == 0:  # every record of the chunk is another job's
             return Chunk([], b"", b"", np.zeros(1, np.int64), [], {}, {}, text, first_line, header_starts, index,
-                         total)
+                         first_line + at, total)
         hs, he, se = header_starts.tolist(), ends.tolist(), nexts.tolist()
-        heads = b"\n".join([text[a + 1:b] for a, b in zip(hs, he)]).decode("utf-8", "backslashreplace").split("\n")
+        heads = b"\n".join([text[a + 1:b] for a, b in zip(hs, he)]).decode("utf-8", "backslashreplace")
         seq_text = b"".join([text[b + 1:c] for b, c in zip(he, se)])
         # sequence length: its text's bytes less its newlines (those from the header's end to the record's end)
         breaks = np.searchsorted(nl, nexts) - at - (ends < size)
@@ -262,18 +263,20 @@ class Reader:
             cum = np.zeros(len(tokens) + 1, np.int64)
             np.cumsum(np.frombuffer(tokens, np.uint8) == 255, out=cum[1:])
             bad_seq = np.flatnonzero(cum[bounds[1:]] != cum[bounds[:-1]]).tolist()
-        split = [h.split(None, 1) for h in heads]
-        ids = [sp[0] if sp else "" for sp in split]
         metas: dict[int, dict] = {}
-        if self.uniref is None:
+        if self.uniref is None:  # ids only (--clusters): one match a header, "" where it has none
+            split = ids = _ID.findall(heads)
             tails = [None] * n
-        elif self.uniref:
+        else:
+            split = [h.split(None, 1) for h in heads.split("\n")]
+            ids = [sp[0] if sp else "" for sp in split]
+        if self.uniref:
             descs = [(sp[1].strip() if len(sp) > 1 else "") for sp in split]
             tails = uniref_tails(descs)
             for j, t in enumerate(tails):
                 if t is None and split[j]:
                     metas[j] = parse_uniref_header(ids[j], descs[j])
-        else:
+        elif self.uniref is not None:
             descs = [(sp[1].strip() if len(sp) > 1 else "") for sp in split]
             tails = [f',"description":{d}}}' for d in map(json_string, descs)]
         for j, sp in enumerate(split):
@@ -281,7 +284,8 @@ class Reader:
                 slow[j] = None
         for j in bad_seq or ():
             slow[j] = None
-        chunk = Chunk(ids, seq_text, tokens, bounds, tails, metas, slow, text, first_line, header_starts, index, total)
+        chunk = Chunk(ids, seq_text, tokens, bounds, tails, metas, slow, text, first_line, header_starts, index,
+                      first_line + at, total)
         for j in sorted(slow):
             end = text.find(b"\n>", int(header_starts[j])) + 1 or len(text)  # the next record's '>'
 

@@ -142,8 +142,7 @@ class Outcomes:
         (``slow``) and those the length filters drop, one by one."""
         n, bounds = len(chunk), chunk.bounds
         ntok = np.diff(bounds)
-        newlines = np.flatnonzero(np.frombuffer(chunk.text, np.uint8) == 10)
-        line = chunk.first_line + np.searchsorted(newlines, chunk.header_starts)
+        line = chunk.lines
         cum = chunk.lowercase_cum()
         lower = cum[bounds[1:]] - cum[bounds[:-1]] if cum is not None else np.zeros(n, np.int64)
         status, extra = np.zeros(n, np.uint8), [None] * n

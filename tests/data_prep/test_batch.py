@@ -264,3 +264,16 @@ def test_windows_and_dedup_take_the_per_record_path(tmp_path):
     assert batch.batch_reader(SOURCES["opengenome2"], enc, Settings(), ctx) is None
     assert np.array_equal(np.frombuffer(b"acgtACGTN".translate(batch.batch_reader(
         SOURCES["rnacentral"], enc, Settings(), ctx).tokens), np.uint8), enc.encode(b"ACGUACGUN"))
+
+
+def test_record_ids_of_a_clusters_scan_are_str_split_s():
+    """The --clusters scan takes a chunk's record ids by one regex over its headers (batch._ID); reference: the
+    first field of str.split(), for headers with every whitespace character str.split knows (Unicode included),
+    before, inside and after the id, and headers with no id at all."""
+    from data_prep.batch import _ID
+
+    spaces = [chr(c) for c in range(0x3001) if chr(c).isspace() and chr(c) != "\n"]
+    heads = ["", "UniRef90_A0A 1", "é_id desc"] + [f"{s}id{k}{s}x y{s}" for k, s in enumerate(spaces)] + spaces
+    want = [(h.split(None, 1) or [""])[0] for h in heads]
+    assert _ID.findall("\n".join(heads)) == want
+    assert want.count("") == len(spaces) + 1

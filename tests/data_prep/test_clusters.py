@@ -382,6 +382,33 @@ def test_bad_mapping_is_one_error_naming_the_line(case, jobs, tmp_path, capsys):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv", "m.fasta"]
 
 
+def test_a_bad_mapping_stops_the_scan_thread(tmp_path, monkeypatch, capsys):
+    """A thread scans the member FASTA while the job reads the TSV (scan.Scans); a bad TSV ends the scan at its next
+    chunk instead of after the whole FASTA. The first chunk waits until the job gives the scan up: only it is
+    parsed (without the stop, every chunk is)."""
+    import threading
+
+    from data_prep import cut, scan
+
+    rows, blocks = small_set(tmp_path, 400)
+    fasta = tmp_path / "m.fasta"
+    fasta.write_text("".join(blocks[i] for _, ms in rows for i in ms))
+    tsv = tmp_path / "bad.tsv"
+    tsv.write_text("UR50_cluster_name\tmapped_id\nUniRef50_LONE\n")
+    monkeypatch.setattr(cut, "CHUNK", 2000)
+    closed, parsed = threading.Event(), []
+    close, chunk = scan.Scans.close, scan.Outcomes.chunk
+    monkeypatch.setattr(scan.Scans, "close", lambda self: (closed.set(), close(self))[1])
+
+    def first_waits(self, *args):
+        parsed.append(1)
+        closed.wait(30)
+        return chunk(self, *args)
+    monkeypatch.setattr(scan.Outcomes, "chunk", first_waits)
+    assert run("uniref", "--input", fasta, "--clusters", tsv, "--output", tmp_path / "out") == 1
+    assert "expected 'UniRef50 cluster<TAB>member,member,...'" in capsys.readouterr().err
+    assert len(parsed) == 1 and fasta.stat().st_size > 100 * 2000
+
 def test_member_found_twice_in_the_fasta_and_option_conflicts(tmp_path, capsys):
     rows, blocks = small_set(tmp_path)
     first = rows[0][1][0]
