@@ -23,6 +23,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from .checks import DamageCheck, PrepError
 from .cluster_write import Writer, numpy_view
 from .common import TSV_HEADER, input_fingerprint
@@ -54,12 +56,19 @@ class ClusterMap:
     def own(self):
         """This job's clusters in TSV order, a batch of rows at a time: (data row of the file, cluster name,
         members "a,b,...", line, first slot, member count), the numbers as int64 arrays."""
-        # a cursor of its own: pass 4 reads the joined table meanwhile (one open result per connection)
-        reader = self.spill.db().cursor().sql("SELECT row, name, members, line, first, n FROM own ORDER BY row"
-                                               ).to_arrow_reader(self.BATCH)
-        for b in reader:
-            yield (numpy_view(b.column(0)), b.column(1).to_pylist(), b.column(2).to_pylist(), numpy_view(b.column(3)),
-                   numpy_view(b.column(4)), numpy_view(b.column(5)))
+        # A cursor of its own: pass 4 reads the joined table meanwhile (one open result per connection). The table
+        # lies in row order (load_clusters): read as it lies, without a second sort beside the joined table's.
+        db = self.spill.db().cursor()
+        with self.spill.ordered(db):
+            reader = db.sql("SELECT row, name, members, line, first, n FROM own").to_arrow_reader(self.BATCH)
+            last = -1
+            for b in reader:
+                rows = numpy_view(b.column(0))
+                if len(rows) and (rows[0] <= last or (np.diff(rows) <= 0).any()):  # cannot happen: DuckDB's order
+                    raise RuntimeError(f"{self.path}: the database returned the TSV rows out of order")
+                last = int(rows[-1]) if len(rows) else last
+                yield (rows, b.column(1).to_pylist(), b.column(2).to_pylist(), numpy_view(b.column(3)),
+                       numpy_view(b.column(4)), numpy_view(b.column(5)))
 
 
 def _parse_row(path: Path, lineno: int, parts: list[str]) -> tuple[str, list[str]]:
@@ -122,26 +131,25 @@ def _read_fast(path: Path, spill: Spill) -> bool:
     with open_input(path) as f:  # refuses bzip2, binary data
         head = f.readline()
     header = head.rstrip(b"\n") == "\t".join(TSV_HEADER).encode()
-    gz = is_gzip(path)
-    db = spill.db()
     import duckdb
 
+    db = spill.db()
     try:
-        db.execute("SET preserve_insertion_order = true")  # rowid = data row, in file order
-        db.execute(f"CREATE TABLE raw AS SELECT * FROM read_csv({sql_list([path])}, delim = '\t', quote = '', "
-                   f"escape = '', new_line = '\\n', header = {str(header).lower()}, auto_detect = false, strict_mode = "
-                   f"true, compression = '{'gzip' if gz else 'none'}', columns = {{'name': 'VARCHAR', 'members': "
-                   "'VARCHAR'})")
+        with spill.ordered():  # rowid = data row, in file order
+            db.execute(f"CREATE TABLE raw AS SELECT * FROM read_csv({sql_list([path])}, delim = '\t', quote = '', "
+                       f"escape = '', new_line = '\\n', header = {str(header).lower()}, auto_detect = false, "
+                       f"strict_mode = true, compression = '{'gzip' if is_gzip(path) else 'none'}', columns = "
+                       "{'name': 'VARCHAR', 'members': 'VARCHAR'})")
         rows, unusual = db.execute(f"SELECT count(*), count(*) FILTER ({_UNUSUAL}) FROM raw").fetchone()
         plain = unusual == 0 and rows + header == _line_count(path)  # DuckDB skips blank lines: none may be there
         if plain:
             db.execute(f"CREATE TABLE rows AS SELECT rowid::BIGINT AS row, (rowid + {1 + header})::BIGINT AS line, "
                        "name, members FROM raw")
-    except (duckdb.InvalidInputException, duckdb.IOException, duckdb.ConversionException):  # damaged gzip, invalid UTF-8, a line of one or three fields, CRs, a huge line
+    # damaged gzip (also found by _line_count), invalid UTF-8, a line of one or three fields, a CR, a huge line
+    except (duckdb.InvalidInputException, duckdb.IOException, duckdb.ConversionException):
         plain = False
     finally:
         db.execute("DROP TABLE IF EXISTS raw")
-        db.execute("SET preserve_insertion_order = false")
     return plain
 
 
@@ -200,8 +208,10 @@ def load_clusters(path: Path, spill: Spill, num_jobs: int = 1, job_index: int = 
                                        ).fetchone()
     if n_clusters == 0:
         raise FastaError(f"{path}: no cluster rows (expected 'UniRef50 cluster<TAB>member,member,...' lines)")
-    db.execute(f"CREATE TABLE own AS SELECT *, (sum(n) OVER (ORDER BY row) - n)::BIGINT AS first FROM (SELECT *, "
-               f"len(string_split(members, ','))::BIGINT AS n FROM rows WHERE row % {num_jobs} = {job_index})")
+    with spill.ordered():  # in row order, as ClusterMap.own reads it
+        db.execute(f"CREATE TABLE own AS SELECT *, (sum(n) OVER (ORDER BY row) - n)::BIGINT AS first FROM (SELECT "
+                   f"*, len(string_split(members, ','))::BIGINT AS n FROM rows WHERE row % {num_jobs} = {job_index}) "
+                   "ORDER BY row")
     db.execute(f"CREATE TABLE tsv AS SELECT unnest(string_split(members, ',')) AS id, unnest(range(first, first + "
                f"n)) AS slot FROM own UNION ALL SELECT unnest(string_split(members, ',')), {OTHER} FROM rows WHERE "
                f"row % {num_jobs} <> {job_index} UNION ALL SELECT chr(1) || name, {NAME} FROM rows")

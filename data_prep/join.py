@@ -17,6 +17,7 @@ the end).
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import os
@@ -61,6 +62,18 @@ class Spill:
             self._db = duckdb.connect(config={"memory_limit": f"{memory_limit()}B", "temp_directory": str(self.temp),
                                               "threads": cores, "preserve_insertion_order": False})
         return self._db
+
+    @contextlib.contextmanager
+    def ordered(self, con=None):
+        """Tables written and read in the order of their rows meanwhile (DuckDB's preserve_insertion_order, a
+        setting of the database, set through ``con``: the job's connection or a cursor of it); off otherwise, for
+        the join, whose tables are read by ORDER BY."""
+        con = con or self.db()
+        con.execute("SET preserve_insertion_order = true")
+        try:
+            yield
+        finally:
+            con.execute("SET preserve_insertion_order = false")
 
     def sql(self, query: str, *params):
         return self.db().execute(query, list(params) if params else None)
