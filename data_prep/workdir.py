@@ -13,6 +13,8 @@ import os
 import shutil
 import socket
 import sys
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -219,6 +221,8 @@ class ShardSet:
         self.written = 0
         self.writer = None
         self.dropped = FilteredList(self.directory, filtered_name)
+        self._thread: ThreadPoolExecutor | None = None  # where the writer's calls run (``_send``)
+        self._pending: deque = deque()
 
     def open_writer(self):
         """The writer, created at the first sample, so that a malformed first record fails without loading torch."""
@@ -231,11 +235,32 @@ class ShardSet:
                                       on_close=on_close, layout=self.layout, block_samples=BLOCK_SAMPLES)
         return self.writer
 
+    def _send(self, call, *args) -> None:
+        """``call(*args)`` of the writer on a thread of its own, in order: a shard's npy, tar and sha256 work goes on
+        beside the job's (at most 2 calls waiting; a failed call raises here, at a later call, or at ``close``)."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, "data_prep-shards")
+        while len(self._pending) >= 2 or (self._pending and self._pending[0].done()):
+            self._pending.popleft().result()
+        self._pending.append(self._thread.submit(call, *args))
+
+    def _drain(self, errors: bool = True) -> None:
+        """Wait for the writer's calls; their first error raised (``errors``) or dropped."""
+        while self._pending:
+            future = self._pending.popleft()
+            if errors:
+                future.result()
+            else:
+                future.exception()
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
+
     def write(self, key: str, tokens, meta: dict, offsets=None) -> None:
         self.written += 1
         if self.written <= self.skip:
             return  # already in a verified shard of the interrupted run
-        self.open_writer().write(key, tokens, meta, *(() if offsets is None else (offsets,)))
+        self._send(self.open_writer().write, key, tokens, meta, *(() if offsets is None else (offsets,)))
 
     def extend(self, keys: list, tokens: np.ndarray, bounds: np.ndarray, metas: list,
                members: np.ndarray | None = None) -> None:
@@ -249,14 +274,16 @@ class ShardSet:
             if members is not None:  # the skipped samples' members: those that end by bounds[skip]
                 members = members[np.searchsorted(np.cumsum(members), bounds[skip], "right"):]
             keys, metas, tokens, bounds = keys[skip:], metas[skip:], tokens[bounds[skip]:], bounds[skip:] - bounds[skip]
-        self.open_writer().extend(keys, tokens, bounds, metas, members)
+        self._send(self.open_writer().extend, keys, tokens, bounds, metas, members)
 
     def abort(self) -> None:
+        self._drain(errors=False)
         if self.writer is not None:
             self.writer.abort()
         self.dropped.discard()
 
     def close(self) -> list:
+        self._drain()
         if self.written < self.skip:
             raise PrepError(f"{self.directory}: the verified shards hold {self.skip} samples but this run produced "
                             f"{self.written}; remove the work directory and rerun")

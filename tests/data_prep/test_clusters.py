@@ -225,7 +225,11 @@ def keys_of(out: Path, prefix: str) -> list[str]:
 
 
 def test_interrupted_run_resumes_byte_identical(sample_one_job, tmp_path, monkeypatch, capsys):
-    """Ctrl-C after the 3rd finished shard keeps DIR.partial; the rerun verifies those 3 shards and continues."""
+    """Ctrl-C (SIGINT, from the shard writer's thread) after the 3rd finished shard keeps DIR.partial; the rerun
+    verifies the shards finished by then (the writer may finish a few more before the job stops) and continues."""
+    import os
+    import signal
+
     from data_prep import workdir
 
     record = workdir.WorkDir.record
@@ -235,17 +239,17 @@ def test_interrupted_run_resumes_byte_identical(sample_one_job, tmp_path, monkey
         record(self, info)
         calls.append(info)
         if len(calls) == 3:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)
 
     out = tmp_path / "u"
     args = ["uniref", "--input", SAMPLE_FASTA, "--clusters", SAMPLE_TSV, "--output", out, "--shard-size", 25]
     monkeypatch.setattr(workdir.WorkDir, "record", interrupt_after_three)
     assert run(*args) == 130
     monkeypatch.undo()
-    assert not out.exists() and len(list((tmp_path / "u.partial").glob("*.tar"))) == 3
+    assert not out.exists() and len(list((tmp_path / "u.partial").glob("*.tar"))) >= 3
     capsys.readouterr()
     assert run(*args) == 0
-    assert "3 complete shards verified" in capsys.readouterr().err
+    assert int(re.search(r"(\d+) complete shards verified", capsys.readouterr().err)[1]) >= 3
     a, b = load_manifest(out), load_manifest(sample_one_job)
     assert [(s.path, s.samples, s.sha256) for s in a.shards] == [(s.path, s.samples, s.sha256) for s in b.shards]
     assert a.stats == b.stats and not (tmp_path / "u.partial").exists()

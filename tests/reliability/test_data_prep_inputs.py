@@ -18,6 +18,7 @@ import csv
 import gzip
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -365,6 +366,9 @@ def test_split_keeps_the_windows_of_a_record_together_and_jobs_agree(tmp_path, c
 
 def test_split_run_resumes_byte_identical(tmp_path, monkeypatch, capsys):
     """Ctrl-C after the 4th finished shard (of both splits) keeps DIR.partial; the rerun verifies and continues."""
+    import os
+    import signal
+
     from data_prep import workdir
     args = ["rnacentral", "--input", SAMPLE, "--val-fraction", 0.3, "--shard-size", 100]
     assert run(*args, "--output", tmp_path / "ref") == 0
@@ -374,16 +378,16 @@ def test_split_run_resumes_byte_identical(tmp_path, monkeypatch, capsys):
     def interrupt_after_four(self, info, split=""):
         record(self, info, split)
         calls.append(split)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
+        if len(calls) == 4:  # Ctrl-C, from the shard writer's thread: the job stops a few shards later at most
+            os.kill(os.getpid(), signal.SIGINT)
     monkeypatch.setattr(workdir.WorkDir, "record", interrupt_after_four)
     out = tmp_path / "out"
     assert run(*args, "--output", out) == 130
     monkeypatch.undo()
-    assert not out.exists() and len(list((tmp_path / "out.partial").glob("*/*.tar"))) == 4
+    assert not out.exists() and len(list((tmp_path / "out.partial").glob("*/*.tar"))) >= 4
     capsys.readouterr()
     assert run(*args, "--output", out) == 0
-    assert "4 complete shards verified (train " in capsys.readouterr().err
+    assert int(re.search(r"(\d+) complete shards verified \(train ", capsys.readouterr().err)[1]) >= 4
     for s in ("train", "val"):
         a, b = load_manifest(out / s), load_manifest(tmp_path / "ref" / s)
         assert [(x.path, x.sha256) for x in a.shards] == [(x.path, x.sha256) for x in b.shards]

@@ -99,16 +99,17 @@ def test_a_gzip_bomb_is_counted_as_too_long_in_bounded_memory(tmp_path):
 
 def test_reading_a_long_record_takes_time_linear_in_its_length(tmp_path):
     """cut.chunks over one record of 64 and of 256 MiB: 4 times the bytes, about 4 times the time (it was 16: the
-    square of the length). The skip path (past the bound) and the keep path (spilled to a temporary file and handed
-    out whole) each."""
+    square of the length; the bound, 8, lies between the two by the same factor). The skip path (past the bound) and
+    the keep path (spilled to a temporary file and handed out whole) each. CPU seconds of this process (its read-ahead
+    thread's included), best of 2: other work on the machine moves wall time by more than the margin."""
     from data_prep import cut
 
     def seconds(path, bound):
         best = float("inf")
         for _ in range(2):
-            t = time.perf_counter()
+            t = time.process_time()
             out = list(cut.chunks(path, **({} if bound is None else {"bound": bound})))
-            best = min(best, time.perf_counter() - t)
+            best = min(best, time.process_time() - t)
         return best, out
 
     small, large = tmp_path / "64.fa.gz", tmp_path / "256.fa.gz"
@@ -120,7 +121,7 @@ def test_reading_a_long_record_takes_time_linear_in_its_length(tmp_path):
             assert len(out_large) == 1 and out_large[0][0].count(b">") == 1
         else:
             assert [(t.residues, t.line) for t, _ in out_small + out_large] == [(n_small, 1), (n_large, 1)]
-        assert t_large / t_small < 6, (bound, t_small, t_large)
+        assert t_large / t_small < 8, (bound, t_small, t_large)
 
 
 def test_a_record_straddling_many_blocks_is_parsed_once(tmp_path, monkeypatch, capsys):
