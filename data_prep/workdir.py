@@ -223,6 +223,7 @@ class ShardSet:
         self.dropped = FilteredList(self.directory, filtered_name)
         self._thread: ThreadPoolExecutor | None = None  # where the writer's calls run (``_send``)
         self._pending: deque = deque()
+        self._failed = False  # a writer call failed: the others are skipped
 
     def open_writer(self):
         """The writer, created at the first sample, so that a malformed first record fails without loading torch."""
@@ -242,7 +243,18 @@ class ShardSet:
             self._thread = ThreadPoolExecutor(1, "data_prep-shards")
         while len(self._pending) >= 2 or (self._pending and self._pending[0].done()):
             self._pending.popleft().result()
-        self._pending.append(self._thread.submit(call, *args))
+        self._pending.append(self._thread.submit(self._call, call, args))
+
+    def _call(self, call, args) -> None:
+        """One writer call on the thread; none after a failed one (the writer's shard is then half-made: the calls
+        waiting behind it would finish and record it)."""
+        if self._failed:
+            return
+        try:
+            call(*args)
+        except BaseException:
+            self._failed = True
+            raise
 
     def _drain(self, errors: bool = True) -> None:
         """Wait for the writer's calls; their first error raised (``errors``) or dropped."""

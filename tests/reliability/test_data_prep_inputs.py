@@ -395,6 +395,35 @@ def test_split_run_resumes_byte_identical(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "out.partial").exists()
 
 
+
+def test_a_failed_shard_write_fails_the_job_and_the_rerun_resumes(tmp_path, monkeypatch, capsys):
+    """A shard set's writes run on a thread of its own (data_prep/workdir.py ShardSet._send): a write that fails
+    there (a full disk at the 3rd shard's block) is the job's error, exit 1, nothing published; the finished shards
+    stay in DIR.partial and the rerun ends byte-identical to an uninterrupted run."""
+    import errno
+
+    from pipeline.data import shards
+
+    args = ["rnacentral", "--input", SAMPLE, "--shard-size", 100]
+    assert run(*args, "--output", tmp_path / "ref") == 0
+    flush, calls = shards.ShardWriter._flush_block, []
+
+    def full(self):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return flush(self)
+    monkeypatch.setattr(shards.ShardWriter, "_flush_block", full)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert run(*args, "--output", out) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert not out.exists() and len(list((tmp_path / "out.partial").glob("*.tar"))) >= 2
+    assert run(*args, "--output", out) == 0
+    a, b = load_manifest(out), load_manifest(tmp_path / "ref")
+    assert [(x.path, x.sha256) for x in a.shards] == [(x.path, x.sha256) for x in b.shards] and a.stats == b.stats
+
 # ---------------------------------------------------------------------------------------------- BabyLM CSV, members
 @needs_shared
 def test_babylm_csv_needs_text_column(tmp_path, capsys):
