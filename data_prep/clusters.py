@@ -11,11 +11,11 @@ mapping TSV (``--clusters``): an optional header ``UR50_cluster_name<TAB>mapped_
 Bad input is one FastaError naming ``file:line`` before anything is written: a line without exactly two
 tab-separated fields, an empty or blank-containing cluster name or member id, a cluster listed twice, a member listed
 twice (in two clusters or in one), a header line after the first line, a member record found twice in the FASTA.
-Everything else that is not written is counted (see ``build``).
+Everything else that is not written is counted (see ``build_clusters``).
 
-Memory does not grow with the corpus: every member meets its FASTA record in DuckDB's join, which spills to disk
-under a memory limit (data_prep/join.py, whose docstring gives the four passes); this module parses and checks the
-TSV (pass 1 and the re-read of pass 4) and runs the passes (``build``).
+Memory does not grow with the corpus: the TSV is read into DuckDB (pass 1: ``load_clusters``) and every member meets
+its FASTA record in DuckDB's join, which spills to disk under a memory limit (data_prep/join.py, whose docstring
+gives the four passes); this module reads and checks the TSV and runs the passes (``build_clusters``).
 """
 from __future__ import annotations
 
