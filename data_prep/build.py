@@ -373,5 +373,7 @@ def build_sequences(source: Source, encoder: Encoder, inputs: list[Path], work: 
     job = SequenceBuild(source, encoder, inputs, work, settings, members, progress, text_column)
     if workers < 2 or job.fast is None:
         return job.read_inputs()
+    for sp in job.splits.values():  # the pool takes the other cores
+        sp.threaded = False
     with processes(workers, job.fast) as job.pool:
         return job.read_inputs()

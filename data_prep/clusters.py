@@ -57,18 +57,21 @@ class ClusterMap:
         """This job's clusters in TSV order, a batch of rows at a time: (data row of the file, cluster name,
         members "a,b,...", line, first slot, member count), the numbers as int64 arrays."""
         # A cursor of its own: pass 4 reads the joined table meanwhile (one open result per connection). The table
-        # lies in row order (load_clusters): read as it lies, without a second sort beside the joined table's.
+        # lies in row order (load_clusters): read as it lies, without a second sort beside the joined table's (the
+        # setting is the database's; every query after the join has its ORDER BY).
         db = self.spill.db().cursor()
-        with self.spill.ordered(db):
-            reader = db.sql("SELECT row, name, members, line, first, n FROM own").to_arrow_reader(self.BATCH)
+        try:
+            db.execute("SET preserve_insertion_order = true")
             last = -1
-            for b in reader:
+            for b in db.sql("SELECT row, name, members, line, first, n FROM own").to_arrow_reader(self.BATCH):
                 rows = numpy_view(b.column(0))
                 if len(rows) and (rows[0] <= last or (np.diff(rows) <= 0).any()):  # cannot happen: DuckDB's order
                     raise RuntimeError(f"{self.path}: the database returned the TSV rows out of order")
                 last = int(rows[-1]) if len(rows) else last
                 yield (rows, b.column(1).to_pylist(), b.column(2).to_pylist(), numpy_view(b.column(3)),
                        numpy_view(b.column(4)), numpy_view(b.column(5)))
+        finally:
+            db.close()
 
 
 def _parse_row(path: Path, lineno: int, parts: list[str]) -> tuple[str, list[str]]:

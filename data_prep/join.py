@@ -64,16 +64,14 @@ class Spill:
         return self._db
 
     @contextlib.contextmanager
-    def ordered(self, con=None):
-        """Tables written and read in the order of their rows meanwhile (DuckDB's preserve_insertion_order, a
-        setting of the database, set through ``con``: the job's connection or a cursor of it); off otherwise, for
-        the join, whose tables are read by ORDER BY."""
-        con = con or self.db()
-        con.execute("SET preserve_insertion_order = true")
+    def ordered(self):
+        """Tables written in the order of their rows meanwhile (DuckDB's preserve_insertion_order, a setting of the
+        database); off otherwise, for the join, whose tables are read by ORDER BY."""
+        self.sql("SET preserve_insertion_order = true")
         try:
             yield
         finally:
-            con.execute("SET preserve_insertion_order = false")
+            self.sql("SET preserve_insertion_order = false")
 
     def sql(self, query: str, *params):
         return self.db().execute(query, list(params) if params else None)

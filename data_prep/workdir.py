@@ -224,6 +224,7 @@ class ShardSet:
         self._thread: ThreadPoolExecutor | None = None  # where the writer's calls run (``_send``)
         self._pending: deque = deque()
         self._failed = False  # a writer call failed: the others are skipped
+        self.threaded = settings.num_jobs == 1  # whether ``_send`` uses a thread
 
     def open_writer(self):
         """The writer, created at the first sample, so that a malformed first record fails without loading torch."""
@@ -238,10 +239,11 @@ class ShardSet:
 
     def _send(self, call, *args) -> None:
         """``call(*args)`` of the writer on a thread of its own, in order: a shard's npy, tar and sha256 work goes on
-        beside the job's (at most 2 calls waiting; a failed call raises here, at a later call, or at ``close``). Not
-        for a job of an array (``--num-jobs``, the jobs of ``--workers``): its siblings take the other cores, and a
-        thread each made two jobs on two cores 5% slower; in this thread then."""
-        if self.settings.num_jobs > 1:
+        beside the job's (at most 2 calls waiting; a failed call raises here, at a later call, or at ``close``).
+        Unless ``threaded`` is off (then in this thread): in a job of an array (``--num-jobs``, the jobs of
+        ``--workers``), whose siblings take the other cores, and beside a pool that parses the job's chunks
+        (data_prep/build.py): a thread more there made two jobs on two cores, and a job with a pool of two, slower."""
+        if not self.threaded:
             call(*args)
             return
         if self._thread is None:
