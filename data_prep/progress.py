@@ -14,6 +14,7 @@ stdout is never written: the job's one summary line stays the only thing there.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 MODES = ("auto", "bar", "log", "off")
@@ -32,17 +33,23 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+class Stopped(Exception):
+    """A job ended at a progress update because its ``stop`` event was set (a --clusters scan of no more use)."""
+
+
 class Progress:
     """``update(done_bytes, **counts)`` with the absolute bytes done; cheap enough to call every few hundred
-    records. Use as a context manager."""
+    records. Use as a context manager. ``stop``: an event that, once set, makes the next update raise Stopped."""
 
-    def __init__(self, desc: str, total_bytes: int, mode: str = "auto", interval: float = 60.0, stream=None):
+    def __init__(self, desc: str, total_bytes: int, mode: str = "auto", interval: float = 60.0, stream=None,
+                 stop: threading.Event | None = None):
         if mode not in MODES:
             raise ValueError(f"progress mode {mode!r}, expected one of {', '.join(MODES)}")
         self.stream = stream if stream is not None else sys.stderr
         if mode == "auto":
             mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "off"
         self.mode, self.desc, self.total, self.interval = mode, desc, max(int(total_bytes), 0), float(interval)
+        self.stop = stop
         self.done = 0
         self.counts: dict = {}
         self._start = self._last = time.monotonic()
@@ -53,6 +60,8 @@ class Progress:
                              dynamic_ncols=True, mininterval=0.5)
 
     def update(self, done_bytes: int, **counts) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise Stopped
         done_bytes = min(int(done_bytes), self.total) if self.total else int(done_bytes)
         delta, self.done = done_bytes - self.done, max(done_bytes, self.done)
         self.counts.update(counts)

@@ -33,7 +33,7 @@ from .fasta import FastaError, Record, input_position, iter_fasta
 from .gather import gather
 from .join import TableWriter, binary, shift_lines
 from .pool import Pool, state as pool_state
-from .progress import Progress
+from .progress import Progress, Stopped
 from .ranges import ByteRange, count_records, headers, share
 from .rule import FILTERED, KEPT, REPLACED, STRICT
 from .sources import Context
@@ -192,7 +192,7 @@ def scan(encoder, inputs: list[Path], settings, source, folder: Path, part: int 
          progress: tuple = ("auto", 60.0), stop: threading.Event | None = None) -> dict:
     """Scan part ``part`` of ``parts`` of the member FASTA files into ``folder``; returns its marker (also written
     as ``folder/part-KKKK-of-NNNN.json``, last). ``stop``: set by the job when the scan is of no more use (a scan
-    in a thread: ``Scans``); the scan then ends at its next chunk, raising ``Stopped``."""
+    in a thread: ``Scans``); the scan then ends at its next chunk (progress.Stopped)."""
     name = part_name(part, parts)
     batch = BatchReader(source, encoder, Context(encoder.invalid_positions, bound=rule.read_bound(settings)))
     local = byte_parts(inputs, parts)
@@ -203,7 +203,7 @@ def scan(encoder, inputs: list[Path], settings, source, folder: Path, part: int 
         [p.stat().st_size for p in inputs]
     try:
         with Progress(f"{source.name} members" + (f" (scan part {part} of {parts})" if parts > 1 else ""),
-                      sum(sizes), *progress) as bar:
+                      sum(sizes), *progress, stop=stop) as bar:
             for n_input, path in enumerate(inputs):
                 before = outcomes.records
                 if local and n_input not in shares:  # another part's bytes
@@ -215,8 +215,8 @@ def scan(encoder, inputs: list[Path], settings, source, folder: Path, part: int 
                     texts, base = (Stripe(path, parts, part, number, batch.bound) if parts > 1 else None), first
                 else:  # a BOM, blank lines first: record by record (part 0 keeps them, the others count them)
                     texts, base = "records", first
-                end = _read_input(outcomes, batch, path, n_input, texts, base, part, Bar(bar, stop),
-                                  sum(sizes[:n_input]), shares.get(n_input))
+                end = _read_input(outcomes, batch, path, n_input, texts, base, part, bar, sum(sizes[:n_input]),
+                                  shares.get(n_input))
                 if isinstance(texts, Stripe):
                     number = texts.number
                 counts.append({"records": outcomes.records - before,
@@ -237,24 +237,8 @@ def scan(encoder, inputs: list[Path], settings, source, folder: Path, part: int 
     return marker
 
 
-class Stopped(Exception):
-    """A scan ended by its ``stop`` event."""
-
-
-class Bar:
-    """The scan's progress bar, and where it stops when asked: at its next update."""
-
-    def __init__(self, bar: Progress, stop: threading.Event | None):
-        self.bar, self.stop = bar, stop
-
-    def update(self, done: int, **counts) -> None:
-        if self.stop is not None and self.stop.is_set():
-            raise Stopped
-        self.bar.update(done, **counts)
-
-
 def _read_input(outcomes: Outcomes, batch: BatchReader, path: Path, n_input: int, texts, base: int, part: int,
-                bar: Bar, done_before: int, byte_range: ByteRange | None) -> int:
+                bar: Progress, done_before: int, byte_range: ByteRange | None) -> int:
     """One input's records of this part into the table; returns the record number after the input's last."""
     if texts == "records":
         end = base
