@@ -442,8 +442,9 @@ def test_member_found_twice_in_the_fasta_and_option_conflicts(tmp_path, capsys):
 def test_duckdb_reads_the_mapping_as_the_line_by_line_reader_does(tmp_path, monkeypatch):
     """The TSV is read by DuckDB's CSV reader when every line is a plain row, else line by line with Python's checks
     (clusters._read_fast, _read_lines). Reference: the line-by-line reader alone. On the shipped sample, plain and
-    gzipped (DuckDB), and with a blank line or CRLF endings (line by line), members missing from the FASTA so that
-    filtered.tsv names TSV lines: both ways give the same files, with 2 jobs too."""
+    gzipped, without its header and its last line break (DuckDB), and with a blank line or CRLF endings (line by
+    line), members missing from the FASTA so that filtered.tsv names TSV lines: both ways give the same files, with
+    2 jobs too."""
     from data_prep import clusters
 
     text = SAMPLE_TSV.read_text()
@@ -453,7 +454,8 @@ def test_duckdb_reads_the_mapping_as_the_line_by_line_reader_does(tmp_path, monk
     lines = text.splitlines(keepends=True)
     variants = {"plain": (text.encode(), True), "gzip": (gzip.compress(text.encode()), True),
                 "blank_line": ("".join(lines[:50] + ["\n"] + lines[50:]).encode(), False),
-                "crlf": (text.replace("\n", "\r\n").encode(), False)}
+                "crlf": (text.replace("\n", "\r\n").encode(), False),
+                "no_header_no_last_newline": ("".join(lines[1:]).rstrip("\n").encode(), True)}
     read_lines = clusters._read_lines
     for name, (data, fast) in variants.items():
         tsv = tmp_path / f"{name}.tsv"
