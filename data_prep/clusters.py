@@ -120,11 +120,11 @@ def _row(path: Path, lineno: int, line: bytes, first: list) -> list | None:
 
 
 ROWS = "CREATE TABLE rows (row BIGINT, line BIGINT, name VARCHAR, members VARCHAR)"
-# A row the line-by-line reader would refuse or read otherwise: a field empty or holding a byte outside printable
-# ASCII (blanks, CR, controls, UTF-8), an empty member id, or the header again.
-_UNUSUAL = ("name IS NULL OR members IS NULL OR regexp_matches(name || members, '[^!-~]') OR starts_with(members, "
-            f"',') OR ends_with(members, ',') OR contains(members, ',,') OR (name = '{TSV_HEADER[0]}' AND members = "
-            f"'{TSV_HEADER[1]}')")
+# A row the line-by-line reader would refuse or read otherwise (with bytes _plain_lines allows): a field empty, an
+# empty member id, or the header again.
+_UNUSUAL = (f"name IS NULL OR members IS NULL OR starts_with(members, ',') OR ends_with(members, ',') OR "
+            f"contains(members, ',,') OR (name = '{TSV_HEADER[0]}' AND members = '{TSV_HEADER[1]}')")
+_PLAIN = bytes(range(0x21, 0x7f)) + b"\t\n"  # the bytes of a plain TSV: printable ASCII, tabs and line breaks
 
 
 def _read_fast(path: Path, spill: Spill) -> bool:
@@ -134,6 +134,9 @@ def _read_fast(path: Path, spill: Spill) -> bool:
     with open_input(path) as f:  # refuses bzip2, binary data
         head = f.readline()
     header = head.rstrip(b"\n") == "\t".join(TSV_HEADER).encode()
+    lines = _plain_lines(path)
+    if lines < 0:
+        return False
     import duckdb
 
     db = spill.db()
@@ -144,11 +147,11 @@ def _read_fast(path: Path, spill: Spill) -> bool:
                        f"strict_mode = true, compression = '{'gzip' if is_gzip(path) else 'none'}', columns = "
                        "{'name': 'VARCHAR', 'members': 'VARCHAR'})")
         rows, unusual = db.execute(f"SELECT count(*), count(*) FILTER ({_UNUSUAL}) FROM raw").fetchone()
-        plain = unusual == 0 and rows + header == _line_count(path)  # DuckDB skips blank lines: none may be there
+        plain = unusual == 0 and rows + header == lines  # DuckDB skips blank lines: none may be there
         if plain:
             db.execute(f"CREATE TABLE rows AS SELECT rowid::BIGINT AS row, (rowid + {1 + header})::BIGINT AS line, "
                        "name, members FROM raw")
-    # damaged gzip (also found by _line_count), invalid UTF-8, a line of one or three fields, a CR, a huge line
+    # a line of one or three fields, a line longer than DuckDB's limit
     except (duckdb.InvalidInputException, duckdb.IOException, duckdb.ConversionException):
         plain = False
     finally:
@@ -156,12 +159,15 @@ def _read_fast(path: Path, spill: Spill) -> bool:
     return plain
 
 
-def _line_count(path: Path) -> int:
-    """Lines of the (decompressed) file, a last line without its line break included; -1 for damaged gzip."""
+def _plain_lines(path: Path) -> int:
+    """Lines of the (decompressed) file, a last line without its line break included; -1 when it holds a byte other
+    than printable ASCII, a tab or a line break (a blank, a CR, a control character, UTF-8), or is damaged gzip."""
     n, last = 0, b"\n"
     try:
         with open_input(path) as f:
             while block := f.read(1 << 22):
+                if block.translate(None, _PLAIN):
+                    return -1
                 n, last = n + block.count(b"\n"), block[-1:]
     except GZIP_ERRORS:
         return -1
