@@ -144,8 +144,10 @@ class Writer:
         prev = 0
         for j in np.flatnonzero(kept_n != counts).tolist() + [len(counts)]:
             if prev < j:  # clusters prev..j-1, every member kept
-                listed = [f'["{m.replace(",", chr(34) + "," + chr(34))}"]' if plain else
-                          json.dumps(m.split(","), separators=(",", ":")) for m in members[prev:j]]
+                # each cluster's member list as JSON: plain ids need no escapes (nor hold a line break), so one
+                # join and one replace make them all
+                listed = ('["' + '"]\n["'.join(members[prev:j]).replace(",", '","') + '"]').split("\n") if plain \
+                    else [json.dumps(m.split(","), separators=(",", ":")) for m in members[prev:j]]
                 flat = [None] * (4 * (j - prev))
                 flat[0::4], flat[1::4] = map(json_string, names[prev:j]), size[prev:j].tolist()
                 flat[2::4], flat[3::4] = listed, counts[prev:j].tolist()
