@@ -343,7 +343,9 @@ def _main(parser, args) -> int:
     except (PrepError, FastaError, OSError, ValueError) as e:
         print(f"data_prep: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and str(e) != "Query interrupted":  # DuckDB's Ctrl-C inside a query
+            raise
         print("data_prep: interrupted; finished shards are kept, rerun the same command to resume", file=sys.stderr)
         return 130
     job = f" job {args.job_index}/{args.num_jobs}" if args.num_jobs > 1 else ""
