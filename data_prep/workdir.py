@@ -264,16 +264,19 @@ class ShardSet:
             raise
 
     def _drain(self, errors: bool = True) -> None:
-        """Wait for the writer's calls; their first error raised (``errors``) or dropped."""
-        while self._pending:
-            future = self._pending.popleft()
-            if errors:
-                future.result()
-            else:
-                future.exception()
-        if self._thread is not None:
-            self._thread.shutdown()
-            self._thread = None
+        """Wait for the writer's calls; their first error raised (``errors``) or dropped. The thread ends either way
+        (after a failed call the others are skipped)."""
+        try:
+            while self._pending:
+                future = self._pending.popleft()
+                if errors:
+                    future.result()
+                else:
+                    future.exception()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown()
+                self._thread = None
 
     def write(self, key: str, tokens, meta: dict, offsets=None) -> None:
         self.written += 1
