@@ -49,6 +49,15 @@ def no_rendezvous_leak():
             os.environ[k] = v
 
 
+@pytest.fixture
+def default_sigint():
+    """SIGINT as a fresh `python -m data_prep` has it (KeyboardInterrupt in the main thread), whatever an earlier
+    in-process test left installed (a Trainer whose setup failed keeps its StopRequest's handler)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))

@@ -224,7 +224,7 @@ def keys_of(out: Path, prefix: str) -> list[str]:
     return keys
 
 
-def test_interrupted_run_resumes_byte_identical(sample_one_job, tmp_path, monkeypatch, capsys):
+def test_interrupted_run_resumes_byte_identical(sample_one_job, tmp_path, monkeypatch, capsys, default_sigint):
     """Ctrl-C (SIGINT, from the shard writer's thread) after the 3rd finished shard keeps DIR.partial; the rerun
     verifies the shards finished by then (the writer may finish a few more before the job stops) and continues."""
     import os

@@ -364,7 +364,7 @@ def test_split_keeps_the_windows_of_a_record_together_and_jobs_agree(tmp_path, c
         load_manifest(tmp_path / "one" / "val").total_samples
 
 
-def test_split_run_resumes_byte_identical(tmp_path, monkeypatch, capsys):
+def test_split_run_resumes_byte_identical(tmp_path, monkeypatch, capsys, default_sigint):
     """Ctrl-C after the 4th finished shard (of both splits) keeps DIR.partial; the rerun verifies and continues."""
     import os
     import signal
