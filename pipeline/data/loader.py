@@ -491,7 +491,9 @@ class StreamLoader:
                 self._start()
             try:
                 batch = next(self._it)
-            except RuntimeError as e:
+            # torch's "worker exited unexpectedly", or a batch whose sender died while it was handed over (its shared
+            # tensor's file descriptor: EOFError or a reset connection from multiprocessing's resource sharer)
+            except (RuntimeError, EOFError, ConnectionError):
                 died = self._dead_worker()
                 if died is None:
                     raise

@@ -229,3 +229,47 @@ def test_fast_token_decode_equals_np_load_and_rejects_corrupt_members():
         decode_tokens(raw[:-1])
     with pytest.raises(ValueError):  # a non-npy member goes to np.load, which refuses it
         decode_tokens(b"garbage, not an array")
+
+
+def test_a_batch_lost_with_its_worker_is_a_dead_worker():
+    """A DataLoader worker killed while the rank receives its batch's shared tensor surfaces as EOFError (or a reset
+    connection) from multiprocessing's resource sharer, not as torch's RuntimeError; StreamLoader reads it as the
+    dead worker it is (here a second death: WorkerDied, one line). With every worker alive the error is not a death
+    and stays as it is."""
+    import multiprocessing
+    import time
+
+    from pipeline.data.loader import StreamLoader, WorkerDied
+
+    class Data:
+        rank = 0
+
+        def state_dict(self):
+            return {}
+
+    class Receiving:  # the running DataLoader's iterator, as StreamLoader sees it
+        def __init__(self, workers, error):
+            self._workers, self.error = workers, error
+
+        def __next__(self):
+            raise self.error
+
+    fork = multiprocessing.get_context("fork")
+    dead, alive = fork.Process(target=int), fork.Process(target=time.sleep, args=(60,))
+    dead.start()
+    dead.join()
+    alive.start()
+    try:
+        for error in (EOFError(), ConnectionResetError(104, "Connection reset by peer")):
+            loader = StreamLoader(Data(), 2)
+            loader.worker_died = "data loader worker 1 of rank 0 (pid 1) was killed by SIGKILL while reading a.tar"
+            loader._it = Receiving([alive, dead], error)
+            with pytest.raises(WorkerDied, match=f"data loader worker 1 of rank 0 \\(pid {dead.pid}\\) exited with "
+                                                 "status 0"):
+                next(loader)
+            loader._it = Receiving([alive], error)
+            with pytest.raises(type(error)):
+                next(loader)
+    finally:
+        alive.kill()
+        alive.join()
