@@ -52,7 +52,8 @@ def no_rendezvous_leak():
 @pytest.fixture
 def default_sigint():
     """SIGINT as a fresh `python -m data_prep` has it (KeyboardInterrupt in the main thread), whatever an earlier
-    in-process test left installed (a Trainer whose setup failed keeps its StopRequest's handler)."""
+    in-process test left installed (in the full fast suite one did; e.g. a Trainer set up and never fitted keeps its
+    StopRequest's handlers)."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
