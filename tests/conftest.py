@@ -51,9 +51,10 @@ def no_rendezvous_leak():
 
 @pytest.fixture
 def default_sigint():
-    """SIGINT as a fresh `python -m data_prep` has it (KeyboardInterrupt in the main thread), whatever an earlier
-    in-process test left installed (in the full fast suite one did; e.g. a Trainer set up and never fitted keeps its
-    StopRequest's handlers)."""
+    """SIGINT as `python -m data_prep` run from a terminal has it (KeyboardInterrupt in the main thread), whatever this
+    process inherited or was left: a test run started in the background by a shell without job control (`(bash -c
+    'bash scripts/test.sh' &)`) starts with SIGINT ignored, and a signal then does nothing; an in-process Trainer set
+    up and never fitted would leave its StopRequest's handlers."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
